@@ -1,0 +1,56 @@
+// The shape and routing semantics of one MoE layer (SPEC §1, §6, §7), and the
+// presets of the model families we support. Knows nothing of files or devices.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace megamoe {
+
+enum class ScoreFunc { kSigmoid, kSoftmax, kSqrtSoftplus };
+enum class RouterDtype { kBF16, kF32 };
+
+std::string_view to_string(ScoreFunc f);
+std::string_view to_string(RouterDtype d);
+
+struct MoeShape {
+  int hidden = 0;          // H
+  int inter = 0;           // I, per routed expert
+  int experts = 0;         // E, routed experts
+  int topk = 0;            // K
+  int shared_experts = 0;  // S; the shared MLP has intermediate S*I
+  int n_group = 1;         // grouped top-k (SPEC §6.3); 1 = plain top-k
+  int topk_group = 1;
+  ScoreFunc score = ScoreFunc::kSigmoid;
+  bool norm_topk_prob = true;
+  float routed_scaling = 1.0f;
+  float swiglu_limit = 0.0f;  // 0 = no clamp
+  RouterDtype router_dtype = RouterDtype::kBF16;
+  bool correction_bias = true;  // gate.e_score_correction_bias present
+
+  int shared_inter() const { return shared_experts * inter; }
+  bool has_shared() const { return shared_experts > 0; }
+  // Output slots per token: K routed + 1 shared (when present).
+  int slots() const { return topk + (has_shared() ? 1 : 0); }
+  // Throws std::invalid_argument naming the first bad field.
+  void validate() const;
+  // Multiply-adds x2 for one token through K routed experts and the shared one.
+  double flops_per_token() const;
+  std::string describe() const;
+};
+
+struct Preset {
+  std::string name;        // glm-5.3-flash, glm-5, deepseek-v3, glm-4.7-flash
+  std::string model_type;  // config.json model_type
+  MoeShape shape;
+  int num_layers = 0;        // decoder layers
+  int first_dense = 0;       // leading dense layers
+};
+
+const std::vector<Preset>& presets();
+// Throws std::invalid_argument listing the known names.
+const Preset& find_preset(std::string_view name);
+
+}  // namespace megamoe

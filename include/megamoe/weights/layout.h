@@ -1,0 +1,65 @@
+// The weight layout of one MoE layer: the one struct the loader fills, the CPU
+// reference reads and the CUDA kernels take (host or device memory alike).
+//
+// The layout is the checkpoint's own (SPEC §2, §7), stacked per expert, so a
+// checkpoint tensor lands in one contiguous range and an in-place reload is a
+// plain copy:
+//   w13        E4M3 [E][2I][H]      rows [0, I) = gate_proj, rows [I, 2I) = up_proj
+//   w13_scale  F32  [E][2*ceil(I/128)][ceil(H/128)]   gate block-rows, then up block-rows
+//   w2         E4M3 [E][H][I]       down_proj
+//   w2_scale   F32  [E][ceil(H/128)][ceil(I/128)]
+//   shared_*   the same for the shared MLP with intermediate Is = S*I (absent if S = 0)
+//   router     BF16 or F32 [E][H]   gate.weight
+//   bias       F32  [E]             gate.e_score_correction_bias (absent if unused)
+// Every region starts on a 256-byte boundary (TMA needs 16, vector loads 16).
+// NOTE: the Hopper kernel interleaves gate/up rows in shared memory with a
+// multi-dimensional TMA box; the memory layout stays the checkpoint's.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "megamoe/model/shape.h"
+
+namespace megamoe {
+
+inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
+constexpr int kWeightBlock = 128;  // block-FP8 scale granularity (128x128)
+
+struct Region {
+  size_t offset = 0;
+  size_t bytes = 0;
+};
+
+struct MoeWeightLayout {
+  Region w13, w13_scale, w2, w2_scale;
+  Region shared_w13, shared_w13_scale, shared_w2, shared_w2_scale;
+  Region router, bias;
+  size_t total_bytes = 0;
+
+  // Sizes of the scale grids (in blocks) for one expert of intermediate `inter`.
+  static int w13_scale_rows(int inter) { return 2 * ceil_div(inter, kWeightBlock); }
+  static int hidden_blocks(int hidden) { return ceil_div(hidden, kWeightBlock); }
+  static int inter_blocks(int inter) { return ceil_div(inter, kWeightBlock); }
+
+  static MoeWeightLayout compute(const MoeShape& s);
+};
+
+// Typed pointers into one layer's weights (host or device). Read-only for the
+// compute paths; the loader writes through the same offsets.
+struct MoeWeightsView {
+  const uint8_t* w13 = nullptr;
+  const float* w13_scale = nullptr;
+  const uint8_t* w2 = nullptr;
+  const float* w2_scale = nullptr;
+  const uint8_t* shared_w13 = nullptr;
+  const float* shared_w13_scale = nullptr;
+  const uint8_t* shared_w2 = nullptr;
+  const float* shared_w2_scale = nullptr;
+  const void* router = nullptr;  // uint16_t (bf16) or float by MoeShape::router_dtype
+  const float* bias = nullptr;
+
+  static MoeWeightsView at(const void* base, const MoeWeightLayout& l, const MoeShape& s);
+};
+
+}  // namespace megamoe

@@ -1,0 +1,90 @@
+#include "megamoe/model/shape.h"
+
+#include <fmt/format.h>
+
+#include <stdexcept>
+
+namespace megamoe {
+
+std::string_view to_string(ScoreFunc f) {
+  switch (f) {
+    case ScoreFunc::kSigmoid: return "sigmoid";
+    case ScoreFunc::kSoftmax: return "softmax";
+    case ScoreFunc::kSqrtSoftplus: return "sqrtsoftplus";
+  }
+  return "?";
+}
+
+std::string_view to_string(RouterDtype d) { return d == RouterDtype::kBF16 ? "bf16" : "f32"; }
+
+void MoeShape::validate() const {
+  auto bad = [](const std::string& what) { throw std::invalid_argument("invalid MoE shape: " + what); };
+  if (hidden <= 0) bad(fmt::format("hidden size H = {} must be > 0", hidden));
+  if (inter <= 0) bad(fmt::format("intermediate size I = {} must be > 0", inter));
+  if (experts <= 0) bad(fmt::format("experts E = {} must be > 0", experts));
+  if (topk <= 0 || topk > experts) bad(fmt::format("top-k K = {} must be in [1, E = {}]", topk, experts));
+  if (shared_experts < 0) bad(fmt::format("shared experts S = {} must be >= 0", shared_experts));
+  if (n_group <= 0 || experts % n_group != 0)
+    bad(fmt::format("n_group = {} must divide E = {}", n_group, experts));
+  if (topk_group <= 0 || topk_group > n_group)
+    bad(fmt::format("topk_group = {} must be in [1, n_group = {}]", topk_group, n_group));
+  if (n_group > 1 && experts / n_group < 2)
+    bad(fmt::format("grouped top-k needs >= 2 experts per group (E = {}, n_group = {})", experts, n_group));
+  if (n_group > 1 && topk > topk_group * (experts / n_group))
+    bad(fmt::format("K = {} exceeds the experts in topk_group = {} groups", topk, topk_group));
+  if (!(swiglu_limit >= 0.0f)) bad(fmt::format("swiglu_limit = {} must be >= 0", swiglu_limit));
+}
+
+double MoeShape::flops_per_token() const {
+  const double per_expert = 2.0 * 3.0 * double(hidden) * double(inter);
+  return per_expert * topk + 2.0 * 3.0 * double(hidden) * double(shared_inter());
+}
+
+std::string MoeShape::describe() const {
+  return fmt::format("H={} I={} E={} K={} shared={} groups={}/{} score={} norm={} scale={} clamp={} router={}",
+                     hidden, inter, experts, topk, shared_experts, n_group, topk_group, to_string(score),
+                     norm_topk_prob, routed_scaling, swiglu_limit, to_string(router_dtype));
+}
+
+const std::vector<Preset>& presets() {
+  static const std::vector<Preset> kPresets = [] {
+    std::vector<Preset> p;
+    {
+      MoeShape s;
+      s.hidden = 4096, s.inter = 2048, s.experts = 288, s.topk = 8, s.shared_experts = 1;
+      s.routed_scaling = 2.5f, s.swiglu_limit = 10.0f, s.router_dtype = RouterDtype::kF32;
+      p.push_back({"glm-5.3-flash", "glm5_next", s, 45, 3});
+    }
+    {
+      MoeShape s;
+      s.hidden = 6144, s.inter = 2048, s.experts = 256, s.topk = 8, s.shared_experts = 1;
+      s.routed_scaling = 2.5f, s.router_dtype = RouterDtype::kF32;
+      p.push_back({"glm-5", "glm_moe_dsa", s, 78, 3});
+    }
+    {
+      MoeShape s;
+      s.hidden = 7168, s.inter = 2048, s.experts = 256, s.topk = 8, s.shared_experts = 1;
+      s.n_group = 8, s.topk_group = 4, s.routed_scaling = 2.5f, s.router_dtype = RouterDtype::kBF16;
+      p.push_back({"deepseek-v3", "deepseek_v3", s, 61, 3});
+    }
+    {
+      MoeShape s;
+      s.hidden = 2048, s.inter = 1536, s.experts = 64, s.topk = 4, s.shared_experts = 1;
+      s.routed_scaling = 1.8f, s.router_dtype = RouterDtype::kF32;
+      p.push_back({"glm-4.7-flash", "glm4_moe_lite", s, 47, 1});
+    }
+    return p;
+  }();
+  return kPresets;
+}
+
+const Preset& find_preset(std::string_view name) {
+  std::string known;
+  for (const auto& p : presets()) {
+    if (p.name == name) return p;
+    known += (known.empty() ? "" : ", ") + p.name;
+  }
+  throw std::invalid_argument(fmt::format("unknown preset '{}' (known: {})", name, known));
+}
+
+}  // namespace megamoe
