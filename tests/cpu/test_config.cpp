@@ -1,0 +1,252 @@
+// config.json parsing for the four families of SPEC §1, key-name variants,
+// errors (unknown model_type, every missing key, unsupported quantization),
+// and config_json -> parse_config round trips.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "megamoe/model/config.h"
+
+namespace megamoe {
+namespace {
+
+constexpr const char* kQuant = R"("quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                   "quant_method": "fp8", "weight_block_size": [128, 128]})";
+
+std::string error_of(const std::string& text) {
+  try {
+    parse_config(text, "test/config.json");
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(Config, DeepSeekV3) {
+  const std::string text = std::string(R"({
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+    "n_group": 8, "topk_group": 4, "norm_topk_prob": true, "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "first_k_dense_replace": 3,
+    "moe_layer_freq": 1, "num_hidden_layers": 61, "num_nextn_predict_layers": 1, )") +
+                           kQuant + "}";
+  const ModelDesc d = parse_config(text);
+  EXPECT_EQ(d.model_type, "deepseek_v3");
+  EXPECT_EQ(d.family, "deepseek-v3");
+  EXPECT_EQ(d.shape.hidden, 7168);
+  EXPECT_EQ(d.shape.inter, 2048);
+  EXPECT_EQ(d.shape.experts, 256);
+  EXPECT_EQ(d.shape.topk, 8);
+  EXPECT_EQ(d.shape.shared_experts, 1);
+  EXPECT_EQ(d.shape.n_group, 8);
+  EXPECT_EQ(d.shape.topk_group, 4);
+  EXPECT_TRUE(d.shape.norm_topk_prob);
+  EXPECT_FLOAT_EQ(d.shape.routed_scaling, 2.5f);
+  EXPECT_EQ(d.shape.score, ScoreFunc::kSigmoid);
+  EXPECT_EQ(d.shape.router_dtype, RouterDtype::kBF16);
+  EXPECT_TRUE(d.shape.correction_bias);
+  EXPECT_EQ(d.shape.swiglu_limit, 0.0f);
+  EXPECT_EQ(d.num_layers, 61);
+  ASSERT_EQ(d.moe_layers.size(), 58u);
+  EXPECT_EQ(d.moe_layers.front(), 3);
+  EXPECT_EQ(d.moe_layers.back(), 60);
+  EXPECT_FALSE(d.is_moe_layer(2));
+  EXPECT_TRUE(d.is_moe_layer(3));
+  EXPECT_EQ(d.layer_prefix(5), "model.layers.5.mlp.");
+  EXPECT_EQ(d.quant.block, (std::array<int, 2>{128, 128}));
+  EXPECT_FALSE(d.quant.pow2_scales());
+}
+
+TEST(Config, Glm5WithKeyVariants) {
+  // num_experts / num_experts_per_token / moe_renormalize spellings; GLM configs omit fmt.
+  const std::string text = R"({
+    "model_type": "glm_moe_dsa", "hidden_size": 6144, "moe_intermediate_size": 2048,
+    "num_experts": 256, "n_shared_experts": 1, "num_experts_per_token": 8,
+    "moe_renormalize": false, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
+    "num_hidden_layers": 78,
+    "quantization_config": {"activation_scheme": "dynamic", "quant_method": "fp8",
+                            "weight_block_size": [128, 128], "scale_fmt": "ue8m0",
+                            "modules_to_not_convert": ["lm_head"]}})";
+  const ModelDesc d = parse_config(text);
+  EXPECT_EQ(d.family, "glm-5");
+  EXPECT_EQ(d.shape.hidden, 6144);
+  EXPECT_EQ(d.shape.experts, 256);
+  EXPECT_EQ(d.shape.topk, 8);
+  EXPECT_FALSE(d.shape.norm_topk_prob);
+  EXPECT_EQ(d.shape.n_group, 1);
+  EXPECT_EQ(d.shape.router_dtype, RouterDtype::kF32);
+  EXPECT_EQ(d.moe_layers.size(), 75u);
+  EXPECT_TRUE(d.quant.pow2_scales());
+  EXPECT_EQ(d.quant.fmt, "e4m3");
+  EXPECT_EQ(d.quant.ignored_layers, std::vector<std::string>{"lm_head"});
+}
+
+TEST(Config, Glm47Flash) {
+  const std::string text = std::string(R"({
+    "model_type": "glm4_moe_lite", "hidden_size": 2048, "moe_intermediate_size": 1536,
+    "n_routed_experts": 64, "n_shared_experts": 1, "num_experts_per_tok": 4, "n_group": 1,
+    "topk_group": 1, "norm_topk_prob": true, "routed_scaling_factor": 1.8,
+    "first_k_dense_replace": 1, "num_hidden_layers": 47, )") +
+                           kQuant + "}";
+  const ModelDesc d = parse_config(text);
+  EXPECT_EQ(d.family, "glm-4.7-flash");
+  EXPECT_EQ(d.shape.experts, 64);
+  EXPECT_EQ(d.shape.topk, 4);
+  EXPECT_FLOAT_EQ(d.shape.routed_scaling, 1.8f);
+  EXPECT_EQ(d.shape.router_dtype, RouterDtype::kF32);
+  EXPECT_EQ(d.moe_layers.size(), 46u);
+  EXPECT_EQ(d.layer_prefix(1), "model.layers.1.mlp.");
+}
+
+TEST(Config, Glm53FlashTextConfig) {
+  std::string types;
+  for (int l = 0; l < 45; ++l) types += std::string(l ? ", " : "") + (l < 3 ? "\"dense\"" : "\"sparse\"");
+  const std::string text = R"({
+    "architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
+    "vision_config": {"hidden_size": 1536, "depth": 24},
+    "text_config": {
+      "model_type": "glm5_next_text", "hidden_size": 4096, "moe_intermediate_size": 2048,
+      "n_routed_experts": 288, "n_shared_experts": 1, "num_experts_per_tok": 8,
+      "norm_topk_prob": true, "routed_scaling_factor": 2.5, "num_hidden_layers": 45,
+      "mlp_layer_types": [)" +
+                           types + R"(], "moe_router_dtype": "float32", "swiglu_limit": 10.0},
+    )" + kQuant + "}";
+  const ModelDesc d = parse_config(text);
+  EXPECT_EQ(d.family, "glm-5.3-flash");
+  EXPECT_EQ(d.shape.hidden, 4096);
+  EXPECT_EQ(d.shape.experts, 288);
+  EXPECT_EQ(d.shape.router_dtype, RouterDtype::kF32);
+  EXPECT_FLOAT_EQ(d.shape.swiglu_limit, 10.0f);
+  EXPECT_EQ(d.num_layers, 45);
+  ASSERT_EQ(d.moe_layers.size(), 42u);
+  EXPECT_EQ(d.moe_layers.front(), 3);
+  EXPECT_EQ(d.layer_prefix(3), "model.language_model.layers.3.mlp.");
+}
+
+TEST(Config, MoeLayerFreqAndRouterOverride) {
+  const std::string text = std::string(R"({
+    "model_type": "deepseek_v3", "hidden_size": 256, "moe_intermediate_size": 128,
+    "n_routed_experts": 8, "n_shared_experts": 0, "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1, "moe_layer_freq": 2, "num_hidden_layers": 7,
+    "moe_router_dtype": "float32", "scoring_func": "softmax", "topk_method": "greedy", )") +
+                           kQuant + "}";
+  const ModelDesc d = parse_config(text);
+  EXPECT_EQ(d.moe_layers, (std::vector<int>{2, 4, 6}));
+  EXPECT_EQ(d.shape.router_dtype, RouterDtype::kF32);
+  EXPECT_EQ(d.shape.score, ScoreFunc::kSoftmax);
+  EXPECT_FALSE(d.shape.correction_bias);
+  EXPECT_FALSE(d.shape.has_shared());
+}
+
+TEST(Config, UnknownModelTypeNamesEveryMissingKey) {
+  const std::string msg = error_of(R"({"model_type": "llama", "hidden_size": 4096})");
+  EXPECT_NE(msg.find("test/config.json"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("unknown model_type 'llama'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("deepseek_v3"), std::string::npos) << msg;  // lists the known ones
+  for (const char* key : {"num_hidden_layers", "moe_intermediate_size", "n_routed_experts|num_experts",
+                          "num_experts_per_tok|num_experts_per_token", "n_shared_experts",
+                          "first_k_dense_replace|mlp_layer_types", "quantization_config"})
+    EXPECT_NE(msg.find(key), std::string::npos) << key << " not in: " << msg;
+  EXPECT_EQ(msg.find("'hidden_size'"), std::string::npos) << msg;  // present, so not reported
+}
+
+TEST(Config, MissingModelType) {
+  const std::string msg = error_of(R"({"hidden_size": 4096})");
+  EXPECT_NE(msg.find("missing key 'model_type'"), std::string::npos) << msg;
+}
+
+TEST(Config, WrongTypesAndDisagreeingVariants) {
+  const std::string text = std::string(R"({
+    "model_type": "deepseek_v3", "hidden_size": "7168", "moe_intermediate_size": 2048,
+    "n_routed_experts": 256, "num_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "num_hidden_layers": 61, "norm_topk_prob": 1, )") +
+                           kQuant + "}";
+  const std::string msg = error_of(text);
+  EXPECT_NE(msg.find("'hidden_size' must be an integer, found \"7168\""), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'num_experts' = 128 disagrees with 'n_routed_experts' = 256"), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("norm_topk_prob|moe_renormalize' must be true or false"), std::string::npos) << msg;
+}
+
+TEST(Config, MlpLayerTypesValidated) {
+  const std::string text = std::string(R"({
+    "model_type": "glm5_next", "text_config": {"hidden_size": 256, "moe_intermediate_size": 128,
+    "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "num_hidden_layers": 3,
+    "mlp_layer_types": ["dense", "moe"]}, )") +
+                           kQuant + "}";
+  const std::string msg = error_of(text);
+  EXPECT_NE(msg.find("'mlp_layer_types' has 2 entries, num_hidden_layers is 3"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("mlp_layer_types[1] is \"moe\""), std::string::npos) << msg;
+}
+
+std::string small_config(const std::string& quant) {
+  return R"({"model_type": "deepseek_v3", "hidden_size": 256, "moe_intermediate_size": 128,
+             "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+             "first_k_dense_replace": 0, "num_hidden_layers": 2, "quantization_config": )" +
+         quant + "}";
+}
+
+TEST(Config, QuantizationMustBeBlockFp8) {
+  std::string msg = error_of(small_config(
+      R"({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [64, 64]})"));
+  EXPECT_NE(msg.find("weight_block_size is [64, 64], expected [128, 128]"), std::string::npos) << msg;
+  msg = error_of(small_config(R"({"quant_method": "gptq", "weight_block_size": [128, 128]})"));
+  EXPECT_NE(msg.find("quant_method is 'gptq', expected 'fp8'"), std::string::npos) << msg;
+  msg = error_of(small_config(R"({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]})"));
+  EXPECT_NE(msg.find("fmt is 'e5m2', expected 'e4m3'"), std::string::npos) << msg;
+  msg = error_of(small_config(R"({"quant_method": "fp8", "activation_scheme": "static",
+                                  "weight_block_size": [128, 128]})"));
+  EXPECT_NE(msg.find("activation_scheme is 'static'"), std::string::npos) << msg;
+  msg = error_of(small_config(R"({"quant_method": "fp8", "scale_fmt": "e8m0x",
+                                  "weight_block_size": [128, 128]})"));
+  EXPECT_NE(msg.find("scale_fmt is 'e8m0x'"), std::string::npos) << msg;
+  msg = error_of(small_config(R"({"quant_method": "fp8"})"));
+  EXPECT_NE(msg.find("missing key 'quantization_config.weight_block_size'"), std::string::npos) << msg;
+  EXPECT_EQ(error_of(small_config(R"({"quant_method": "fp8", "weight_block_size": [128, 128]})")),
+            "no error");
+}
+
+TEST(Config, InvalidJsonAndInvalidShape) {
+  EXPECT_NE(error_of("{").find("not valid JSON"), std::string::npos);
+  EXPECT_NE(error_of("[]").find("expected a JSON object"), std::string::npos);
+  // Parses, but top-k exceeds the experts: MoeShape::validate's message, with the file.
+  std::string text = small_config(R"({"quant_method": "fp8", "weight_block_size": [128, 128]})");
+  text.replace(text.find("\"num_experts_per_tok\": 2"), 24, "\"num_experts_per_tok\": 9");
+  const std::string msg = error_of(text);
+  EXPECT_NE(msg.find("test/config.json"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("top-k K = 9"), std::string::npos) << msg;
+}
+
+TEST(Config, RoundTripEveryPreset) {
+  for (const Preset& p : presets()) {
+    SCOPED_TRACE(p.name);
+    ModelDesc d = model_desc(p);
+    d.quant.scale_fmt = "ue8m0";
+    const ModelDesc back = parse_config(config_json(d), p.name);
+    EXPECT_EQ(back.model_type, p.model_type);
+    EXPECT_EQ(back.family, p.name);
+    EXPECT_EQ(back.shape.describe(), p.shape.describe());
+    EXPECT_EQ(back.shape.correction_bias, p.shape.correction_bias);
+    EXPECT_EQ(back.num_layers, p.num_layers);
+    EXPECT_EQ(back.moe_layers, d.moe_layers);
+    EXPECT_EQ(back.layer_prefix_format, d.layer_prefix_format);
+    EXPECT_TRUE(back.quant.pow2_scales());
+  }
+}
+
+TEST(Config, LoadFromDirectory) {
+  const auto dir = std::filesystem::temp_directory_path() / ("megamoe_config_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "config.json") << config_json(model_desc(find_preset("glm-4.7-flash")));
+  EXPECT_EQ(load_config(dir).family, "glm-4.7-flash");
+  EXPECT_EQ(load_config(dir / "config.json").shape.experts, 64);
+  std::filesystem::remove_all(dir);
+  EXPECT_THROW(load_config(dir), ConfigError);
+}
+
+}  // namespace
+}  // namespace megamoe
