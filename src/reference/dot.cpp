@@ -113,4 +113,8 @@ void dot_e4m3_blocks(const uint8_t* w, int n, int blk, const float* const* a, in
   dot_portable(w, n, blk, a, m, part);
 }
 
+void dot_e4m3_blocks_portable(const uint8_t* w, int n, int blk, const float* const* a, int m, double* part) {
+  dot_portable(w, n, blk, a, m, part);
+}
+
 }  // namespace megamoe::ref::detail

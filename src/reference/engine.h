@@ -60,6 +60,9 @@ int resolve_threads(int requested);
 // multiple of 2^-18 below 2^18, so a double sum of up to 2^16 of them is exact
 // in any order; vectorized and scalar paths give the same bits.
 void dot_e4m3_blocks(const uint8_t* w, int n, int blk, const float* const* a, int m, double* part);
+// The portable path alone (the dispatcher above may pick a SIMD one); tests
+// check both agree bit for bit.
+void dot_e4m3_blocks_portable(const uint8_t* w, int n, int blk, const float* const* a, int m, double* part);
 
 // Runs f(i) for i in [0, n) on up to `threads` threads (the caller is one of
 // them); items are claimed from an atomic counter.

@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <cstring>
 
+#include "../../src/reference/engine.h"  // the internal dot kernels
+#include "megamoe/numerics/act_quant.h"
 #include "megamoe/reference/moe.h"
 #include "megamoe/weights/host_weights.h"
 #include "support.h"
@@ -260,6 +262,127 @@ TEST(Layer, SyntheticWeightsDeterministic) {
   const HostMoeWeights p = make_random_weights(s, 7, true);
   for (size_t i = 0; i < p.layout.w2_scale.bytes / 4; ++i)
     EXPECT_EQ(num::float_bits(p.view().w2_scale[i]) & 0x7FFFFF, 0u);
+}
+
+// An independent plain transcription of the kernel-faithful rule (moe.h):
+// one token at a time, no grouping, no SIMD.
+std::vector<float> naive_faithful(const MoeShape& s, const HostMoeWeights& hw,
+                                  const std::vector<num::bf16_t>& x, int T, const std::vector<int32_t>& ids,
+                                  const std::vector<float>& wts) {
+  const int H = s.hidden, hb = (H + 127) / 128;
+  const MoeWeightsView v = hw.view();
+  std::vector<float> y(size_t(T) * H);
+  for (int t = 0; t < T; ++t) {
+    std::vector<uint8_t> qx(H);
+    std::vector<float> sx(hb);
+    for (int b = 0; b < hb; ++b) {
+      float amax = 0;
+      for (int h = b * 128; h < std::min(H, b * 128 + 128); ++h)
+        amax = std::max(amax, std::fabs(num::bf16_decode(x[size_t(t) * H + h])));
+      sx[b] = num::act_scale(amax);
+      for (int h = b * 128; h < std::min(H, b * 128 + 128); ++h)
+        qx[h] = num::act_quant(num::bf16_decode(x[size_t(t) * H + h]), 1.0f / sx[b]);
+    }
+    auto mlp = [&](const uint8_t* w13, const float* s13, const uint8_t* w2, const float* s2, int In,
+                   float wk) {
+      const int ibn = (In + 127) / 128;
+      auto row = [&](int r, int srow) {
+        float acc = 0.0f;
+        for (int b = 0; b < hb; ++b) {
+          double p = 0;
+          for (int h = b * 128; h < std::min(H, b * 128 + 128); ++h)
+            p += double(num::e4m3_decode(w13[size_t(r) * H + h])) * num::e4m3_decode(qx[h]);
+          acc = std::fmaf(float(p), sx[b] * s13[srow * hb + b], acc);
+        }
+        return acc;
+      };
+      std::vector<float> a(In);
+      for (int i = 0; i < In; ++i)
+        a[i] = num::swiglu(row(i, i / 128), row(In + i, ibn + i / 128), s.swiglu_limit, wk);
+      const int ng = (In + 63) / 64;
+      std::vector<uint8_t> qa(In);
+      std::vector<float> sa(ng);
+      for (int g = 0; g < ng; ++g) {
+        float amax = 0;
+        for (int i = g * 64; i < std::min(In, g * 64 + 64); ++i) amax = std::max(amax, std::fabs(a[i]));
+        sa[g] = num::act_scale(amax);
+        for (int i = g * 64; i < std::min(In, g * 64 + 64); ++i) qa[i] = num::act_quant(a[i], 1.0f / sa[g]);
+      }
+      std::vector<float> out(H);
+      for (int h = 0; h < H; ++h) {
+        float acc = 0.0f;
+        for (int g = 0; g < ng; ++g) {
+          double p = 0;
+          for (int i = g * 64; i < std::min(In, g * 64 + 64); ++i)
+            p += double(num::e4m3_decode(w2[size_t(h) * In + i])) * num::e4m3_decode(qa[i]);
+          acc = std::fmaf(float(p), sa[g] * s2[(h / 128) * ibn + g * 64 / 128], acc);
+        }
+        out[h] = num::bf16_decode(num::bf16_encode(acc));
+      }
+      return out;
+    };
+    std::vector<float> sum(H, 0.0f);
+    const int I = s.inter;
+    const size_t e13 = size_t(2) * I * H, e2 = size_t(H) * I;
+    const size_t es13 = size_t(2 * ((I + 127) / 128)) * hb, es2 = size_t(hb) * ((I + 127) / 128);
+    for (int k = 0; k < s.topk; ++k) {
+      const int e = ids[size_t(t) * s.topk + k];
+      if (e < 0) continue;
+      const auto o = mlp(v.w13 + e * e13, v.w13_scale + e * es13, v.w2 + e * e2, v.w2_scale + e * es2, I,
+                         wts[size_t(t) * s.topk + k]);
+      for (int h = 0; h < H; ++h) sum[h] += o[h];
+    }
+    if (s.has_shared()) {
+      const auto o =
+          mlp(v.shared_w13, v.shared_w13_scale, v.shared_w2, v.shared_w2_scale, s.shared_inter(), 1.0f);
+      for (int h = 0; h < H; ++h) sum[h] += o[h];
+    }
+    for (int h = 0; h < H; ++h) y[size_t(t) * H + h] = num::bf16_decode(num::bf16_encode(sum[h]));
+  }
+  return y;
+}
+
+TEST(Layer, FaithfulMatchesNaiveTranscriptionBytes) {
+  // Partial blocks in H and I, the clamp active, padding in one slot.
+  MoeShape s = test::small_glm_shape();
+  s.hidden = 320, s.inter = 192, s.swiglu_limit = 1.0f;
+  const HostMoeWeights w = make_random_weights(s, 301);
+  const int T = 5;
+  const auto x = test::random_bf16(size_t(T) * s.hidden, 302, 2.0f);
+  LayerRun r = run_layer(s, w, x, T, ref::Mode::kKernelFaithful);
+  r.ids[2 * s.topk + 1] = -1;
+  std::vector<float> y(r.y.size());
+  ref::moe_layer(s, w.view(), x.data(), T, r.ids.data(), r.wts.data(), ref::Mode::kKernelFaithful, y.data());
+  EXPECT_TRUE(test::same_bytes(y, naive_faithful(s, w, x, T, r.ids, r.wts), s.hidden));
+}
+
+TEST(Layer, DotKernelsAgreeBitForBit) {
+  // Every code (subnormals, +-448, NaN), odd lengths and partial blocks: the
+  // dispatched (SIMD where available) and portable paths give the same bits.
+  std::mt19937_64 rng(5);
+  for (int n : {1, 7, 64, 100, 128, 333}) {
+    for (int m : {1, 3, 4, 6}) {
+      std::vector<uint8_t> w(n);
+      std::vector<std::vector<float>> a(m, std::vector<float>(n));
+      std::vector<const float*> ap(m);
+      for (auto& b : w) b = uint8_t(rng());
+      for (int j = 0; j < m; ++j) {
+        for (auto& v : a[j]) v = num::e4m3_decode(uint8_t(rng() & 0x7E));  // finite activations
+        ap[j] = a[j].data();
+      }
+      const int blk = 64, nb = (n + blk - 1) / blk;
+      std::vector<double> p1(size_t(m) * nb), p2(size_t(m) * nb);
+      ref::detail::dot_e4m3_blocks(w.data(), n, blk, ap.data(), m, p1.data());
+      ref::detail::dot_e4m3_blocks_portable(w.data(), n, blk, ap.data(), m, p2.data());
+      for (size_t i = 0; i < p1.size(); ++i) {
+        if (std::isnan(p2[i])) {
+          EXPECT_TRUE(std::isnan(p1[i])) << "n " << n << " m " << m << " i " << i;
+        } else {
+          EXPECT_EQ(p1[i], p2[i]) << "n " << n << " m " << m << " i " << i;
+        }
+      }
+    }
+  }
 }
 
 // Not run on CI: the full GLM-5.3-Flash layer at T=64 on the CPU, reporting
