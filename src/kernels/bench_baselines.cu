@@ -1,0 +1,159 @@
+// Device ceilings and timing helpers for `megamoe bench` (see
+// include/megamoe/bench/baselines.h): the streaming-read bandwidth, the L2
+// flush and device-event timing with median and spread.
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <vector>
+
+#include "cuda_check.h"
+#include "megamoe/bench/baselines.h"
+
+namespace megamoe::bench {
+namespace {
+
+constexpr int kReadThreads = 512;
+constexpr int kReadUnroll = 8;  // independent 16-byte loads in flight per thread
+
+// Grid-stride streaming read. Each thread issues kReadUnroll independent loads
+// before consuming any, so every SM keeps enough bytes in flight to cover
+// HBM latency; the XOR of everything read is written per block so the loads
+// cannot be removed.
+__global__ void __launch_bounds__(kReadThreads)
+    stream_read_kernel(const uint4* __restrict__ src, size_t n, uint32_t* __restrict__ sink) {
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  uint32_t acc = 0;
+  for (; i + (kReadUnroll - 1) * stride < n; i += kReadUnroll * stride) {
+    uint4 v[kReadUnroll];
+#pragma unroll
+    for (int u = 0; u < kReadUnroll; ++u) v[u] = __ldcs(src + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < kReadUnroll; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  for (; i < n; i += stride) {
+    const uint4 v = __ldcs(src + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  // Warp then block XOR reduction.
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+  __shared__ uint32_t warp_acc[kReadThreads / 32];
+  if ((threadIdx.x & 31) == 0) warp_acc[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t a = 0;
+    for (int w = 0; w < kReadThreads / 32; ++w) a ^= warp_acc[w];
+    sink[blockIdx.x] = a;
+  }
+}
+
+struct EventPair {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  EventPair() {
+    MEGAMOE_CUDA_CHECK(cudaEventCreate(&start));
+    MEGAMOE_CUDA_CHECK(cudaEventCreate(&stop));
+  }
+  ~EventPair() {
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+  }
+  EventPair(const EventPair&) = delete;
+  EventPair& operator=(const EventPair&) = delete;
+};
+
+// Sorted-sample percentile by linear interpolation.
+double percentile(const std::vector<double>& sorted, double p) {
+  if (sorted.empty()) return 0;
+  const double pos = p * double(sorted.size() - 1);
+  const size_t lo = size_t(std::floor(pos));
+  const size_t hi = std::min(lo + 1, sorted.size() - 1);
+  const double f = pos - double(lo);
+  return sorted[lo] * (1 - f) + sorted[hi] * f;
+}
+
+}  // namespace
+
+double measure_read_bandwidth(size_t bytes, int iters, cudaStream_t stream) {
+  if (bytes < 16 || iters < 1) throw std::invalid_argument("measure_read_bandwidth: bytes >= 16, iters >= 1");
+  int dev = 0, sms = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  int per_sm = 0;
+  MEGAMOE_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, stream_read_kernel, kReadThreads, 0));
+  const int grid = sms * std::max(per_sm, 1);
+
+  const size_t n = bytes / sizeof(uint4);
+  uint4* buf = nullptr;
+  uint32_t* sink = nullptr;
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&buf, n * sizeof(uint4)));
+  double result = 0;
+  try {
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&sink, grid * sizeof(uint32_t)));
+    // Touch every page once so the timed passes read committed memory.
+    MEGAMOE_CUDA_CHECK(cudaMemsetAsync(buf, 0x5A, n * sizeof(uint4), stream));
+    const Timing t = time_device(
+        [&](cudaStream_t s) {
+          stream_read_kernel<<<grid, kReadThreads, 0, s>>>(buf, n, sink);
+          MEGAMOE_CUDA_CHECK_LAUNCH();
+        },
+        stream, 1, iters, false);
+    result = double(n * sizeof(uint4)) / (t.median_us * 1e-6);
+  } catch (...) {
+    cudaFree(sink);
+    cudaFree(buf);
+    throw;
+  }
+  MEGAMOE_CUDA_CHECK(cudaFree(sink));
+  MEGAMOE_CUDA_CHECK(cudaFree(buf));
+  return result;
+}
+
+void flush_l2(cudaStream_t stream) {
+  // NOTE: kept for the life of the process (one per device, never freed): a
+  // static destructor would run after the CUDA context may be gone.
+  static std::map<int, std::pair<void*, size_t>> buffers;
+  int dev = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  auto it = buffers.find(dev);
+  if (it == buffers.end()) {
+    int l2 = 0;
+    MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
+    const size_t bytes = 2 * size_t(std::max(l2, 1 << 20));
+    void* p = nullptr;
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&p, bytes));
+    it = buffers.emplace(dev, std::make_pair(p, bytes)).first;
+  }
+  MEGAMOE_CUDA_CHECK(cudaMemsetAsync(it->second.first, 0, it->second.second, stream));
+}
+
+Timing time_device(const std::function<void(cudaStream_t)>& fn, cudaStream_t stream, int warmup, int iters,
+                   bool flush_l2_each) {
+  if (iters < 1) throw std::invalid_argument("time_device: iters >= 1");
+  for (int i = 0; i < warmup; ++i) fn(stream);
+  std::vector<EventPair> ev(iters);
+  for (int i = 0; i < iters; ++i) {
+    if (flush_l2_each) flush_l2(stream);
+    MEGAMOE_CUDA_CHECK(cudaEventRecord(ev[i].start, stream));
+    fn(stream);
+    MEGAMOE_CUDA_CHECK(cudaEventRecord(ev[i].stop, stream));
+  }
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<double> us(iters);
+  for (int i = 0; i < iters; ++i) {
+    float ms = 0;
+    MEGAMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[i].start, ev[i].stop));
+    us[i] = double(ms) * 1e3;
+  }
+  std::sort(us.begin(), us.end());
+  Timing t;
+  t.median_us = percentile(us, 0.5);
+  t.min_us = us.front();
+  t.max_us = us.back();
+  t.p10_us = percentile(us, 0.1);
+  t.p90_us = percentile(us, 0.9);
+  return t;
+}
+
+}  // namespace megamoe::bench
