@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -65,20 +66,14 @@ std::string layers_text(const std::vector<int>& layers) {
   return fmt::format("{}", fmt::join(layers, ","));
 }
 
-// A few small deterministic bytes for dummy tensors.
-const uint8_t* dummy_bytes(size_t n) {
-  static std::vector<uint8_t> buf;
-  if (buf.size() < n) {
-    buf.resize(n);
-    for (size_t i = 0; i < n; ++i) buf[i] = uint8_t((i * 37 + 11) & 0x77);  // stays clear of E4M3 NaN
-  }
-  return buf.data();
-}
-
-TensorToWrite dummy(std::string name, Dtype dt, std::vector<int64_t> shape) {
+// Small deterministic dummy tensors; `store` owns their bytes until written.
+TensorToWrite dummy(std::deque<std::vector<uint8_t>>& store, std::string name, Dtype dt,
+                    std::vector<int64_t> shape) {
   size_t n = dtype_size(dt);
   for (int64_t d : shape) n *= size_t(d);
-  return {std::move(name), dt, std::move(shape), dummy_bytes(n), n};
+  auto& buf = store.emplace_back(n);
+  for (size_t i = 0; i < n; ++i) buf[i] = uint8_t((i * 37 + 11) & 0x77);  // & 0x77: never an E4M3 NaN
+  return {std::move(name), dt, std::move(shape), buf.data(), n};
 }
 
 }  // namespace
@@ -257,21 +252,23 @@ ModelDesc write_synthetic_checkpoint(const std::filesystem::path& dir, const Mod
   const int64_t H = d.shape.hidden;
 
   // Shard 0: things a MoE loader must skip.
+  std::deque<std::vector<uint8_t>> store;
   std::vector<TensorToWrite> misc;
-  misc.push_back(dummy(root + "embed_tokens.weight", Dtype::kBF16, {4, H}));
-  misc.push_back(dummy(root + "norm.weight", Dtype::kBF16, {H}));
-  misc.push_back(dummy("lm_head.weight", Dtype::kBF16, {4, H}));
+  misc.push_back(dummy(store, root + "embed_tokens.weight", Dtype::kBF16, {4, H}));
+  misc.push_back(dummy(store, root + "norm.weight", Dtype::kBF16, {H}));
+  misc.push_back(dummy(store, "lm_head.weight", Dtype::kBF16, {4, H}));
   if (root != "model.")
-    misc.push_back(dummy("model.visual.patch_embed.proj.weight", Dtype::kBF16, {8, 3, 2, 2}));
+    misc.push_back(dummy(store, "model.visual.patch_embed.proj.weight", Dtype::kBF16, {8, 3, 2, 2}));
   for (int l = 0; l < d.num_layers; ++l) {
-    misc.push_back(dummy(layer_root(l) + "input_layernorm.weight", Dtype::kBF16, {H}));
-    misc.push_back(dummy(layer_root(l) + "self_attn.o_proj.weight", Dtype::kF8_E4M3, {16, 16}));
-    misc.push_back(dummy(layer_root(l) + "self_attn.o_proj.weight_scale_inv", Dtype::kF32, {1, 1}));
+    misc.push_back(dummy(store, layer_root(l) + "input_layernorm.weight", Dtype::kBF16, {H}));
+    misc.push_back(dummy(store, layer_root(l) + "self_attn.o_proj.weight", Dtype::kF8_E4M3, {16, 16}));
+    misc.push_back(dummy(store, layer_root(l) + "self_attn.o_proj.weight_scale_inv", Dtype::kF32, {1, 1}));
     if (!d.is_moe_layer(l)) {
       for (const char* p : {"gate_proj", "up_proj", "down_proj"}) {
-        misc.push_back(dummy(fmt::format("{}mlp.{}.weight", layer_root(l), p), Dtype::kF8_E4M3, {16, 16}));
         misc.push_back(
-            dummy(fmt::format("{}mlp.{}.weight_scale_inv", layer_root(l), p), Dtype::kF32, {1, 1}));
+            dummy(store, fmt::format("{}mlp.{}.weight", layer_root(l), p), Dtype::kF8_E4M3, {16, 16}));
+        misc.push_back(
+            dummy(store, fmt::format("{}mlp.{}.weight_scale_inv", layer_root(l), p), Dtype::kF32, {1, 1}));
       }
     }
   }

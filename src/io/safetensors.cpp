@@ -343,12 +343,10 @@ void write_safetensors(const std::filesystem::path& path, std::span<const Tensor
     if (!seen.insert(t.name).second)
       throw FormatError(fmt::format("{}: tensor '{}' given twice", file, t.name));
     uint64_t numel = 1;
-    for (int64_t d : t.shape) {
-      if (d < 0)
+    for (int64_t d : t.shape)
+      if (d < 0 || __builtin_mul_overflow(numel, uint64_t(d), &numel))
         throw FormatError(
-            fmt::format("{}: tensor '{}': negative dim in {}", file, t.name, format_shape(t.shape)));
-      numel *= uint64_t(d);
-    }
+            fmt::format("{}: tensor '{}': invalid shape {}", file, t.name, format_shape(t.shape)));
     if (numel * dtype_size(t.dtype) != t.bytes)
       throw FormatError(fmt::format("{}: tensor '{}': {} {} needs {} bytes, given {}", file, t.name,
                                     to_string(t.dtype), format_shape(t.shape), numel * dtype_size(t.dtype),

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -42,10 +43,9 @@ class TempDir {
 std::vector<uint8_t> file_bytes(const std::string& header, size_t data_bytes,
                                 std::optional<uint64_t> len = {}) {
   const uint64_t n = len.value_or(header.size());
-  std::vector<uint8_t> out(8);
+  std::vector<uint8_t> out(8 + header.size() + data_bytes, 0xAB);
   for (int i = 0; i < 8; ++i) out[size_t(i)] = uint8_t(n >> (8 * i));
-  out.insert(out.end(), header.begin(), header.end());
-  out.resize(out.size() + data_bytes, 0xAB);
+  std::copy(header.begin(), header.end(), out.begin() + 8);
   return out;
 }
 
