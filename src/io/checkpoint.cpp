@@ -279,14 +279,16 @@ ModelDesc write_synthetic_checkpoint(const std::filesystem::path& dir, const Mod
     const HostMoeWeights w = make_random_weights(d.shape, seed + uint64_t(l), pow2_scales);
     const std::string prefix = d.layer_prefix(l);
     const std::string split = fmt::format("{}experts.{}.", prefix, d.shape.experts / 2);
-    // Split the layer in two shards so a layer spans files, as in real checkpoints.
+    // Split the layer in two shards so a layer spans files, as in real
+    // checkpoints. layer_tensors lists experts in order, then the shared
+    // expert, then the router: everything from expert E/2 on goes to `b`,
+    // except the router, which joins the first experts in `a`.
     std::vector<TensorToWrite> a, b;
     bool second = false;
     for (auto& t : layer_tensors(w, prefix)) {
-      if (t.name == split + "gate_proj.weight") second = true;  // experts [E/2, E) start here
-      const bool tail = t.name.starts_with(prefix + "shared_experts.");
+      if (t.name == split + "gate_proj.weight") second = true;
       const bool router = t.name.starts_with(prefix + "gate.");
-      (router ? a : (second || tail) ? b : a).push_back(std::move(t));
+      (second && !router ? b : a).push_back(std::move(t));
     }
     put(1 + 2 * i, a);
     put(2 + 2 * i, b);
