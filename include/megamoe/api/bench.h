@@ -1,0 +1,27 @@
+// `megamoe bench`: times the CUDA layer against the floors (streaming-read
+// bandwidth and the FP8 tensor-core rate) and the cuBLASLt baseline, all
+// measured in the same run, and returns the results as JSON.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace megamoe::api {
+
+struct BenchOptions {
+  std::vector<std::string> presets{"glm-5.3-flash", "glm-5", "deepseek-v3"};
+  std::vector<int> tokens{1, 8, 64, 256, 1024, 4096, 16384};
+  bool ep8_share = true;   // also the one-rank share of an 8-way expert-parallel layer
+  bool baseline = true;    // cuBLASLt expert-by-expert baseline
+  int warmup = 3;
+  int iters = 15;
+  double tc_peak_tflops = 1424.0;  // FP8 block-scaled dense ceiling measured on the H200 (ANCHORS.md)
+};
+
+// Runs every case; `log` receives one human-readable line per case.
+nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const std::string&)>& log);
+
+}  // namespace megamoe::api

@@ -1,0 +1,61 @@
+// The device-resident MoE layer (CUDA backend): owns or borrows the weights in
+// the kernel layout (weights/layout.h), owns a workspace sized once for
+// max_tokens, validates everything a caller hands it, and enqueues a forward
+// that is CUDA-graph capturable (no allocation, no host synchronization; the
+// token count may live in device memory).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "megamoe/model/shape.h"
+#include "megamoe/numerics/fp8.h"
+#include "megamoe/weights/host_weights.h"
+
+namespace megamoe::api {
+
+using Stream = void*;  // cudaStream_t, kept opaque so CPU-only code can include this header
+
+struct MoeLayerOptions {
+  int max_tokens = 4096;  // workspace capacity; a forward with more tokens is an error
+};
+
+class CudaMoeLayer {
+ public:
+  // Uploads the host weights into a device allocation the layer owns.
+  CudaMoeLayer(const HostMoeWeights& w, const MoeLayerOptions& opt);
+  // Borrows weights already in device memory at `device_base`, laid out by
+  // MoeWeightLayout::compute(shape) (e.g. a WeightStore's buffer). The
+  // pointer must be 256-byte aligned device memory of the current device.
+  CudaMoeLayer(const MoeShape& shape, const void* device_base, const MoeLayerOptions& opt);
+  ~CudaMoeLayer();
+  CudaMoeLayer(const CudaMoeLayer&) = delete;
+  CudaMoeLayer& operator=(const CudaMoeLayer&) = delete;
+
+  // x: bf16 [T][H], y: bf16 [T][H], device memory (16-byte aligned).
+  // num_tokens_dev: device int holding T; tokens_hint: a host upper bound of
+  // T (<= max_tokens) that sizes the launch (capture a graph at the largest
+  // hint you need). If num_tokens_dev is null the layer uses its own device
+  // counter set to tokens_hint (an async copy, capturable).
+  void forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint, const int* num_tokens_dev, Stream stream);
+
+  // Only the routing part of forward (router GEMM + top-k), for benchmarks.
+  void route(const num::bf16_t* x, int tokens_hint, const int* num_tokens_dev, Stream stream);
+
+  // Routing outputs of the last forward (device pointers, [T][K]).
+  const int32_t* topk_ids() const;
+  const float* topk_weights() const;
+
+  const MoeShape& shape() const;
+  int max_tokens() const;
+  const void* device_weights() const;  // base of the layout in device memory
+  size_t workspace_bytes() const;
+  std::string config_for(int tokens) const;  // tile configuration, for reports
+
+  struct Impl;  // implementation detail (src/api/moe_layer.cu)
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace megamoe::api

@@ -1,0 +1,107 @@
+// Kernel-layer interface of the Hopper MoE path: plain structs and raw device
+// pointers only (no framework types, no files, no configs). The api layer
+// (src/api) owns allocation and validation and calls these launchers.
+//
+// One forward = 4 stream operations, all CUDA-graph capturable:
+//   1. memset of the workspace counters (epoch reset),
+//   2. route_logits: router GEMM, split-K partials (deterministic order),
+//   3. route_topk: scores, bias, grouped top-k, weights; per-expert row counts,
+//   4. fused_moe: ONE persistent kernel: quantize x (1x128 E4M3) and scatter
+//      each token to its experts' row segments, grid barrier, then a static
+//      tile schedule of GEMM1 tiles (w13, SwiGLU, x routing weight, 1x64 E4M3)
+//      and GEMM2 tiles (w2 -> BF16 per slot) with per-(expert, token block)
+//      completion counters between them, then the ordered slot reduction.
+// The token count is read from device memory, so one captured graph serves any
+// count up to max_tokens.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "megamoe/model/shape.h"
+#include "megamoe/weights/layout.h"
+
+namespace megamoe::kernels {
+
+// Workspace of one layer object, sized once from (shape, max_tokens). All
+// regions live in one device allocation; `counters` is zeroed per forward.
+struct MoeWorkspaceLayout {
+  // counters (int32): [0] grid barrier, [1] GEMM2 tiles done,
+  // [2, 2 + E_total) rows per expert (E_total = E + shared),
+  // then one GEMM1-done counter per (expert, token block) unit.
+  static constexpr int kCounterBarrier = 0;
+  static constexpr int kCounterDone2 = 1;
+  static constexpr int kCounterExperts = 2;
+
+  int max_tokens = 0;
+  int experts_total = 0;  // routed + (1 if shared)
+  int rows_cap = 0;       // sorted rows: max_tokens * slots, rounded up to 128
+  int units_cap = 0;      // (expert, token block) units at the smallest block
+  int inter_pitch = 0;    // max(I, Is): row pitch of the intermediate
+  int max_ksplit = 0;     // router split-K partials
+
+  Region counters;        // int32 [counter_count()]
+  Region logits_partial;  // f32 [max_ksplit][max_tokens][E]
+  Region topk_ids;        // i32 [max_tokens][K]
+  Region topk_weights;    // f32 [max_tokens][K]
+  Region topk_pos;        // i32 [max_tokens][K]   position inside the expert's row segment
+  Region x_sorted;        // e4m3 [rows_cap][H]    expert-sorted token rows
+  Region x_sorted_scale;  // f32 [H/128][rows_cap] (K-block-major: TMA loads a token block's scales)
+  Region row_weight;      // f32 [rows_cap]        routing weight of each sorted row (shared: 1)
+  Region act2;            // e4m3 [rows_cap][inter_pitch]  SwiGLU output
+  Region act2_scale;      // f32 [inter_pitch/64][rows_cap]
+  Region y_rows;          // bf16 [rows_cap][H]    per-slot outputs
+  size_t total_bytes = 0;
+
+  int counter_count() const { return kCounterExperts + experts_total + units_cap; }
+  static MoeWorkspaceLayout compute(const MoeShape& s, int max_tokens);
+};
+
+// Tile configuration of the fused kernel (chosen in heuristics, one place).
+struct FusedMoeConfig {
+  int block_n = 8;      // tokens per tile (wgmma N): 8, 16, 32, 64 or 128
+  int stages = 8;       // shared-memory ring depth
+  int num_sms = 0;      // persistent grid
+  int router_ksplit = 1;
+};
+
+struct DeviceTensors {
+  const uint16_t* x = nullptr;        // bf16 [T][H]
+  const int* num_tokens = nullptr;    // device int: T (<= max_tokens)
+  uint16_t* y = nullptr;              // bf16 [T][H]
+  void* workspace = nullptr;          // MoeWorkspaceLayout::total_bytes
+};
+
+// Opaque per-layer launch plan: tensor maps etc. (built once per layer object).
+struct FusedMoePlan;
+
+FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& device_weights,
+                                    const MoeWorkspaceLayout& ws, void* workspace, const FusedMoeConfig& cfg);
+void fused_moe_plan_destroy(FusedMoePlan* plan);
+
+// Enqueues the whole forward (memset, route_logits, route_topk, fused_moe).
+// host_tokens_hint: an upper bound of the device token count (<= max_tokens);
+// it sizes the router grid and picks the tile configuration, so a graph
+// captured at a hint serves every count up to it.
+void fused_moe_forward(const FusedMoePlan* plan, const DeviceTensors& t, int host_tokens_hint,
+                       cudaStream_t stream);
+
+// Only the routing part (memset + route_logits + route_topk), for tests/bench.
+void route_forward(const FusedMoePlan* plan, const DeviceTensors& t, int host_tokens_hint, cudaStream_t stream);
+
+// Device pointers of the routing outputs inside the workspace ([T][K] each).
+struct RoutingOutputs {
+  const int32_t* ids;
+  const float* weights;
+};
+RoutingOutputs routing_outputs(const FusedMoePlan* plan);
+
+// *p = v on the stream (a one-thread kernel, so it can be captured in a graph).
+void set_device_int(int* p, int v, cudaStream_t stream);
+
+// The tile configuration a forward at `tokens` would use (for reports).
+FusedMoeConfig fused_moe_config(const FusedMoePlan* plan, int tokens);
+
+}  // namespace megamoe::kernels

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: check the carried binaries start, run the GPU
+# tests, the demo and the benchmark, logging everything under $OUT.
+# Usage (from the repo root there): scripts/device_run.sh BIN_DIR [tests] [demo] [bench ARGS...]
+set -uo pipefail
+bin=$1; shift
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$out/smi.txt" 2>&1
+if command -v cuobjdump >/dev/null; then
+  cuobjdump --dump-sass "$bin/megamoe" > /tmp/sass.txt 2>&1
+  { echo "QGMMA $(grep -c QGMMA /tmp/sass.txt)"; echo "LDL/STL $(grep -cE '\bLDL|\bSTL' /tmp/sass.txt)";
+    echo "UTMALDG $(grep -c UTMALDG /tmp/sass.txt)"; } > "$out/sass_summary.txt"
+fi
+while [ $# -gt 0 ]; do
+  case $1 in
+    tests) shift; timeout 300 "$bin/megamoe_gpu_tests" ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED)|OK \]|FAILED|rel_l2|Failure|error" ;;
+    sanitize) shift; timeout 300 compute-sanitizer --tool memcheck "$bin/megamoe_gpu_tests" --gtest_filter='FusedMoe.ReducedShapeSmallT' > "$out/memcheck.log" 2>&1; tail -3 "$out/memcheck.log"
+              timeout 300 compute-sanitizer --tool racecheck "$bin/megamoe_gpu_tests" --gtest_filter='FusedMoe.ZeroTokens:FusedMoe.ReducedShapeSmallT' > "$out/racecheck.log" 2>&1; tail -3 "$out/racecheck.log" ;;
+    demo) shift; timeout 200 "$bin/megamoe" demo --preset glm-5 --tokens 64 2>&1 | tee "$out/demo.log" ;;
+    bench) shift; timeout 500 "$bin/megamoe" bench "$@" --json "$out/bench.json" 2>&1 | tee "$out/bench.log"; break ;;
+    *) echo "unknown step $1"; exit 2 ;;
+  esac
+done
+cat "$out/sass_summary.txt" 2>/dev/null

@@ -1,0 +1,147 @@
+// CudaMoeLayer: validation, ownership and the kernel plan.
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <stdexcept>
+
+#include "../kernels/cuda_check.h"
+#include "../kernels/heuristics.h"
+#include "megamoe/api/moe_layer.h"
+#include "megamoe/kernels/fused_moe.h"
+
+namespace megamoe::api {
+
+struct CudaMoeLayer::Impl {
+  MoeShape shape;
+  MoeWeightLayout wlayout;
+  kernels::MoeWorkspaceLayout ws;
+  void* owned_weights = nullptr;
+  const void* weights = nullptr;
+  void* workspace = nullptr;
+  int* own_count = nullptr;
+  kernels::FusedMoePlan* plan = nullptr;
+
+  ~Impl() {
+    if (plan) kernels::fused_moe_plan_destroy(plan);
+    cudaFree(workspace);
+    cudaFree(owned_weights);
+    cudaFree(own_count);
+  }
+};
+
+namespace {
+
+void require_device_memory(const void* p, const char* what) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess || attr.type != cudaMemoryTypeDevice) {
+    cudaGetLastError();
+    throw std::invalid_argument(fmt::format("{}: pointer {} is not device memory", what, p));
+  }
+  int dev = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  if (attr.device != dev)
+    throw std::invalid_argument(fmt::format("{}: pointer is on device {}, the layer on device {}", what, attr.device, dev));
+}
+
+void require_aligned(const void* p, size_t align, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % align != 0)
+    throw std::invalid_argument(fmt::format("{}: pointer {} is not {}-byte aligned", what, p, align));
+}
+
+void validate_shape(const MoeShape& s) {
+  s.validate();
+  if (s.hidden % 128 != 0) throw std::invalid_argument(fmt::format("CUDA backend: H = {} must be a multiple of 128", s.hidden));
+  if (s.inter % 128 != 0) throw std::invalid_argument(fmt::format("CUDA backend: I = {} must be a multiple of 128", s.inter));
+  if (s.experts + (s.has_shared() ? 1 : 0) > kernels::kMaxExpertsTotal)
+    throw std::invalid_argument(fmt::format("CUDA backend: at most {} experts (E = {})", kernels::kMaxExpertsTotal - 1, s.experts));
+  if (s.topk > 32) throw std::invalid_argument(fmt::format("CUDA backend: top-k <= 32 (K = {})", s.topk));
+}
+
+}  // namespace
+
+static std::unique_ptr<CudaMoeLayer::Impl> make_impl(const MoeShape& s, const MoeLayerOptions& opt) {
+  validate_shape(s);
+  if (opt.max_tokens <= 0) throw std::invalid_argument(fmt::format("max_tokens = {} must be > 0", opt.max_tokens));
+  auto impl = std::make_unique<CudaMoeLayer::Impl>();
+  impl->shape = s;
+  impl->wlayout = MoeWeightLayout::compute(s);
+  impl->ws = kernels::MoeWorkspaceLayout::compute(s, opt.max_tokens);
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&impl->workspace, impl->ws.total_bytes));
+  // NOTE: poison, so a region the kernels fail to write shows up as garbage, never as zeros.
+  MEGAMOE_CUDA_CHECK(cudaMemset(impl->workspace, 0xFF, impl->ws.total_bytes));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&impl->own_count, sizeof(int)));
+  return impl;
+}
+
+static void finish_plan(CudaMoeLayer::Impl& impl) {
+  const MoeWeightsView v = MoeWeightsView::at(impl.weights, impl.wlayout, impl.shape);
+  kernels::FusedMoeConfig cfg;
+  impl.plan = kernels::fused_moe_plan_create(impl.shape, v, impl.ws, impl.workspace, cfg);
+}
+
+CudaMoeLayer::CudaMoeLayer(const HostMoeWeights& w, const MoeLayerOptions& opt) : impl_(make_impl(w.shape, opt)) {
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&impl_->owned_weights, w.bytes()));
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(impl_->owned_weights, w.data(), w.bytes(), cudaMemcpyHostToDevice));
+  impl_->weights = impl_->owned_weights;
+  finish_plan(*impl_);
+}
+
+CudaMoeLayer::CudaMoeLayer(const MoeShape& shape, const void* device_base, const MoeLayerOptions& opt)
+    : impl_(make_impl(shape, opt)) {
+  require_device_memory(device_base, "CudaMoeLayer weights");
+  require_aligned(device_base, 256, "CudaMoeLayer weights");
+  impl_->weights = device_base;
+  finish_plan(*impl_);
+}
+
+CudaMoeLayer::~CudaMoeLayer() = default;
+
+void CudaMoeLayer::forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint, const int* num_tokens_dev,
+                           Stream stream) {
+  if (tokens_hint < 0 || tokens_hint > impl_->ws.max_tokens)
+    throw std::invalid_argument(
+        fmt::format("forward: {} tokens exceed the layer's max_tokens = {}", tokens_hint, impl_->ws.max_tokens));
+  if (tokens_hint > 0) {
+    require_aligned(x, 16, "forward x");
+    require_aligned(y, 16, "forward y");
+  }
+  auto s = static_cast<cudaStream_t>(stream);
+  if (!num_tokens_dev) {
+    kernels::set_device_int(impl_->own_count, tokens_hint, s);  // a kernel node: capturable
+    num_tokens_dev = impl_->own_count;
+  }
+  kernels::DeviceTensors t;
+  t.x = x;
+  t.y = y;
+  t.num_tokens = num_tokens_dev;
+  t.workspace = impl_->workspace;
+  kernels::fused_moe_forward(impl_->plan, t, tokens_hint, s);
+}
+
+void CudaMoeLayer::route(const num::bf16_t* x, int tokens_hint, const int* num_tokens_dev, Stream stream) {
+  if (tokens_hint < 0 || tokens_hint > impl_->ws.max_tokens)
+    throw std::invalid_argument(
+        fmt::format("route: {} tokens exceed the layer's max_tokens = {}", tokens_hint, impl_->ws.max_tokens));
+  auto s = static_cast<cudaStream_t>(stream);
+  if (!num_tokens_dev) {
+    kernels::set_device_int(impl_->own_count, tokens_hint, s);
+    num_tokens_dev = impl_->own_count;
+  }
+  kernels::DeviceTensors t;
+  t.x = x;
+  t.num_tokens = num_tokens_dev;
+  t.workspace = impl_->workspace;
+  kernels::route_forward(impl_->plan, t, tokens_hint, s);
+}
+
+const int32_t* CudaMoeLayer::topk_ids() const { return kernels::routing_outputs(impl_->plan).ids; }
+const float* CudaMoeLayer::topk_weights() const { return kernels::routing_outputs(impl_->plan).weights; }
+const MoeShape& CudaMoeLayer::shape() const { return impl_->shape; }
+int CudaMoeLayer::max_tokens() const { return impl_->ws.max_tokens; }
+const void* CudaMoeLayer::device_weights() const { return impl_->weights; }
+size_t CudaMoeLayer::workspace_bytes() const { return impl_->ws.total_bytes; }
+std::string CudaMoeLayer::config_for(int tokens) const {
+  return kernels::describe(kernels::fused_moe_config(impl_->plan, tokens));
+}
+
+}  // namespace megamoe::api

@@ -1,0 +1,739 @@
+// fused_moe: the persistent Hopper (sm_90a) MoE kernel, its workspace layout
+// and its launch plan (tensor maps). See include/megamoe/kernels/fused_moe.h
+// for the flow; the numerics are SPEC §4 and §7 and are mirrored exactly by
+// ref::moe_layer(kKernelFaithful).
+//
+// Roles inside one CTA of 384 threads (one CTA per SM):
+//   warpgroup 0: one thread issues every TMA load (weights, tokens, scales)
+//                into a ring of `kStages` shared-memory stages (full/empty
+//                mbarriers); the other 127 threads idle after phase 0.
+//   warpgroups 1, 2: wgmma consumers. A tile is 128 weight rows (64 per
+//                warpgroup, the wgmma M) x block_n token rows (the wgmma N:
+//                "swap AB", so a decode tile of 8 tokens wastes no M rows).
+//
+// GEMM1 tile: 64 intermediate columns of one expert: gate rows [64p, 64p+64)
+// and up rows [64p, 64p+64), interleaved by 8 rows in shared memory by a 5-D
+// TMA box over the checkpoint layout, so each thread's accumulator holds a
+// gate value and its up partner (rows r and r+8 of the wgmma fragment) and
+// SwiGLU runs in registers. The epilogue multiplies the routing weight and
+// quantizes per token over the tile's 64 columns (num::kInterGroup, float32
+// scale) into act2.
+// GEMM2 tile: 128 hidden outputs x block_n rows over K = I, folding the
+// accumulator per 64-deep half block (one act2 scale each); BF16 results go to
+// per-slot rows y_rows. Finally every CTA reduces a share of the tokens over
+// their slots in ascending order (routed 0..K-1, then shared): the output
+// bytes do not depend on tile sizes or SM count.
+#include <cuda.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <stdexcept>
+
+#include "cuda_check.h"
+#include "heuristics.h"
+#include "megamoe/kernels/fused_moe.h"
+#include "megamoe/numerics/act_quant.h"
+#include "route.cuh"
+#include "sm90_ptx.cuh"
+
+namespace megamoe::kernels {
+
+using num::bf16_encode;
+
+// ============================================================================
+// Workspace layout
+// ============================================================================
+MoeWorkspaceLayout MoeWorkspaceLayout::compute(const MoeShape& s, int max_tokens) {
+  s.validate();
+  MoeWorkspaceLayout w;
+  w.max_tokens = max_tokens;
+  w.experts_total = s.experts + (s.has_shared() ? 1 : 0);
+  const int64_t rows = int64_t(max_tokens) * s.slots();
+  w.rows_cap = int((rows + 127) / 128 * 128);
+  if (w.rows_cap == 0) w.rows_cap = 128;
+  w.units_cap = w.experts_total + w.rows_cap / 8;
+  w.inter_pitch = std::max(s.inter, s.shared_inter());
+  w.max_ksplit = 16;
+  size_t cursor = 0;
+  auto place = [&](Region& r, size_t bytes) {
+    cursor = (cursor + 1023) & ~size_t(1023);
+    r.offset = cursor;
+    r.bytes = bytes;
+    cursor += bytes;
+  };
+  const size_t T = std::max(1, max_tokens), K = s.topk, H = s.hidden, E = s.experts, R = w.rows_cap;
+  place(w.counters, size_t(w.counter_count()) * 4);
+  place(w.logits_partial, size_t(w.max_ksplit) * T * E * 4);
+  place(w.topk_ids, T * K * 4);
+  place(w.topk_weights, T * K * 4);
+  place(w.topk_pos, T * K * 4);
+  place(w.x_sorted, R * H);
+  place(w.x_sorted_scale, (H / 128) * R * 4);
+  place(w.row_weight, R * 4);
+  place(w.act2, R * size_t(w.inter_pitch));
+  place(w.act2_scale, size_t(w.inter_pitch / num::kInterGroup) * R * 4);
+  place(w.y_rows, R * H * 2);
+  w.total_bytes = (cursor + 1023) & ~size_t(1023);
+  return w;
+}
+
+namespace {
+
+// ============================================================================
+// Device side
+// ============================================================================
+struct KernelArgs {
+  int H, I, Is, E, K;
+  int has_shared;
+  int rows_cap, inter_pitch;
+  float swiglu_limit;
+  const int* num_tokens;
+  const uint16_t* x;
+  uint16_t* y;
+  int* counters;
+  const int* topk_ids;
+  const float* topk_weights;
+  const int* topk_pos;
+  uint8_t* x_sorted;
+  float* x_sorted_scale;
+  float* row_weight;
+  uint8_t* act2;
+  float* act2_scale;
+  uint16_t* y_rows;
+  const float* w13_scale;
+  const float* w2_scale;
+  const float* sw13_scale;
+  const float* sw2_scale;
+};
+
+struct TensorMaps {
+  CUtensorMap w13, sw13, w2, sw2;  // weights (shared by every block_n)
+  CUtensorMap x, xs, a2, a2s;      // activations (box depends on block_n)
+};
+
+struct Tile {
+  int gemm;     // 1 or 2
+  int e;        // expert (E = shared)
+  int nblk;     // GEMM1: 64-column chunk of I; GEMM2: 128-row block of H
+  int row0;     // first sorted row
+  int rows;     // valid rows (<= block_n)
+  int unit;     // (expert, token block) counter index
+  int kblocks;  // 128-deep K blocks
+};
+
+// Shared-memory tables every role derives the schedule from.
+struct Sched {
+  int* cnt;       // [E_total] rows per expert
+  int* row_off;   // [E_total + 1]
+  int* unit_off;  // [E_total + 1] token blocks before expert e
+};
+
+__device__ __forceinline__ int largest_le(const int* off, int lo, int hi, int mul, int v) {
+  // largest e in [lo, hi] with mul * off[e] <= v (off non-decreasing, mul * off[lo] <= v)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (mul * off[mid] <= v)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+template <int BN>
+__device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc, int tile, int t1_routed, int t1) {
+  Tile t;
+  const int n1 = a.I / 64, n2 = a.H / 128;
+  int local, nb;
+  if (tile < t1) {
+    t.gemm = 1;
+    if (tile < t1_routed) {
+      t.e = largest_le(sc.unit_off, 0, a.E - 1, n1, tile);
+      local = tile - n1 * sc.unit_off[t.e];
+    } else {
+      t.e = a.E;
+      local = tile - t1_routed;
+    }
+    t.kblocks = a.H / 128;
+  } else {
+    t.gemm = 2;
+    const int tile2 = tile - t1;
+    t.e = largest_le(sc.unit_off, 0, a.E + a.has_shared - 1, n2, tile2);
+    local = tile2 - n2 * sc.unit_off[t.e];
+    t.kblocks = (t.e < a.E ? a.I : a.Is) / 128;
+  }
+  nb = sc.unit_off[t.e + 1] - sc.unit_off[t.e];
+  t.nblk = local / nb;
+  const int b = local - t.nblk * nb;
+  t.unit = sc.unit_off[t.e] + b;
+  t.row0 = sc.row_off[t.e] + b * BN;
+  t.rows = min(BN, sc.cnt[t.e] - b * BN);
+  return t;
+}
+
+__device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {
+  // NOTE: cvt.rn.satfinite: identical to num::e4m3_encode (tested on the CPU side).
+  const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+  return uint32_t(lo) | (uint32_t(hi) << 16);
+}
+
+__device__ __forceinline__ uint8_t to_e4m3(float v) {
+  return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+template <int BN>
+__global__ void __launch_bounds__(kThreads, 1)
+    fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
+  constexpr int kStages = stages_for(BN);
+  constexpr int kStageBytes = stage_bytes(BN);
+  constexpr int kWBytes = kBlockM * kBlockK;
+  constexpr int kXBytes = BN * kBlockK;
+  constexpr int kAcc = BN / 2;  // fp32 accumulators per thread for m64nBN
+
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  uint64_t* empty_bar = full_bar + 16;
+  int* tables = reinterpret_cast<int*>(empty_bar + 16);
+  Sched sc{tables, tables + (kMaxExpertsTotal + 1), tables + 2 * (kMaxExpertsTotal + 1)};
+  float* red = reinterpret_cast<float*>(tables + 3 * (kMaxExpertsTotal + 1));  // [8 warps][BN]
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
+  const int T = *a.num_tokens;
+  const int E_total = a.E + a.has_shared;
+  int* done1 = a.counters + MoeWorkspaceLayout::kCounterExperts + E_total;
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      sm90::mbar_init(&full_bar[s], 1);
+      sm90::mbar_init(&empty_bar[s], kConsumerThreads);
+    }
+    sm90::mbar_init_fence();
+  }
+  if (tid == 32) {
+    sm90::tma_prefetch_desc(&tm.w13);
+    sm90::tma_prefetch_desc(&tm.w2);
+    sm90::tma_prefetch_desc(&tm.x);
+    sm90::tma_prefetch_desc(&tm.a2);
+  }
+
+  // ---- Schedule tables: rows and token blocks per expert (one warp scans). ----
+  if (warp == 0) {
+    int rows_carry = 0, units_carry = 0;
+    for (int base = 0; base < E_total; base += 32) {
+      const int e = base + lane;
+      int c = 0;
+      if (e < a.E)
+        c = a.counters[MoeWorkspaceLayout::kCounterExperts + e];
+      else if (e < E_total)
+        c = T;  // the shared expert takes every token
+      int nb = (c + BN - 1) / BN;
+      int rc = c, uc = nb;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int r2 = __shfl_up_sync(0xffffffffu, rc, o), u2 = __shfl_up_sync(0xffffffffu, uc, o);
+        if (lane >= o) rc += r2, uc += u2;
+      }
+      if (e < E_total) {
+        sc.cnt[e] = c;
+        sc.row_off[e] = rows_carry + rc - c;
+        sc.unit_off[e] = units_carry + uc - nb;
+      }
+      rows_carry += __shfl_sync(0xffffffffu, rc, 31);
+      units_carry += __shfl_sync(0xffffffffu, uc, 31);
+    }
+    if (lane == 0) {
+      sc.row_off[E_total] = rows_carry;
+      sc.unit_off[E_total] = units_carry;
+    }
+  }
+  __syncthreads();
+
+  // ---- Phase 0: quantize x (1x128 E4M3) and scatter each token to its rows. ----
+  {
+    const int hb = a.H / 128;
+    const int warps_total = gridDim.x * (kThreads / 32);
+    for (int task = blockIdx.x * (kThreads / 32) + warp; task < T * hb; task += warps_total) {
+      const int t = task / hb, g = task - t * hb;
+      const uint2 raw = *reinterpret_cast<const uint2*>(a.x + size_t(t) * a.H + g * 128 + lane * 4);
+      const float v0 = __uint_as_float(raw.x << 16), v1 = __uint_as_float(raw.x & 0xFFFF0000u);
+      const float v2 = __uint_as_float(raw.y << 16), v3 = __uint_as_float(raw.y & 0xFFFF0000u);
+      float amax = fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3)));
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      const float s = num::act_scale(amax);
+      const float inv = 1.0f / s;
+      const uint32_t q = pack_e4m3x4(v0 * inv, v1 * inv, v2 * inv, v3 * inv);
+      for (int k = 0; k <= a.K; ++k) {
+        int r;
+        float w = 1.0f;
+        if (k < a.K) {
+          const int id = a.topk_ids[t * a.K + k];
+          if (id < 0) continue;
+          r = sc.row_off[id] + a.topk_pos[t * a.K + k];
+          w = a.topk_weights[t * a.K + k];
+        } else {
+          if (!a.has_shared) break;
+          r = sc.row_off[a.E] + t;
+        }
+        *reinterpret_cast<uint32_t*>(a.x_sorted + size_t(r) * a.H + g * 128 + lane * 4) = q;
+        if (lane == 0) {
+          a.x_sorted_scale[size_t(g) * a.rows_cap + r] = s;
+          if (g == 0) a.row_weight[r] = w;
+        }
+      }
+    }
+  }
+  // Grid barrier: every sorted row is written before any TMA reads one.
+  sm90::fence_proxy_async_global();
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterBarrier], 1);
+    while (sm90::ld_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterBarrier]) < int(gridDim.x)) {
+    }
+  }
+  __syncthreads();
+
+  // ---- Tile schedule (identical in every role) ----
+  const int n1 = a.I / 64, n2 = a.H / 128;
+  const int t1_routed = n1 * sc.unit_off[a.E];
+  const int nb_shared = a.has_shared ? sc.unit_off[a.E + 1] - sc.unit_off[a.E] : 0;
+  const int t1 = t1_routed + (a.Is / 64) * nb_shared;
+  const int t2 = n2 * sc.unit_off[E_total];
+  const int tiles = t1 + t2;
+
+  if (warp < 4) {
+    // ======================= producer warpgroup =======================
+    sm90::setmaxnreg_dec<40>();
+    if (tid == 0) {
+      sm90::fence_proxy_async_global();
+      int it = 0;
+      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
+        const bool shared = tl.e == a.E;
+        if (tl.gemm == 2) {
+          // GEMM2 needs every GEMM1 tile of its (expert, token block).
+          const int need = (shared ? a.Is : a.I) / 64;
+          while (sm90::ld_acquire_gpu(&done1[tl.unit]) < need) {
+          }
+          sm90::fence_proxy_async_global();
+        }
+        for (int kb = 0; kb < tl.kblocks; ++kb, ++it) {
+          const int stage = it % kStages;
+          const uint32_t phase = (it / kStages) & 1;
+          sm90::mbar_wait(&empty_bar[stage], phase ^ 1);
+          uint8_t* st = smem + stage * kStageBytes;
+          uint8_t* w_s = st;
+          uint8_t* x_s = st + kWBytes;
+          uint8_t* s_s = st + kWBytes + kXBytes;
+          const uint32_t bytes = kWBytes + kXBytes + (tl.gemm == 1 ? 1 : 2) * BN * 4;
+          sm90::mbar_arrive_expect_tx(&full_bar[stage], bytes);
+          if (tl.gemm == 1) {
+            sm90::tma_load_5d(w_s, shared ? &tm.sw13 : &tm.w13, &full_bar[stage], kb * 128, 0, 0, tl.nblk * 8,
+                              shared ? 0 : tl.e);
+            sm90::tma_load_2d(x_s, &tm.x, &full_bar[stage], kb * 128, tl.row0);
+            sm90::tma_load_2d(s_s, &tm.xs, &full_bar[stage], tl.row0, kb);
+          } else {
+            sm90::tma_load_3d(w_s, shared ? &tm.sw2 : &tm.w2, &full_bar[stage], kb * 128, tl.nblk * 128,
+                              shared ? 0 : tl.e);
+            sm90::tma_load_2d(x_s, &tm.a2, &full_bar[stage], kb * 128, tl.row0);
+            sm90::tma_load_2d(s_s, &tm.a2s, &full_bar[stage], tl.row0, kb * 2);
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  // ======================= consumer warpgroups =======================
+  sm90::setmaxnreg_inc<232>();
+  const int ctid = tid - 128;     // 0..255
+  const int wg = ctid / 128;      // 0, 1
+  const int wwarp = (ctid / 32) % 4;  // warp inside the warpgroup
+  const int cwarp = ctid / 32;        // 0..7
+  const int lrow = wwarp * 16 + lane / 4;  // fragment row (and row + 8)
+  const int lcol = (lane % 4) * 2;         // fragment column (and + 1), plus 8 * j
+
+  float acc[kAcc];
+  float tmp[kAcc];
+  int it = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
+    const bool shared = tl.e == a.E;
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+
+    if (tl.gemm == 1) {
+      const int I_e = shared ? a.Is : a.I;
+      const float* wsc = shared ? a.sw13_scale : a.w13_scale + size_t(tl.e) * (2 * (a.I / 128)) * (a.H / 128);
+      const float* sg_row = wsc + size_t(tl.nblk / 2) * (a.H / 128);
+      const float* su_row = wsc + size_t(I_e / 128 + tl.nblk / 2) * (a.H / 128);
+      for (int kb = 0; kb < tl.kblocks; ++kb, ++it) {
+        const int stage = it % kStages;
+        const uint32_t phase = (it / kStages) & 1;
+        const float sg = __ldg(sg_row + kb), su = __ldg(su_row + kb);
+        sm90::mbar_wait(&full_bar[stage], phase);
+        const uint8_t* st = smem + stage * kStageBytes;
+        const uint8_t* w_s = st + wg * 64 * 128;
+        const uint8_t* x_s = st + kWBytes;
+        const float* s_s = reinterpret_cast<const float*>(st + kWBytes + kXBytes);
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          sm90::Wgmma<BN>::mma(tmp, sm90::smem_desc_sw128(w_s + k * 32), sm90::smem_desc_sw128(x_s + k * 32), k);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          const float sx0 = s_s[j * 8 + lcol], sx1 = s_s[j * 8 + lcol + 1];
+          acc[j * 4 + 0] = fmaf(tmp[j * 4 + 0], sx0 * sg, acc[j * 4 + 0]);
+          acc[j * 4 + 1] = fmaf(tmp[j * 4 + 1], sx1 * sg, acc[j * 4 + 1]);
+          acc[j * 4 + 2] = fmaf(tmp[j * 4 + 2], sx0 * su, acc[j * 4 + 2]);
+          acc[j * 4 + 3] = fmaf(tmp[j * 4 + 3], sx1 * su, acc[j * 4 + 3]);
+        }
+        sm90::mbar_arrive(&empty_bar[stage]);
+      }
+      // ---- GEMM1 epilogue: SwiGLU x routing weight, 1x64 E4M3 quantization ----
+      // Thread holds gate (row lrow) and up (row lrow + 8) of intermediate column
+      // wg * 32 + wwarp * 8 + lane / 4 for tokens j * 8 + lcol + {0, 1}.
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int n = j * 8 + lcol + c;
+          const float rw = n < tl.rows ? __ldcg(a.row_weight + tl.row0 + n) : 0.0f;
+          const float v = n < tl.rows ? num::swiglu(acc[j * 4 + c], acc[j * 4 + 2 + c], a.swiglu_limit, rw) : 0.0f;
+          acc[j * 4 + c] = v;
+          float m = fabsf(v);
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+          if (lane < 4) red[cwarp * BN + n] = m;
+        }
+      }
+      sm90::named_barrier(1, kConsumerThreads);
+      const int col = tl.nblk * 64 + wg * 32 + wwarp * 8 + lane / 4;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int n = j * 8 + lcol + c;
+          float amax = red[n];
+#pragma unroll
+          for (int w = 1; w < 8; ++w) amax = fmaxf(amax, red[w * BN + n]);
+          const float s = num::act_scale(amax);
+          const float inv = 1.0f / s;
+          if (n < tl.rows) {
+            a.act2[size_t(tl.row0 + n) * a.inter_pitch + col] = to_e4m3(acc[j * 4 + c] * inv);
+            if (cwarp == 0 && lane < 4) a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + n] = s;
+          }
+        }
+      }
+      sm90::fence_proxy_async_global();
+      __threadfence();
+      sm90::named_barrier(1, kConsumerThreads);  // also: red[] is free for the next tile
+      if (ctid == 0) sm90::red_release_gpu_add(&done1[tl.unit], 1);
+    } else {
+      const float* wsc = shared ? a.sw2_scale + size_t(tl.nblk) * (a.Is / 128)
+                                : a.w2_scale + (size_t(tl.e) * (a.H / 128) + tl.nblk) * (a.I / 128);
+      for (int kb = 0; kb < tl.kblocks; ++kb, ++it) {
+        const int stage = it % kStages;
+        const uint32_t phase = (it / kStages) & 1;
+        const float sw = __ldg(wsc + kb);
+        sm90::mbar_wait(&full_bar[stage], phase);
+        const uint8_t* st = smem + stage * kStageBytes;
+        const uint8_t* w_s = st + wg * 64 * 128;
+        const uint8_t* x_s = st + kWBytes;
+        const float* s_s = reinterpret_cast<const float*>(st + kWBytes + kXBytes);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          sm90::wgmma_fence();
+#pragma unroll
+          for (int k = 0; k < 2; ++k)
+            sm90::Wgmma<BN>::mma(tmp, sm90::smem_desc_sw128(w_s + (half * 2 + k) * 32),
+                                 sm90::smem_desc_sw128(x_s + (half * 2 + k) * 32), k);
+          sm90::wgmma_commit();
+          sm90::wgmma_wait<0>();
+#pragma unroll
+          for (int j = 0; j < BN / 8; ++j) {
+            const float sa0 = s_s[half * BN + j * 8 + lcol] * sw, sa1 = s_s[half * BN + j * 8 + lcol + 1] * sw;
+            acc[j * 4 + 0] = fmaf(tmp[j * 4 + 0], sa0, acc[j * 4 + 0]);
+            acc[j * 4 + 1] = fmaf(tmp[j * 4 + 1], sa1, acc[j * 4 + 1]);
+            acc[j * 4 + 2] = fmaf(tmp[j * 4 + 2], sa0, acc[j * 4 + 2]);
+            acc[j * 4 + 3] = fmaf(tmp[j * 4 + 3], sa1, acc[j * 4 + 3]);
+          }
+        }
+        sm90::mbar_arrive(&empty_bar[stage]);
+      }
+      // ---- GEMM2 epilogue: BF16 per-slot rows ----
+      const int f = tl.nblk * 128 + wg * 64 + lrow;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int n = j * 8 + lcol + c;
+          if (n < tl.rows) {
+            uint16_t* yr = a.y_rows + size_t(tl.row0 + n) * a.H;
+            yr[f] = bf16_encode(acc[j * 4 + c]);
+            yr[f + 8] = bf16_encode(acc[j * 4 + 2 + c]);
+          }
+        }
+      }
+      __threadfence();
+      sm90::named_barrier(1, kConsumerThreads);
+      if (ctid == 0) sm90::red_release_gpu_add(&a.counters[MoeWorkspaceLayout::kCounterDone2], 1);
+    }
+  }
+
+  // ---- Combine: y[t] = bf16(sum over slots, ascending, of the BF16 slot rows) ----
+  if (ctid == 0) {
+    while (sm90::ld_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2]) < t2) {
+    }
+  }
+  sm90::named_barrier(1, kConsumerThreads);
+  const int h8 = a.H / 8;
+  for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    for (int c8 = ctid; c8 < h8; c8 += kConsumerThreads) {
+      float sum[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum[i] = 0.0f;
+      for (int k = 0; k <= a.K; ++k) {
+        int r;
+        if (k < a.K) {
+          const int id = a.topk_ids[t * a.K + k];
+          if (id < 0) continue;
+          r = sc.row_off[id] + a.topk_pos[t * a.K + k];
+        } else {
+          if (!a.has_shared) break;
+          r = sc.row_off[a.E] + t;
+        }
+        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(a.y_rows + size_t(r) * a.H) + c8);
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          sum[2 * i] += __uint_as_float(w[i] << 16);
+          sum[2 * i + 1] += __uint_as_float(w[i] & 0xFFFF0000u);
+        }
+      }
+      uint4 o;
+      o.x = uint32_t(bf16_encode(sum[0])) | (uint32_t(bf16_encode(sum[1])) << 16);
+      o.y = uint32_t(bf16_encode(sum[2])) | (uint32_t(bf16_encode(sum[3])) << 16);
+      o.z = uint32_t(bf16_encode(sum[4])) | (uint32_t(bf16_encode(sum[5])) << 16);
+      o.w = uint32_t(bf16_encode(sum[6])) | (uint32_t(bf16_encode(sum[7])) << 16);
+      reinterpret_cast<uint4*>(a.y + size_t(t) * a.H)[c8] = o;
+    }
+  }
+}
+
+// ============================================================================
+// Host side: tensor maps and the plan
+// ============================================================================
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiledFn encode_fn() {
+  static EncodeTiledFn fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    MEGAMOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
+    MEGAMOE_CHECK(q == cudaDriverEntryPointSuccess && p, "cuTensorMapEncodeTiled not found in the driver");
+    return reinterpret_cast<EncodeTiledFn>(p);
+  }();
+  return fn;
+}
+
+CUtensorMap make_map(const char* what, CUtensorMapDataType dtype, int rank, const void* base,
+                     std::initializer_list<uint64_t> dims, std::initializer_list<uint64_t> strides_bytes,
+                     std::initializer_list<uint32_t> box, CUtensorMapSwizzle swizzle) {
+  CUtensorMap m{};
+  cuuint64_t d[5], s[4];
+  cuuint32_t b[5], es[5];
+  int i = 0;
+  for (auto v : dims) d[i++] = v;
+  i = 0;
+  for (auto v : strides_bytes) s[i++] = v;
+  i = 0;
+  for (auto v : box) b[i++] = v;
+  for (int k = 0; k < 5; ++k) es[k] = 1;
+  const CUresult r = encode_fn()(&m, dtype, cuuint32_t(rank), const_cast<void*>(base), d, s, b, es,
+                                 CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) throw std::runtime_error(std::string("cuTensorMapEncodeTiled failed for ") + what +
+                                                  " (CUresult " + std::to_string(int(r)) + ")");
+  return m;
+}
+
+constexpr int kBlockNs[] = {8, 16, 32, 64, 128};
+
+int block_n_index(int bn) {
+  for (int i = 0; i < 5; ++i)
+    if (kBlockNs[i] == bn) return i;
+  throw std::invalid_argument("fused_moe: unsupported block_n " + std::to_string(bn) + " (8, 16, 32, 64, 128)");
+}
+
+__global__ void set_int_kernel(int* p, int v) { *p = v; }
+
+template <int BN>
+void set_smem_attr() {
+  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          smem_bytes(BN)));
+}
+
+template <int BN>
+void launch_fused(const KernelArgs& args, const TensorMaps& maps, int grid, cudaStream_t stream) {
+  fused_moe_kernel<BN><<<grid, kThreads, smem_bytes(BN), stream>>>(args, maps);
+  MEGAMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+struct FusedMoePlan {
+  MoeShape shape;
+  MoeWorkspaceLayout ws;
+  MoeWeightsView w;
+  void* workspace = nullptr;
+  int num_sms = 0;
+  TensorMaps maps[5];
+  KernelArgs args{};
+};
+
+FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, const MoeWorkspaceLayout& ws,
+                                    void* workspace, const FusedMoeConfig& cfg) {
+  s.validate();
+  MEGAMOE_CHECK(s.hidden % 128 == 0, "fused_moe needs H % 128 == 0");
+  MEGAMOE_CHECK(s.inter % 128 == 0, "fused_moe needs I % 128 == 0");
+  MEGAMOE_CHECK(s.experts + (s.has_shared() ? 1 : 0) <= kMaxExpertsTotal, "fused_moe supports at most 511 experts");
+  auto plan = std::make_unique<FusedMoePlan>();
+  plan->shape = s;
+  plan->ws = ws;
+  plan->w = w;
+  plan->workspace = workspace;
+  int dev = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&plan->num_sms, cudaDevAttrMultiProcessorCount, dev));
+  if (cfg.num_sms > 0) plan->num_sms = std::min(plan->num_sms, cfg.num_sms);
+
+  const uint64_t H = s.hidden, I = s.inter, E = s.experts, Is = s.shared_inter(), R = ws.rows_cap;
+  const uint64_t P = ws.inter_pitch;
+  auto* base = static_cast<uint8_t*>(workspace);
+  TensorMaps wm{};
+  // w13 viewed as [E][group I/8][half 2][row 8][H]: a box {128, 8, 2, 8, 1} is 64 gate and 64 up rows
+  // interleaved by 8 (gate 0-7, up 0-7, gate 8-15, ...), 16 KB.
+  wm.w13 = make_map("w13", CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, w.w13, {H, 8, 2, I / 8, E}, {H, I * H, 8 * H, 2 * I * H},
+                    {128, 8, 2, 8, 1}, CU_TENSOR_MAP_SWIZZLE_128B);
+  wm.w2 = make_map("w2", CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, w.w2, {I, H, E}, {I, H * I}, {128, 128, 1},
+                   CU_TENSOR_MAP_SWIZZLE_128B);
+  if (s.has_shared()) {
+    MEGAMOE_CHECK(Is % 128 == 0, "fused_moe needs the shared intermediate % 128 == 0");
+    wm.sw13 = make_map("shared_w13", CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, w.shared_w13, {H, 8, 2, Is / 8, 1},
+                       {H, Is * H, 8 * H, 2 * Is * H}, {128, 8, 2, 8, 1}, CU_TENSOR_MAP_SWIZZLE_128B);
+    wm.sw2 = make_map("shared_w2", CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, w.shared_w2, {Is, H, 1}, {Is, H * Is},
+                      {128, 128, 1}, CU_TENSOR_MAP_SWIZZLE_128B);
+  } else {
+    wm.sw13 = wm.w13;
+    wm.sw2 = wm.w2;
+  }
+  for (int i = 0; i < 5; ++i) {
+    const uint32_t bn = kBlockNs[i];
+    TensorMaps m = wm;
+    m.x = make_map("x_sorted", CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base + ws.x_sorted.offset, {H, R}, {H}, {128, bn},
+                   CU_TENSOR_MAP_SWIZZLE_128B);
+    m.xs = make_map("x_sorted_scale", CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, base + ws.x_sorted_scale.offset,
+                    {R, H / 128}, {R * 4}, {bn, 1}, CU_TENSOR_MAP_SWIZZLE_NONE);
+    m.a2 = make_map("act2", CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base + ws.act2.offset, {P, R}, {P}, {128, bn},
+                    CU_TENSOR_MAP_SWIZZLE_128B);
+    m.a2s = make_map("act2_scale", CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, base + ws.act2_scale.offset,
+                     {R, P / num::kInterGroup}, {R * 4}, {bn, 2}, CU_TENSOR_MAP_SWIZZLE_NONE);
+    plan->maps[i] = m;
+  }
+  set_smem_attr<8>();
+  set_smem_attr<16>();
+  set_smem_attr<32>();
+  set_smem_attr<64>();
+  set_smem_attr<128>();
+
+  KernelArgs& a = plan->args;
+  a.H = s.hidden, a.I = s.inter, a.Is = s.shared_inter(), a.E = s.experts, a.K = s.topk;
+  a.has_shared = s.has_shared() ? 1 : 0;
+  a.rows_cap = ws.rows_cap, a.inter_pitch = ws.inter_pitch;
+  a.swiglu_limit = s.swiglu_limit;
+  a.counters = reinterpret_cast<int*>(base + ws.counters.offset);
+  a.topk_ids = reinterpret_cast<const int*>(base + ws.topk_ids.offset);
+  a.topk_weights = reinterpret_cast<const float*>(base + ws.topk_weights.offset);
+  a.topk_pos = reinterpret_cast<const int*>(base + ws.topk_pos.offset);
+  a.x_sorted = base + ws.x_sorted.offset;
+  a.x_sorted_scale = reinterpret_cast<float*>(base + ws.x_sorted_scale.offset);
+  a.row_weight = reinterpret_cast<float*>(base + ws.row_weight.offset);
+  a.act2 = base + ws.act2.offset;
+  a.act2_scale = reinterpret_cast<float*>(base + ws.act2_scale.offset);
+  a.y_rows = reinterpret_cast<uint16_t*>(base + ws.y_rows.offset);
+  a.w13_scale = w.w13_scale, a.w2_scale = w.w2_scale;
+  a.sw13_scale = w.shared_w13_scale, a.sw2_scale = w.shared_w2_scale;
+  return plan.release();
+}
+
+void fused_moe_plan_destroy(FusedMoePlan* plan) { delete plan; }
+
+void set_device_int(int* p, int v, cudaStream_t stream) {
+  set_int_kernel<<<1, 1, 0, stream>>>(p, v);
+  MEGAMOE_CUDA_CHECK_LAUNCH();
+}
+
+RoutingOutputs routing_outputs(const FusedMoePlan* p) {
+  auto* base = static_cast<const uint8_t*>(p->workspace);
+  return {reinterpret_cast<const int32_t*>(base + p->ws.topk_ids.offset),
+          reinterpret_cast<const float*>(base + p->ws.topk_weights.offset)};
+}
+
+FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
+  FusedMoeConfig cfg = choose_config(p->shape, tokens, p->num_sms);
+  cfg.router_ksplit = choose_router_ksplit(p->shape, tokens, p->num_sms, p->ws.max_ksplit);
+  return cfg;
+}
+
+void route_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint, cudaStream_t stream) {
+  auto* base = static_cast<uint8_t*>(p->workspace);
+  MEGAMOE_CUDA_CHECK(cudaMemsetAsync(base + p->ws.counters.offset, 0, p->ws.counters.bytes, stream));
+  RouteArgs r;
+  r.x = t.x;
+  r.router = p->w.router;
+  r.bias = p->shape.correction_bias ? p->w.bias : nullptr;
+  r.num_tokens = t.num_tokens;
+  r.partial = reinterpret_cast<float*>(base + p->ws.logits_partial.offset);
+  r.ids = reinterpret_cast<int32_t*>(base + p->ws.topk_ids.offset);
+  r.weights = reinterpret_cast<float*>(base + p->ws.topk_weights.offset);
+  r.pos = reinterpret_cast<int32_t*>(base + p->ws.topk_pos.offset);
+  r.expert_counts = reinterpret_cast<int*>(base + p->ws.counters.offset) + MoeWorkspaceLayout::kCounterExperts;
+  r.max_tokens = p->ws.max_tokens;
+  r.ksplit = choose_router_ksplit(p->shape, host_tokens_hint, p->num_sms, p->ws.max_ksplit);
+  launch_route(p->shape, r, host_tokens_hint, p->num_sms, stream);
+}
+
+void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint, cudaStream_t stream) {
+  MEGAMOE_CHECK(host_tokens_hint >= 0 && host_tokens_hint <= p->ws.max_tokens,
+                "token count " + std::to_string(host_tokens_hint) + " exceeds the workspace's max_tokens " +
+                    std::to_string(p->ws.max_tokens));
+  route_forward(p, t, host_tokens_hint, stream);
+  const FusedMoeConfig cfg = fused_moe_config(p, host_tokens_hint);
+  maybe_print_config(p->shape, host_tokens_hint, cfg);
+  KernelArgs a = p->args;
+  a.num_tokens = t.num_tokens;
+  a.x = t.x;
+  a.y = t.y;
+  const TensorMaps& maps = p->maps[block_n_index(cfg.block_n)];
+  switch (cfg.block_n) {
+    case 8: launch_fused<8>(a, maps, p->num_sms, stream); break;
+    case 16: launch_fused<16>(a, maps, p->num_sms, stream); break;
+    case 32: launch_fused<32>(a, maps, p->num_sms, stream); break;
+    case 64: launch_fused<64>(a, maps, p->num_sms, stream); break;
+    default: launch_fused<128>(a, maps, p->num_sms, stream); break;
+  }
+}
+
+}  // namespace megamoe::kernels

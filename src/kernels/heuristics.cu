@@ -1,0 +1,44 @@
+#include "heuristics.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+
+namespace megamoe::kernels {
+
+FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms) {
+  FusedMoeConfig c;
+  const double avg_rows = double(tokens) * s.topk / s.experts;
+  c.block_n = 128;
+  for (int bn : {8, 16, 32, 64, 128}) {
+    if (bn >= avg_rows) {
+      c.block_n = bn;
+      break;
+    }
+  }
+  if (const char* env = std::getenv("MEGAMOE_BLOCK_N")) c.block_n = std::atoi(env);
+  c.stages = stages_for(c.block_n);
+  c.num_sms = num_sms;
+  return c;
+}
+
+int choose_router_ksplit(const MoeShape& s, int tokens, int num_sms, int max_ksplit) {
+  const int tiles = std::max(1, (tokens + 31) / 32) * ((s.experts + 63) / 64);
+  int ksplit = std::max(1, (2 * num_sms) / tiles);
+  ksplit = std::min({ksplit, max_ksplit, s.hidden / 256});
+  return std::max(1, ksplit);
+}
+
+std::string describe(const FusedMoeConfig& c) {
+  return fmt::format("block_m={} block_n={} block_k={} stages={} smem={}B sms={} router_ksplit={}", kBlockM,
+                     c.block_n, kBlockK, c.stages, smem_bytes(c.block_n), c.num_sms, c.router_ksplit);
+}
+
+void maybe_print_config(const MoeShape& s, int tokens, const FusedMoeConfig& c) {
+  const char* env = std::getenv("MEGAMOE_PRINT_CONFIG");
+  if (env && env[0] == '1') std::fprintf(stderr, "megamoe: T=%d %s: %s\n", tokens, s.describe().c_str(), describe(c).c_str());
+}
+
+}  // namespace megamoe::kernels

@@ -1,0 +1,30 @@
+// Routing kernels (SPEC §6): router GEMM with deterministic split-K, then
+// per-token scores, correction bias, grouped top-k, weights and per-expert
+// row positions. Raw pointers only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "megamoe/model/shape.h"
+
+namespace megamoe::kernels {
+
+struct RouteArgs {
+  const uint16_t* x = nullptr;   // bf16 [T][H]
+  const void* router = nullptr;  // bf16 or f32 [E][H]
+  const float* bias = nullptr;   // [E] or null
+  const int* num_tokens = nullptr;
+  float* partial = nullptr;      // [ksplit][max_tokens][E]
+  int32_t* ids = nullptr;        // [T][K]
+  float* weights = nullptr;      // [T][K]
+  int32_t* pos = nullptr;        // [T][K]
+  int* expert_counts = nullptr;  // [E], zeroed before
+  int max_tokens = 0;
+  int ksplit = 1;
+};
+
+void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms, cudaStream_t stream);
+
+}  // namespace megamoe::kernels

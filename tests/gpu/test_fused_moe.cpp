@@ -1,0 +1,246 @@
+// GPU tests of the fused Hopper MoE path against the kernel-faithful CPU
+// reference (run on the device machine; skipped without an sm_90 device).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "megamoe/api/forward.h"
+#include "megamoe/api/moe_layer.h"
+#include "megamoe/reference/moe.h"
+#include "megamoe/weights/host_weights.h"
+
+namespace megamoe {
+namespace {
+
+#define CK(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+bool have_device() { return api::cuda_available(); }
+
+std::vector<num::bf16_t> random_x(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<num::bf16_t> v(n);
+  for (auto& x : v) x = num::bf16_encode(nd(rng));
+  return v;
+}
+
+struct Compare {
+  double rel_l2 = 0;
+  int64_t bad = 0;
+  int64_t nonfinite = 0;
+  std::string first;
+};
+
+// y (bf16 from the GPU) vs ref (float holding bf16): atol + rtol*|ref| per
+// element with atol scaled to the output's RMS, plus the relative L2.
+Compare compare(const std::vector<num::bf16_t>& y, const std::vector<float>& ref, int H, double rtol = 0.05,
+                double atol_rms = 0.05) {
+  Compare c;
+  double num = 0, den = 0, sq = 0;
+  for (float r : ref) sq += double(r) * r;
+  const double rms = std::sqrt(sq / std::max<size_t>(1, ref.size()));
+  const double atol = atol_rms * rms;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double a = num::bf16_decode(y[i]), r = ref[i];
+    if (!std::isfinite(a)) {
+      ++c.nonfinite;
+      if (c.first.empty()) c.first = "non-finite at token " + std::to_string(i / H) + " col " + std::to_string(i % H);
+      continue;
+    }
+    num += (a - r) * (a - r);
+    den += r * r;
+    if (std::fabs(a - r) > atol + rtol * std::fabs(r)) {
+      if (c.bad == 0)
+        c.first = "token " + std::to_string(i / H) + " col " + std::to_string(i % H) + ": got " + std::to_string(a) +
+                  " want " + std::to_string(r);
+      ++c.bad;
+    }
+  }
+  c.rel_l2 = den > 0 ? std::sqrt(num / den) : (num > 0 ? INFINITY : 0);
+  if (c.nonfinite) c.rel_l2 = INFINITY;
+  return c;
+}
+
+// Runs the CUDA layer on x and returns y, ids, weights (y poisoned first).
+struct GpuRun {
+  std::vector<num::bf16_t> y;
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+};
+
+GpuRun run_gpu(api::CudaMoeLayer& layer, const std::vector<num::bf16_t>& x, int T) {
+  const MoeShape& s = layer.shape();
+  GpuRun r;
+  const size_t n = size_t(T) * s.hidden;
+  num::bf16_t *dx = nullptr, *dy = nullptr;
+  EXPECT_EQ(cudaMalloc(&dx, std::max<size_t>(16, n * 2)), cudaSuccess);
+  EXPECT_EQ(cudaMalloc(&dy, std::max<size_t>(16, n * 2)), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(dx, x.data(), n * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemset(dy, 0xFF, std::max<size_t>(16, n * 2)), cudaSuccess);  // poison: bf16 NaN
+  layer.forward(dx, dy, T, nullptr, nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  r.y.resize(n);
+  r.ids.resize(size_t(T) * s.topk);
+  r.w.resize(size_t(T) * s.topk);
+  EXPECT_EQ(cudaMemcpy(r.y.data(), dy, n * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  if (T > 0) {
+    EXPECT_EQ(cudaMemcpy(r.ids.data(), layer.topk_ids(), r.ids.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(r.w.data(), layer.topk_weights(), r.w.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+  cudaFree(dx);
+  cudaFree(dy);
+  return r;
+}
+
+void check_against_reference(const MoeShape& s, int T, uint64_t seed, double l2_tol = 5e-3) {
+  HostMoeWeights w = make_random_weights(s, seed);
+  const auto x = random_x(size_t(T) * s.hidden, seed + 1);
+  api::MoeLayerOptions opt;
+  opt.max_tokens = std::max(T, 1);
+  api::CudaMoeLayer layer(w, opt);
+  const GpuRun g = run_gpu(layer, x, T);
+
+  std::vector<int32_t> ids(size_t(T) * s.topk);
+  std::vector<float> wts(size_t(T) * s.topk);
+  ref::route(s, w.view(), x.data(), T, ids.data(), wts.data());
+  ASSERT_EQ(g.ids, ids) << "routing ids differ from the CPU reference";
+  for (size_t i = 0; i < wts.size(); ++i)
+    ASSERT_NEAR(g.w[i], wts[i], 1e-5 * std::fabs(wts[i]) + 1e-7) << "routing weight " << i;
+
+  std::vector<float> ref(size_t(T) * s.hidden);
+  ref::moe_layer(s, w.view(), x.data(), T, ids.data(), wts.data(), ref::Mode::kKernelFaithful, ref.data());
+  const Compare c = compare(g.y, ref, s.hidden);
+  std::printf("  %s T=%d: rel_l2 %.3e, bad %lld / %zu, config %s\n", s.describe().c_str(), T, c.rel_l2,
+              (long long)c.bad, ref.size(), layer.config_for(T).c_str());
+  EXPECT_EQ(c.nonfinite, 0) << c.first;
+  EXPECT_LE(c.rel_l2, l2_tol) << c.first;
+  EXPECT_EQ(c.bad, 0) << c.first;
+}
+
+MoeShape reduced_shape() {
+  MoeShape s;
+  s.hidden = 1024, s.inter = 512, s.experts = 32, s.topk = 4, s.shared_experts = 1;
+  s.routed_scaling = 2.5f, s.swiglu_limit = 10.0f, s.router_dtype = RouterDtype::kF32;
+  return s;
+}
+
+class FusedMoe : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!have_device()) GTEST_SKIP() << "no sm_90 device";
+    unsetenv("MEGAMOE_BLOCK_N");
+  }
+};
+
+TEST_F(FusedMoe, ReducedShapeSmallT) {
+  for (int T : {1, 3, 8, 64}) check_against_reference(reduced_shape(), T, 100 + T);
+}
+
+TEST_F(FusedMoe, ReducedShapeLargeT) {
+  for (int T : {512, 2048}) check_against_reference(reduced_shape(), T, 200 + T);
+}
+
+TEST_F(FusedMoe, DeepSeekStyleGroupedBf16Router) {
+  MoeShape s = reduced_shape();
+  s.n_group = 8, s.topk_group = 4, s.router_dtype = RouterDtype::kBF16, s.swiglu_limit = 0;
+  check_against_reference(s, 96, 7);
+}
+
+TEST_F(FusedMoe, NoSharedExpertSoftmax) {
+  MoeShape s = reduced_shape();
+  s.shared_experts = 0, s.score = ScoreFunc::kSoftmax, s.correction_bias = false;
+  check_against_reference(s, 40, 8);
+}
+
+TEST_F(FusedMoe, PresetShapesSmallT) {
+  for (const char* name : {"glm-4.7-flash", "glm-5.3-flash", "glm-5", "deepseek-v3"}) {
+    const MoeShape s = find_preset(name).shape;
+    check_against_reference(s, 8, 11);
+  }
+}
+
+TEST_F(FusedMoe, ZeroTokens) {
+  HostMoeWeights w = make_random_weights(reduced_shape(), 3);
+  api::MoeLayerOptions opt;
+  opt.max_tokens = 16;
+  api::CudaMoeLayer layer(w, opt);
+  const GpuRun g = run_gpu(layer, {}, 0);
+  EXPECT_TRUE(g.y.empty());
+}
+
+TEST_F(FusedMoe, DeterministicAndTileIndependent) {
+  const MoeShape s = reduced_shape();
+  HostMoeWeights w = make_random_weights(s, 21);
+  const int T = 200;
+  const auto x = random_x(size_t(T) * s.hidden, 22);
+  api::MoeLayerOptions opt;
+  opt.max_tokens = T;
+  api::CudaMoeLayer layer(w, opt);
+  const GpuRun a = run_gpu(layer, x, T);
+  const GpuRun b = run_gpu(layer, x, T);
+  EXPECT_EQ(0, std::memcmp(a.y.data(), b.y.data(), a.y.size() * 2)) << "two runs differ";
+  for (const char* bn : {"8", "16", "32", "64", "128"}) {
+    setenv("MEGAMOE_BLOCK_N", bn, 1);
+    const GpuRun c = run_gpu(layer, x, T);
+    EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2)) << "block_n " << bn << " changes the bytes";
+  }
+  unsetenv("MEGAMOE_BLOCK_N");
+}
+
+TEST_F(FusedMoe, TooManyTokensIsAnError) {
+  HostMoeWeights w = make_random_weights(reduced_shape(), 3);
+  api::MoeLayerOptions opt;
+  opt.max_tokens = 16;
+  api::CudaMoeLayer layer(w, opt);
+  EXPECT_THROW(layer.forward(nullptr, nullptr, 17, nullptr, nullptr), std::invalid_argument);
+}
+
+TEST_F(FusedMoe, GraphReplayWithDeviceTokenCount) {
+  const MoeShape s = reduced_shape();
+  HostMoeWeights w = make_random_weights(s, 31);
+  const int Tmax = 256;
+  const auto x = random_x(size_t(Tmax) * s.hidden, 32);
+  api::MoeLayerOptions opt;
+  opt.max_tokens = Tmax;
+  api::CudaMoeLayer layer(w, opt);
+  num::bf16_t *dx = nullptr, *dy = nullptr;
+  int* dT = nullptr;
+  CK(cudaMalloc(&dx, x.size() * 2));
+  CK(cudaMalloc(&dy, x.size() * 2));
+  CK(cudaMalloc(&dT, sizeof(int)));
+  CK(cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+  cudaStream_t st;
+  CK(cudaStreamCreate(&st));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  layer.forward(dx, dy, Tmax, dT, st);
+  CK(cudaStreamEndCapture(st, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int T : {37, 256, 1, 100}) {
+    CK(cudaMemcpy(dT, &T, sizeof(int), cudaMemcpyHostToDevice));
+    CK(cudaMemset(dy, 0xFF, x.size() * 2));
+    CK(cudaGraphLaunch(exec, st));
+    CK(cudaStreamSynchronize(st));
+    std::vector<num::bf16_t> yg(size_t(T) * s.hidden);
+    CK(cudaMemcpy(yg.data(), dy, yg.size() * 2, cudaMemcpyDeviceToHost));
+    std::vector<num::bf16_t> xt(x.begin(), x.begin() + size_t(T) * s.hidden);
+    const GpuRun eager = run_gpu(layer, xt, T);
+    EXPECT_EQ(0, std::memcmp(yg.data(), eager.y.data(), yg.size() * 2)) << "graph replay at T=" << T;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
+  cudaFree(dx);
+  cudaFree(dy);
+  cudaFree(dT);
+}
+
+}  // namespace
+}  // namespace megamoe

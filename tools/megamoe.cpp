@@ -1,0 +1,287 @@
+// The `megamoe` command: demo, forward, bench, make-checkpoint, inspect.
+// Every error names what is wrong and exits non-zero.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "megamoe/api/bench.h"
+#include "megamoe/api/forward.h"
+#include "megamoe/io/checkpoint.h"
+#include "megamoe/io/safetensors.h"
+#include "megamoe/model/config.h"
+#include "megamoe/reference/moe.h"
+#include "megamoe/weights/host_weights.h"
+
+namespace fs = std::filesystem;
+using namespace megamoe;
+
+namespace {
+
+std::vector<num::bf16_t> random_tokens(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<num::bf16_t> x(n);
+  for (auto& v : x) v = num::bf16_encode(nd(rng));
+  return x;
+}
+
+double rel_l2(const std::vector<float>& a, const std::vector<float>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    num += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
+    den += double(ref[i]) * ref[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : 0.0;
+}
+
+// ---------------------------------------------------------------- demo
+struct DemoArgs {
+  std::string preset = "glm-5.3-flash";
+  int tokens = 64;
+  std::string backend = "auto";
+  int check_tokens = 4;
+  uint64_t seed = 1;
+};
+
+int run_demo(const DemoArgs& a) {
+  const Preset& p = find_preset(a.preset);
+  const MoeShape& s = p.shape;
+  if (a.tokens < 1) throw std::invalid_argument(fmt::format("--tokens {} must be >= 1", a.tokens));
+  api::Backend b = api::parse_backend(a.backend);
+  std::string why;
+  if (b == api::Backend::kAuto) {
+    b = api::resolve(b);
+    if (b == api::Backend::kCpu) {
+      api::cuda_available(&why);
+      fmt::print("backend: auto -> cpu ({})\n", why);
+    } else {
+      fmt::print("backend: auto -> cuda\n");
+    }
+  }
+  fmt::print("preset {} ({}): {}\n", p.name, p.model_type, s.describe());
+  const auto t0 = std::chrono::steady_clock::now();
+  HostMoeWeights w = make_random_weights(s, a.seed);
+  const double gen_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  fmt::print("random block-FP8 layer: {:.2f} GB of weights in {:.1f} s (non-power-of-two scales)\n",
+             w.bytes() * 1e-9, gen_s);
+  const auto x = random_tokens(size_t(a.tokens) * s.hidden, a.seed + 7);
+  const api::ForwardOutput out = api::forward(b, w, x.data(), a.tokens);
+  const double gflop = a.tokens * s.flops_per_token() * 1e-9;
+  fmt::print("forward on {}: {} tokens in {:.3f} ms, {:.1f} GFLOP/s ({:.1f} GFLOP)\n", api::to_string(out.backend),
+             a.tokens, out.seconds * 1e3, gflop / out.seconds, gflop);
+
+  // Check a sample of tokens against the float64 reference with unquantized activations.
+  const int n = std::min(a.check_tokens, a.tokens);
+  std::vector<int32_t> ids(size_t(n) * s.topk);
+  std::vector<float> wts(ids.size());
+  ref::route(s, w.view(), x.data(), n, ids.data(), wts.data());
+  int id_mismatch = 0;
+  for (size_t i = 0; i < ids.size(); ++i) id_mismatch += ids[i] != out.ids[i];
+  std::vector<float> exact(size_t(n) * s.hidden), got(exact.size());
+  ref::moe_layer(s, w.view(), x.data(), n, ids.data(), wts.data(), ref::Mode::kExact, exact.data());
+  for (size_t i = 0; i < got.size(); ++i) got[i] = num::bf16_decode(out.y[i]);
+  const double err = rel_l2(got, exact);
+  fmt::print("check on {} tokens: routing ids {} vs the reference; relative L2 vs exact float64 = {:.3e} "
+             "(FP8 activations explain a few 1e-2)\n",
+             n, id_mismatch == 0 ? "identical" : fmt::format("{} DIFFER", id_mismatch), err);
+  if (id_mismatch || !(err < 0.1)) {
+    fmt::print(stderr, "demo: FAILED (ids differ or error too large)\n");
+    return 1;
+  }
+  fmt::print("demo: OK\n");
+  return 0;
+}
+
+// ---------------------------------------------------------------- forward
+struct ForwardArgs {
+  std::string checkpoint, input, output, backend = "auto";
+  int layer = -1;
+  int ranks = 1;
+};
+
+int run_forward(const ForwardArgs& a) {
+  const ModelDesc desc = load_config(a.checkpoint);
+  if (!desc.is_moe_layer(a.layer)) {
+    throw std::invalid_argument(fmt::format("--layer {} is not an MoE layer of {} (MoE layers: {})", a.layer,
+                                            a.checkpoint, fmt::join(desc.moe_layers, ",")));
+  }
+  const io::Checkpoint ckpt(a.checkpoint);
+  HostMoeWeights w = io::load_moe_layer(ckpt, desc, a.layer);
+  const MoeShape& s = w.shape;
+  const io::SafetensorsFile in(a.input);
+  const io::TensorView xv = in.at("x");
+  if (xv.dtype != io::Dtype::kBF16 || xv.shape.size() != 2 || xv.shape[1] != s.hidden)
+    throw std::invalid_argument(fmt::format("{}: tensor 'x' must be BF16 [T, {}], found {} {}", a.input, s.hidden,
+                                            io::to_string(xv.dtype), io::format_shape(xv.shape)));
+  const int T = int(xv.shape[0]);
+  std::vector<num::bf16_t> x(size_t(T) * s.hidden);
+  std::memcpy(x.data(), xv.data, x.size() * 2);
+  const api::ForwardOutput out = api::forward(api::parse_backend(a.backend), w, x.data(), T, a.ranks);
+  std::vector<io::TensorToWrite> t;
+  t.push_back({"y", io::Dtype::kBF16, {T, s.hidden}, out.y.data(), out.y.size() * 2});
+  t.push_back({"topk_ids", io::Dtype::kI32, {T, s.topk}, out.ids.data(), out.ids.size() * 4});
+  t.push_back({"topk_weights", io::Dtype::kF32, {T, s.topk}, out.weights.data(), out.weights.size() * 4});
+  io::write_safetensors(a.output, t,
+                        {{"backend", api::to_string(out.backend)}, {"layer", std::to_string(a.layer)},
+                         {"ranks", std::to_string(a.ranks)}});
+  fmt::print("forward: layer {} of {} ({}), {} tokens on {} (ranks {}) in {:.3f} ms -> {}\n", a.layer,
+             a.checkpoint, desc.family, T, api::to_string(out.backend), a.ranks, out.seconds * 1e3, a.output);
+  return 0;
+}
+
+// ---------------------------------------------------------------- bench
+struct BenchArgs {
+  std::vector<std::string> presets;
+  std::vector<int> tokens;
+  std::string json;
+  bool no_baseline = false, no_ep = false;
+  int iters = 15;
+  std::string commit, command;
+};
+
+int run_bench_cmd(const BenchArgs& a) {
+  std::string why;
+  if (!api::cuda_available(&why)) throw std::runtime_error("bench needs the CUDA backend: " + why);
+#if defined(MEGAMOE_HAVE_CUDA)
+  api::BenchOptions o;
+  if (!a.presets.empty()) o.presets = a.presets;
+  if (!a.tokens.empty()) o.tokens = a.tokens;
+  o.baseline = !a.no_baseline;
+  o.ep8_share = !a.no_ep;
+  o.iters = a.iters;
+  for (const auto& p : o.presets) find_preset(p);  // fail early on a bad name
+  nlohmann::json j = api::run_bench(o, [](const std::string& line) {
+    fmt::print("{}\n", line);
+    std::fflush(stdout);
+  });
+  j["commit"] = a.commit;
+  j["command"] = a.command;
+  const auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+  char date[32];
+  std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  j["date"] = date;
+  if (!a.json.empty()) {
+    std::ofstream f(a.json);
+    if (!f) throw std::runtime_error("cannot write " + a.json);
+    f << j.dump(2) << "\n";
+    fmt::print("wrote {}\n", a.json);
+  }
+#endif
+  return 0;
+}
+
+// ---------------------------------------------------------------- make-checkpoint / inspect
+struct MakeArgs {
+  std::string preset = "glm-4.7-flash", out;
+  int layers = 1;
+  bool pow2 = false;
+  uint64_t seed = 1;
+  int hidden = 0, inter = 0, experts = 0, topk = 0;
+};
+
+int run_make(const MakeArgs& a) {
+  const Preset& p = find_preset(a.preset);
+  std::optional<MoeShape> shape;
+  if (a.hidden || a.inter || a.experts || a.topk) {
+    MoeShape s = p.shape;
+    if (a.hidden) s.hidden = a.hidden;
+    if (a.inter) s.inter = a.inter;
+    if (a.experts) s.experts = a.experts;
+    if (a.topk) s.topk = a.topk;
+    if (s.n_group > 1 && s.experts % s.n_group != 0) s.n_group = s.topk_group = 1;
+    s.validate();
+    shape = s;
+  }
+  const ModelDesc d = io::write_synthetic_checkpoint(a.out, p, a.layers, a.seed, a.pow2, shape);
+  fmt::print("wrote {} ({}): {} MoE layers, {}\n", a.out, d.family, d.moe_layers.size(), d.shape.describe());
+  return 0;
+}
+
+int run_inspect(const std::string& path) {
+  const ModelDesc d = load_config(path);
+  fmt::print("model_type {} (family {}): {}\n", d.model_type, d.family, d.shape.describe());
+  fmt::print("layers {}, MoE layers {}\n", d.num_layers, d.moe_layers.size());
+  const io::Checkpoint ckpt(path);
+  fmt::print("{} shards, {} tensors\n", ckpt.num_files(), ckpt.names().size());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"megamoe: FP8 Mixture-of-Experts layers (DeepSeek-V3 / GLM-5 family) on Hopper GPUs and the CPU"};
+  app.require_subcommand(1);
+
+  DemoArgs demo;
+  auto* c_demo = app.add_subcommand("demo", "Run a random layer of a preset shape and check it against float64");
+  c_demo->add_option("--preset", demo.preset, "glm-5.3-flash | glm-5 | deepseek-v3 | glm-4.7-flash")
+      ->capture_default_str();
+  c_demo->add_option("--tokens", demo.tokens, "tokens in the batch")->capture_default_str();
+  c_demo->add_option("--backend", demo.backend, "auto | cpu | cuda")->capture_default_str();
+  c_demo->add_option("--check-tokens", demo.check_tokens, "tokens checked against the exact reference")
+      ->capture_default_str();
+  c_demo->add_option("--seed", demo.seed)->capture_default_str();
+
+  ForwardArgs fwd;
+  auto* c_fwd = app.add_subcommand("forward", "Run one MoE layer of a checkpoint on x from a safetensors file");
+  c_fwd->add_option("--checkpoint", fwd.checkpoint, "HF-layout checkpoint directory")->required();
+  c_fwd->add_option("--layer", fwd.layer, "decoder layer index (an MoE layer)")->required();
+  c_fwd->add_option("--input", fwd.input, "safetensors file with x: BF16 [T, H]")->required();
+  c_fwd->add_option("--output", fwd.output, "safetensors file to write y, topk_ids, topk_weights")->required();
+  c_fwd->add_option("--backend", fwd.backend, "auto | cpu | cuda")->capture_default_str();
+  c_fwd->add_option("--ranks", fwd.ranks, "expert-parallel ranks (tokens split evenly)")->capture_default_str();
+
+  BenchArgs bench;
+  auto* c_bench = app.add_subcommand("bench", "Time the CUDA layer against the floors and cuBLASLt (GPU only)");
+  c_bench->add_option("--preset", bench.presets, "presets (default: glm-5.3-flash glm-5 deepseek-v3)");
+  c_bench->add_option("--tokens", bench.tokens, "token counts (default: 1 8 64 256 1024 4096 16384)");
+  c_bench->add_option("--json", bench.json, "write the results as JSON here");
+  c_bench->add_option("--iters", bench.iters, "timed iterations per case")->capture_default_str();
+  c_bench->add_flag("--no-baseline", bench.no_baseline, "skip the cuBLASLt baseline");
+  c_bench->add_flag("--no-ep", bench.no_ep, "skip the 8-way expert-parallel share");
+  c_bench->add_option("--commit", bench.commit, "commit id recorded in the JSON");
+  c_bench->add_option("--command", bench.command, "command line recorded in the JSON");
+
+  MakeArgs mk;
+  auto* c_make = app.add_subcommand("make-checkpoint", "Write a synthetic HF-layout block-FP8 checkpoint");
+  c_make->add_option("--preset", mk.preset)->capture_default_str();
+  c_make->add_option("--layers", mk.layers, "MoE layers to write")->capture_default_str();
+  c_make->add_option("--out", mk.out, "output directory")->required();
+  c_make->add_flag("--pow2-scales", mk.pow2, "round every block scale to a power of two");
+  c_make->add_option("--seed", mk.seed)->capture_default_str();
+  c_make->add_option("--hidden", mk.hidden, "override H (small test checkpoints)");
+  c_make->add_option("--inter", mk.inter, "override I");
+  c_make->add_option("--experts", mk.experts, "override E");
+  c_make->add_option("--topk", mk.topk, "override K");
+
+  std::string inspect_path;
+  auto* c_inspect = app.add_subcommand("inspect", "Summarize a checkpoint directory");
+  c_inspect->add_option("path", inspect_path, "checkpoint directory")->required();
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (*c_demo) return run_demo(demo);
+    if (*c_fwd) return run_forward(fwd);
+    if (*c_bench) return run_bench_cmd(bench);
+    if (*c_make) return run_make(mk);
+    if (*c_inspect) return run_inspect(inspect_path);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "megamoe: error: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}
