@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The test command: build, then the CPU test suite (ctest), the end-to-end
+# forward check against an independent float64 implementation, and a bounded
+# fuzzing run of the safetensors header parser. GPU tests are a separate
+# binary (build/megamoe_gpu_tests) run on a machine with an H100/H200.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+(cd build && ctest --output-on-failure -j"$(nproc)")
+if [ -x tests/tools/test_forward_float64.sh ]; then
+  python3 -c "import numpy" 2>/dev/null || python3 -m pip install -q numpy
+  tests/tools/test_forward_float64.sh "$PWD/build/megamoe"
+fi
+if [ -x scripts/fuzz.sh ]; then scripts/fuzz.sh; fi

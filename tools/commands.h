@@ -1,0 +1,19 @@
+// Subcommand groups of the `megamoe` tool, each in its own file.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <functional>
+#include <vector>
+
+namespace megamoe::tools {
+
+struct Command {
+  CLI::App* app;              // the subcommand (selected when *app is true after parsing)
+  std::function<int()> run;   // runs it; returns the exit code, throws on error
+};
+
+// inspect, make-checkpoint, reload-check (tools/checkpoint_commands.cpp).
+std::vector<Command> add_checkpoint_commands(CLI::App& app);
+
+}  // namespace megamoe::tools
