@@ -1,0 +1,57 @@
+// device_memory.h with CUDA: thin checked wrappers over the CUDA runtime
+// (the non-CUDA build gets throwing stubs from src/weights/device_memory.cpp).
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <stdexcept>
+
+#include "../kernels/cuda_check.h"
+#include "megamoe/weights/device_memory.h"
+
+namespace megamoe::dev {
+
+bool device_memory_available(std::string* why) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n == 0) {
+    cudaGetLastError();  // clear the sticky error so later calls are not confused by it
+    if (why)
+      *why = e != cudaSuccess ? std::string("no CUDA device: ") + cudaGetErrorString(e) : "no CUDA device";
+    return false;
+  }
+  return true;
+}
+
+void* device_alloc(size_t bytes) {
+  void* p = nullptr;
+  const cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    throw std::runtime_error(fmt::format("cudaMalloc of {} bytes failed: {} ({})", bytes, cudaGetErrorName(e),
+                                         cudaGetErrorString(e)));
+  }
+  return p;
+}
+
+void device_free(void* p) noexcept {
+  if (p) cudaFree(p);
+}
+
+void copy_to_device(void* dst, const void* src, size_t bytes) {
+  if (bytes) MEGAMOE_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+}
+
+void copy_to_host(void* dst, const void* src, size_t bytes) {
+  if (bytes) MEGAMOE_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+}
+
+void device_memset(void* dst, int value, size_t bytes) {
+  if (bytes) {
+    MEGAMOE_CUDA_CHECK(cudaMemset(dst, value, bytes));
+    // NOTE: cudaMemset is asynchronous for device memory; the store's
+    // contract is that a call returns with the bytes in place.
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+}
+
+}  // namespace megamoe::dev

@@ -1,0 +1,128 @@
+// The checkpoint commands end to end through the CLI binary: inspect (text
+// and --json), reload-check in both modes, load-bench, and their errors.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "store_support.h"
+
+namespace megamoe {
+namespace {
+
+using test::run_cli;
+using test::TempDir;
+
+std::string make_small(const std::filesystem::path& dir, bool pow2, int layers = 2) {
+  const auto r =
+      run_cli(fmt::format("make-checkpoint --preset glm-5.3-flash --hidden 256 --inter 128 --experts 8 "
+                          "--topk 4 --layers {} --out '{}'{}",
+                          layers, dir.string(), pow2 ? " --pow2-scales" : ""));
+  EXPECT_EQ(r.status, 0) << r.output;
+  return dir.string();
+}
+
+TEST(Inspect, FolderSummaryAndJson) {
+  TempDir dir;
+  const std::string ck = make_small(dir.path() / "ck", false);
+  auto r = run_cli("inspect '" + ck + "'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("glm5_next"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("H 256  I 128  E 8  K 4  shared 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("model.language_model.layers."), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("requantization estimate"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find('\r'), std::string::npos) << "no progress bar when not a terminal";
+
+  r = run_cli("inspect --json '" + ck + "'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["model"]["family"], "glm-5.3-flash");
+  EXPECT_EQ(j["model"]["hidden"], 256);
+  EXPECT_EQ(j["model"]["experts"], 8);
+  EXPECT_EQ(j["model"]["routing"]["router_dtype"], "f32");
+  ASSERT_EQ(j["layers"].size(), 2u);
+  for (const auto& l : j["layers"]) {
+    EXPECT_EQ(l["tensors"], l["expected"]);
+    EXPECT_TRUE(l["missing"].empty());
+    EXPECT_EQ(l["shards"], 2);  // the writer splits each layer over two shards
+  }
+  EXPECT_LT(j["scales"]["pow2_fraction"].get<double>(), 0.05);
+  EXPECT_GT(j["mxfp8_estimate"]["sampled_tensors"].get<int>(), 0);
+  EXPECT_GT(j["mxfp8_estimate"]["rel_l2"].get<double>(), 1e-3);
+  EXPECT_FALSE(j["mxfp8_estimate"]["exact"].get<bool>());
+}
+
+TEST(Inspect, Pow2CheckpointIsExactAndSingleFileWorks) {
+  TempDir dir;
+  const std::string ck = make_small(dir.path() / "ck", true, 1);
+  auto r = run_cli("inspect --json '" + ck + "'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["scales"]["pow2_fraction"].get<double>(), 1.0);
+  EXPECT_EQ(j["mxfp8_estimate"]["rel_l2"].get<double>(), 0.0);
+  EXPECT_TRUE(j["mxfp8_estimate"]["exact"].get<bool>());
+
+  // One shard, read on its own (the config beside it describes the model).
+  const std::string shard = (std::filesystem::path(ck) / "model-00002-of-00003.safetensors").string();
+  r = run_cli("inspect --json '" + shard + "'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["files"], 1);
+  EXPECT_GT(j["scales"]["count"].get<int>(), 0);
+  EXPECT_FALSE(j["layers"][0]["missing"].empty());  // the other half of the layer is in shard 3
+}
+
+TEST(Inspect, HostileFileIsACleanError) {
+  TempDir dir;
+  const auto f = dir.path() / "bad.safetensors";
+  std::ofstream(f, std::ios::binary) << std::string("\xff\xff\xff\xff\xff\xff\xff\x7f{}", 10);
+  const auto r = run_cli("inspect '" + f.string() + "'");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("megamoe: error:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("bad.safetensors"), std::string::npos) << r.output;
+}
+
+TEST(ReloadCheckCli, BothModesPass) {
+  TempDir dir;
+  const std::string ck = make_small(dir.path() / "ck", false);
+  for (const char* mode : {"layerwise", "direct"}) {
+    const auto r =
+        run_cli(fmt::format("reload-check --checkpoint '{}' --mode {} --backend cpu --tokens 4", ck, mode));
+    EXPECT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find(fmt::format("reload-check: OK ({} mode", mode)), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("shared_w2_scale"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("DIFFER"), std::string::npos) << r.output;
+  }
+  const auto r = run_cli(fmt::format("reload-check --checkpoint '{}' --format mxfp8 --tokens 2", ck));
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("mx_w13_sf"), std::string::npos) << r.output;
+}
+
+TEST(ReloadCheckCli, BadArgumentsAndMissingDeviceFail) {
+  TempDir dir;
+  const std::string ck = make_small(dir.path() / "ck", false, 1);
+  auto r = run_cli(fmt::format("reload-check --checkpoint '{}' --mode sideways", ck));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("sideways"), std::string::npos) << r.output;
+  r = run_cli(fmt::format("reload-check --checkpoint '{}' --backend cuda", ck));
+  if (r.status == 0) GTEST_SKIP() << "a CUDA device is present";
+  EXPECT_NE(r.output.find("--backend cuda"), std::string::npos) << r.output;
+}
+
+TEST(ReloadCheckCli, LoadBenchRuns) {
+  TempDir dir;
+  const std::string ck = make_small(dir.path() / "ck", false, 1);
+  const auto json = dir.path() / "bench.json";
+  const auto r = run_cli(fmt::format("load-bench --checkpoint '{}' --json '{}'", ck, json.string()));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("ratio load / read"), std::string::npos) << r.output;
+  std::ifstream in(json);
+  const auto j = nlohmann::json::parse(in);
+  EXPECT_GT(j["store_load_gbs"].get<double>(), 0.0);
+  EXPECT_GT(j["loaded_bytes"].get<double>(), 0.0);
+}
+
+}  // namespace
+}  // namespace megamoe

@@ -1,0 +1,328 @@
+// WeightStore: cold loads (streaming, split and shuffled), finish() errors,
+// hostile updates, the MXFP8 derived copy.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "megamoe/io/checkpoint.h"
+#include "megamoe/numerics/quant.h"
+#include "megamoe/weights/device_memory.h"
+#include "megamoe/weights/store.h"
+#include "store_support.h"
+
+namespace megamoe {
+namespace {
+
+using test::TempDir;
+
+std::vector<uint8_t> layer_bytes(const WeightStore& st, int L) {
+  std::vector<uint8_t> b(st.layout(L).total_bytes);
+  st.read_bytes(L, 0, b.size(), b.data());
+  return b;
+}
+
+std::vector<uint8_t> host_bytes(const HostMoeWeights& w) { return {w.data(), w.data() + w.bytes()}; }
+
+// Every held tensor of the checkpoint as a view, in checkpoint (name) order.
+std::vector<io::TensorView> moe_views(const io::Checkpoint& ck, const ModelDesc& d) {
+  std::vector<io::TensorView> v;
+  for (int L : d.moe_layers)
+    for (const auto& n : ck.names_with_prefix(d.layer_prefix(L))) v.push_back(ck.lookup(n));
+  return v;
+}
+
+TEST(Store, StreamingColdLoadMatchesLoadMoeLayer) {
+  TempDir dir;
+  const ModelDesc d = test::write_test_checkpoint(dir.path(), 2, 11);
+  const io::Checkpoint ck(dir.path());
+  WeightStore st = WeightStore::for_checkpoint(ck, d);
+  ASSERT_EQ(st.layers(), d.moe_layers);
+  for (int L : st.layers()) EXPECT_FALSE(st.ready(L));
+  const FinishReport r = st.load(ck);
+  EXPECT_EQ(r.layers_processed, 2);
+  EXPECT_EQ(r.tensors, moe_views(ck, d).size());
+  for (int L : st.layers()) {
+    EXPECT_TRUE(st.ready(L));
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(st.base(L)) % 256, 0u);
+    EXPECT_EQ(layer_bytes(st, L), host_bytes(io::load_moe_layer(ck, d, L))) << "layer " << L;
+  }
+}
+
+TEST(Store, SplitAndShuffledUpdates) {
+  TempDir dir;
+  const ModelDesc d = test::write_test_checkpoint(dir.path(), 2, 12);
+  const io::Checkpoint ck(dir.path());
+  auto views = moe_views(ck, d);
+  // Every scale first, then every weight, each half in a random order: no
+  // pair arrives together, and layers interleave.
+  std::stable_partition(views.begin(), views.end(),
+                        [](const io::TensorView& v) { return v.name.ends_with("_scale_inv"); });
+  const auto mid = std::find_if(views.begin(), views.end(),
+                                [](const io::TensorView& v) { return !v.name.ends_with("_scale_inv"); });
+  std::mt19937_64 rng(5);
+  std::shuffle(views.begin(), mid, rng);
+  std::shuffle(mid, views.end(), rng);
+
+  WeightStore st = WeightStore::for_checkpoint(ck, d);
+  st.begin(ReloadMode::kLayerwise);
+  for (const auto& v : views) EXPECT_TRUE(st.update(v));
+  // Non-MoE tensors are not the store's business: ignored, not an error.
+  EXPECT_FALSE(st.update(ck.lookup("lm_head.weight")));
+  st.finish();
+  for (int L : st.layers()) EXPECT_EQ(layer_bytes(st, L), host_bytes(io::load_moe_layer(ck, d, L)));
+
+  // load() with its own shuffle gives the same bytes.
+  WeightStore st2 = WeightStore::for_checkpoint(ck, d);
+  LoadOptions lo;
+  lo.shuffle = true, lo.seed = 3, lo.mode = ReloadMode::kDirect;
+  st2.load(ck, lo);
+  for (int L : st.layers()) EXPECT_EQ(layer_bytes(st2, L), layer_bytes(st, L));
+}
+
+TEST(Store, MissingScaleAtFinishNamesTheTensor) {
+  TempDir dir;
+  const ModelDesc d = test::write_test_checkpoint(dir.path(), 1, 13);
+  const io::Checkpoint ck(dir.path());
+  const std::string p = d.layer_prefix(d.moe_layers[0]);
+  const std::string lost_scale = p + "experts.3.up_proj.weight_scale_inv";
+  const std::string lost_weight = p + "experts.5.down_proj.weight";
+  for (auto mode : {ReloadMode::kLayerwise, ReloadMode::kDirect}) {
+    WeightStore st = WeightStore::for_checkpoint(ck, d);
+    st.begin(mode);
+    for (const auto& v : moe_views(ck, d))
+      if (v.name != lost_scale && v.name != lost_weight) st.update(v);
+    try {
+      st.finish();
+      FAIL() << "finish() accepted incomplete pairs";
+    } catch (const io::NotFoundError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(
+          m.find("'" + p + "experts.3.up_proj.weight' arrived without its block scale '" + lost_scale + "'"),
+          std::string::npos)
+          << m;
+      EXPECT_NE(m.find("block scale '" + lost_weight + "_scale_inv' arrived without its weight '" +
+                       lost_weight + "'"),
+                std::string::npos)
+          << m;
+    }
+    EXPECT_FALSE(st.in_session());
+    EXPECT_FALSE(st.ready(d.moe_layers[0]));
+  }
+}
+
+TEST(Store, NeverLoadedLayerIsReported) {
+  TempDir dir;
+  const ModelDesc d = test::write_test_checkpoint(dir.path(), 2, 14);
+  const io::Checkpoint ck(dir.path());
+  WeightStore st = WeightStore::for_checkpoint(ck, d);
+  st.begin(ReloadMode::kDirect);
+  for (const auto& v : moe_views(ck, d))
+    if (v.name.starts_with(d.layer_prefix(d.moe_layers[0]))) st.update(v);
+  try {
+    st.finish();
+    FAIL() << "finish() accepted a layer that never arrived";
+  } catch (const io::NotFoundError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find(fmt::format("layer {}:", d.moe_layers[1])), std::string::npos) << m;
+    EXPECT_NE(m.find("never loaded"), std::string::npos) << m;
+    EXPECT_NE(m.find(d.layer_prefix(d.moe_layers[1]) + "experts.0.gate_proj.weight"), std::string::npos) << m;
+  }
+  EXPECT_TRUE(st.ready(d.moe_layers[0]));
+}
+
+TEST(Store, HostileUpdatesAreRejected) {
+  TempDir dir;
+  const ModelDesc d = test::write_test_checkpoint(dir.path(), 1, 15);
+  const io::Checkpoint ck(dir.path());
+  const std::string p = d.layer_prefix(d.moe_layers[0]);
+  WeightStore st = WeightStore::for_checkpoint(ck, d);
+  const io::TensorView w = ck.lookup(p + "experts.1.gate_proj.weight");
+  EXPECT_THROW(st.update(w), std::logic_error);  // no session
+  st.load(ck);
+  const auto before = layer_bytes(st, d.moe_layers[0]);
+  st.begin(ReloadMode::kDirect);
+
+  auto expect_format_error = [&](std::string_view name, io::Dtype dt, std::vector<int64_t> shape,
+                                 size_t bytes, const void* data, std::string_view needle) {
+    try {
+      st.update(name, dt, shape, data, bytes);
+      ADD_FAILURE() << "accepted " << name << " " << io::format_shape(shape);
+    } catch (const io::FormatError& e) {
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  const std::vector<uint8_t> junk(1 << 20, 0x7e);
+  const std::string wn(w.name);
+  expect_format_error(wn, io::Dtype::kF32, {128, 256}, 128 * 256 * 4, junk.data(),
+                      "expected F8_E4M3 [128, 256], found F32");
+  expect_format_error(wn, io::Dtype::kF8_E4M3, {129, 256}, 129 * 256, junk.data(),
+                      "found F8_E4M3 [129, 256]");
+  expect_format_error(wn, io::Dtype::kF8_E4M3, {128 * 256}, 128 * 256, junk.data(), "found F8_E4M3 [32768]");
+  expect_format_error(wn, io::Dtype::kF8_E4M3, {128, 256, 1}, 128 * 256, junk.data(), "[128, 256, 1]");
+  expect_format_error(wn, io::Dtype::kF8_E4M3, {-128, -256}, 128 * 256, junk.data(), "[-128, -256]");
+  expect_format_error(wn, io::Dtype::kF8_E4M3, {int64_t(1) << 62, int64_t(1) << 62}, 128 * 256, junk.data(),
+                      "found");
+  expect_format_error(wn, io::Dtype::kF8_E4M3, {128, 256}, 100, junk.data(), "the update brings 100");
+  expect_format_error(wn, io::Dtype::kF8_E4M3, {128, 256}, 128 * 256, nullptr, "null data");
+  expect_format_error(p + "experts.1.gate_proj.weight_scale_inv", io::Dtype::kF32, {2, 2}, 16, junk.data(),
+                      "expected F32 [1, 2], found F32 [2, 2]");
+  // The router in another dtype would need a different layout: never relocated.
+  expect_format_error(p + "gate.weight", io::Dtype::kBF16, {8, 256}, 8 * 256 * 2, junk.data(), "relocated");
+  // An expert the layout does not have (the file has more experts than the config).
+  expect_format_error(p + "experts.8.gate_proj.weight", io::Dtype::kF8_E4M3, {128, 256}, 128 * 256,
+                      junk.data(), "unexpected tensor");
+  st.finish();  // nothing landed: no half pair
+  EXPECT_EQ(layer_bytes(st, d.moe_layers[0]), before);
+  EXPECT_TRUE(st.ready(d.moe_layers[0]));
+}
+
+TEST(Store, LayerSubsetAndBadOptions) {
+  TempDir dir;
+  const ModelDesc d = test::write_test_checkpoint(dir.path(), 3, 16);
+  const io::Checkpoint ck(dir.path());
+  WeightStoreOptions o;
+  o.layers = {d.moe_layers[1]};
+  WeightStore st = WeightStore::for_checkpoint(ck, d, o);
+  EXPECT_EQ(st.layers(), o.layers);
+  st.load(ck);  // the other layers' tensors are ignored
+  EXPECT_EQ(layer_bytes(st, d.moe_layers[1]), host_bytes(io::load_moe_layer(ck, d, d.moe_layers[1])));
+  EXPECT_THROW(st.base(d.moe_layers[0]), std::invalid_argument);
+  o.layers = {0};  // GLM-5.3-Flash's first layers are dense
+  ASSERT_FALSE(d.is_moe_layer(0));
+  EXPECT_THROW(WeightStore(d, o), std::invalid_argument);
+}
+
+TEST(Store, LoadLayerViaStoreMatchesLoadMoeLayer) {
+  TempDir dir;
+  const ModelDesc d = test::write_test_checkpoint(dir.path(), 2, 17);
+  const io::Checkpoint ck(dir.path());
+  for (int L : d.moe_layers) {
+    const HostMoeWeights a = load_layer_via_store(ck, d, L), b = io::load_moe_layer(ck, d, L);
+    EXPECT_EQ(a.shape.router_dtype, b.shape.router_dtype);
+    EXPECT_EQ(host_bytes(a), host_bytes(b));
+  }
+  EXPECT_THROW(load_layer_via_store(ck, d, d.num_layers + 3), std::invalid_argument);
+}
+
+TEST(Store, DeviceMemoryWithoutDeviceIsAClearError) {
+  std::string why;
+  if (dev::device_memory_available(&why)) GTEST_SKIP() << "a CUDA device is present (covered by GPU tests)";
+  TempDir dir;
+  const ModelDesc d = test::write_test_checkpoint(dir.path(), 1, 18);
+  WeightStoreOptions o;
+  o.memory = StoreMemory::kDevice;
+  EXPECT_THROW(WeightStore(d, o), std::runtime_error);
+}
+
+// Dequantized value of every element of the block-FP8 tensor and of its MXFP8 copy.
+void expect_mxfp8_exact(const WeightStore& st, int L, const io::Checkpoint& ck, const std::string& name) {
+  const io::TensorView w = ck.lookup(name), s = ck.lookup(name + "_scale_inv");
+  const int rows = int(w.shape[0]), cols = int(w.shape[1]);
+  std::vector<float> scale(s.bytes / 4), ref(size_t(rows) * cols);
+  std::memcpy(scale.data(), s.data, s.bytes);
+  num::dequant_block(w.data, scale.data(), rows, cols, ref.data());
+  // Where the copy lives: the same element offset as the weight in the
+  // kernel layout (the slot table's offset), scales at offset / 32.
+  size_t off = 0;
+  const Mxfp8Layout& mx = st.mxfp8_layout(L);
+  Region q_reg{}, sf_reg{};
+  for (const auto& slot : io::moe_layer_slots(st.shape(L), name.substr(0, name.find("experts."))))
+    if (slot.name == name) {
+      off = slot.offset;
+      if (slot.region == &MoeWeightLayout::w13) q_reg = mx.w13, sf_reg = mx.w13_sf;
+      if (slot.region == &MoeWeightLayout::w2) q_reg = mx.w2, sf_reg = mx.w2_sf;
+    }
+  ASSERT_GT(q_reg.bytes, 0u) << name;
+  const size_t mx_at =
+      size_t(static_cast<const uint8_t*>(st.mxfp8_base(L)) - static_cast<const uint8_t*>(st.base(L)));
+  std::vector<uint8_t> q(size_t(rows) * cols), sf(q.size() / 32);
+  st.read_bytes(L, mx_at + q_reg.offset + off, q.size(), q.data());
+  st.read_bytes(L, mx_at + sf_reg.offset + off / 32, sf.size(), sf.data());
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) {
+      const float got =
+          num::e4m3_decode(q[size_t(r) * cols + c]) * num::ue8m0_decode(sf[size_t(r) * (cols / 32) + c / 32]);
+      ASSERT_EQ(num::float_bits(got), num::float_bits(ref[size_t(r) * cols + c]))
+          << name << " at [" << r << ", " << c << "]: " << got << " vs " << ref[size_t(r) * cols + c];
+    }
+}
+
+TEST(Store, Mxfp8CopyIsExactForPow2Scales) {
+  TempDir dir;
+  const ModelDesc d = test::write_test_checkpoint(dir.path(), 1, 19, /*pow2_scales=*/true);
+  const io::Checkpoint ck(dir.path());
+  WeightStoreOptions o;
+  o.kernel_format = KernelFormat::kMxfp8Blackwell;
+  WeightStore st = WeightStore::for_checkpoint(ck, d, o);
+  num::test_hooks::reset_warn_once();
+  testing::internal::CaptureStderr();
+  LoadOptions lo;
+  lo.shuffle = true;
+  const FinishReport r = st.load(ck, lo);
+  const std::string err = testing::internal::GetCapturedStderr();
+  const int L = d.moe_layers[0];
+  EXPECT_TRUE(st.ready(L));
+  EXPECT_TRUE(r.mxfp8.all_pow2);
+  EXPECT_EQ(r.mxfp8.rel_l2, 0.0);
+  EXPECT_EQ(st.mxfp8_report(L).max_abs_err, 0.0);
+  EXPECT_GT(st.mxfp8_report(L).elements, 0);
+  EXPECT_EQ(err.find("power"), std::string::npos) << "no warning expected: " << err;
+  ASSERT_NE(st.mxfp8_base(L), nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(st.mxfp8_base(L)) % 256, 0u);
+  const std::string p = d.layer_prefix(L);
+  expect_mxfp8_exact(st, L, ck, p + "experts.0.gate_proj.weight");
+  expect_mxfp8_exact(st, L, ck, p + "experts.7.up_proj.weight");
+  expect_mxfp8_exact(st, L, ck, p + "experts.4.down_proj.weight");
+  // The Hopper layout itself is untouched by the derived copy.
+  EXPECT_EQ(layer_bytes(st, L), host_bytes(io::load_moe_layer(ck, d, L)));
+}
+
+TEST(Store, Mxfp8NonPow2WarnsOnceAndReportsTheError) {
+  TempDir dir;
+  const ModelDesc d = test::write_test_checkpoint(dir.path(), 2, 20, /*pow2_scales=*/false);
+  const io::Checkpoint ck(dir.path());
+  WeightStoreOptions o;
+  o.kernel_format = KernelFormat::kMxfp8Blackwell;
+  for (auto mode : {ReloadMode::kLayerwise, ReloadMode::kDirect}) {
+    WeightStore st = WeightStore::for_checkpoint(ck, d, o);
+    num::test_hooks::reset_warn_once();
+    testing::internal::CaptureStderr();
+    LoadOptions lo;
+    lo.mode = mode;
+    const FinishReport r = st.load(ck, lo);
+    const std::string err = testing::internal::GetCapturedStderr();
+    EXPECT_FALSE(r.mxfp8.all_pow2);
+    // Second rounding of every element: about a few percent (SPEC §5).
+    EXPECT_GT(r.mxfp8.rel_l2, 1e-3);
+    EXPECT_LT(r.mxfp8.rel_l2, 0.1);
+    // Exactly one warning per process, however many pairs and layers.
+    size_t count = 0;
+    for (size_t at = 0; (at = err.find("power", at)) != std::string::npos; ++at) ++count;
+    EXPECT_EQ(count, 1u) << err;
+  }
+}
+
+TEST(Store, Mxfp8NeedsK32) {
+  MoeShape s = test::store_test_shape();
+  s.hidden = 200;
+  EXPECT_THROW(Mxfp8Layout::compute(s), std::invalid_argument);
+}
+
+TEST(Store, HashSeesEveryByte) {
+  std::vector<uint8_t> a(1001, 3);
+  const uint64_t h = hash_bytes(a.data(), a.size());
+  for (size_t i : {size_t(0), size_t(500), size_t(1000)}) {
+    a[i] ^= 1;
+    EXPECT_NE(hash_bytes(a.data(), a.size()), h) << i;
+    a[i] ^= 1;
+  }
+  EXPECT_NE(hash_bytes(a.data(), 1000), hash_bytes(a.data(), 1001));
+}
+
+}  // namespace
+}  // namespace megamoe
