@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <stdexcept>
 
@@ -50,10 +51,11 @@ MoeWorkspaceLayout MoeWorkspaceLayout::compute(const MoeShape& s, int max_tokens
   MoeWorkspaceLayout w;
   w.max_tokens = max_tokens;
   w.experts_total = s.experts + (s.has_shared() ? 1 : 0);
-  const int64_t rows = int64_t(max_tokens) * s.slots();
+  // Every expert segment is padded to kRowAlign rows (see the schedule tables).
+  const int64_t rows = int64_t(max_tokens) * s.slots() + int64_t(kRowAlign) * w.experts_total;
   w.rows_cap = int((rows + 127) / 128 * 128);
   if (w.rows_cap == 0) w.rows_cap = 128;
-  w.units_cap = w.experts_total + w.rows_cap / 8;
+  w.units_cap = w.experts_total + int(int64_t(max_tokens) * s.slots() / 8);
   w.inter_pitch = std::max(s.inter, s.shared_inter());
   w.max_ksplit = 16;
   size_t cursor = 0;
@@ -89,6 +91,7 @@ struct KernelArgs {
   int has_shared;
   int rows_cap, inter_pitch;
   float swiglu_limit;
+  int debug_stop;  // MEGAMOE_DEBUG_STOP: 0 = full kernel; 1/2/3 stop after tables / phase 0 / the mainloop
   const int* num_tokens;
   const uint16_t* x;
   uint16_t* y;
@@ -232,7 +235,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       else if (e < E_total)
         c = T;  // the shared expert takes every token
       int nb = (c + BN - 1) / BN;
-      int rc = c, uc = nb;
+      // NOTE: segments start on a multiple of kRowAlign rows: the scale tensor maps put the row
+      // index innermost, and a TMA box must start 16-byte aligned in global memory.
+      const int cpad = (c + kRowAlign - 1) / kRowAlign * kRowAlign;
+      int rc = cpad, uc = nb;
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
         const int r2 = __shfl_up_sync(0xffffffffu, rc, o), u2 = __shfl_up_sync(0xffffffffu, uc, o);
@@ -240,7 +246,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (e < E_total) {
         sc.cnt[e] = c;
-        sc.row_off[e] = rows_carry + rc - c;
+        sc.row_off[e] = rows_carry + rc - cpad;
         sc.unit_off[e] = units_carry + uc - nb;
       }
       rows_carry += __shfl_sync(0xffffffffu, rc, 31);
@@ -252,6 +258,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();
+  if (a.debug_stop == 1) return;
 
   // ---- Phase 0: quantize x (1x128 E4M3) and scatter each token to its rows. ----
   {
@@ -298,6 +305,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();
+  if (a.debug_stop == 2) return;
 
   // ---- Tile schedule (identical in every role) ----
   const int n1 = a.I / 64, n2 = a.H / 128;
@@ -490,6 +498,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
+  if (a.debug_stop == 3) return;
   // ---- Combine: y[t] = bf16(sum over slots, ascending, of the BF16 slot rows) ----
   if (ctid == 0) {
     while (sm90::ld_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2]) < t2) {
@@ -723,6 +732,7 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
   const FusedMoeConfig cfg = fused_moe_config(p, host_tokens_hint);
   maybe_print_config(p->shape, host_tokens_hint, cfg);
   KernelArgs a = p->args;
+  if (const char* env = std::getenv("MEGAMOE_DEBUG_STOP")) a.debug_stop = std::atoi(env);
   a.num_tokens = t.num_tokens;
   a.x = t.x;
   a.y = t.y;

@@ -16,6 +16,7 @@ constexpr int kThreads = 384;          // warpgroup 0: TMA producer; 1-2: wgmma 
 constexpr int kConsumerThreads = 256;
 constexpr int kMaxExpertsTotal = 512;  // routed + shared, bounded by shared-memory tables
 constexpr int kSmemBudget = 227 * 1024;
+constexpr int kRowAlign = 8;  // expert row segments start on multiples of 8 rows (TMA 16-byte rule)
 
 // Pipeline depth for a token block: as many stages as fit the budget, at most 12.
 constexpr int stage_bytes(int block_n) {
