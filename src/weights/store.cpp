@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -56,6 +57,7 @@ struct Layer {
   size_t mx_offset = 0;  // byte offset of the MXFP8 copy inside the allocation
   size_t alloc_bytes = 0;
   uint8_t* base = nullptr;
+  size_t map_bytes = 0;  // host memory: length of the anonymous mapping
   std::vector<io::TensorSlot> slots;
   std::vector<SlotInfo> info;
   std::vector<num::RequantReport> pair_reports;  // indexed by the weight's slot
@@ -181,7 +183,7 @@ struct WeightStore::Impl {
       if (opt.memory == StoreMemory::kDevice)
         dev::device_free(l.base);
       else
-        std::free(l.base);
+        ::munmap(l.base, l.map_bytes);
     }
   }
 
@@ -215,8 +217,14 @@ struct WeightStore::Impl {
         l.base = static_cast<uint8_t*>(dev::device_alloc(l.alloc_bytes));
         dev::device_memset(l.base, 0, l.alloc_bytes);
       } else {
-        l.base = static_cast<uint8_t*>(std::aligned_alloc(kAlign, round_up(l.alloc_bytes, kAlign)));
-        if (!l.base) throw std::bad_alloc();
+        // An anonymous mapping, with transparent huge pages where the kernel
+        // allows them: 2 MB pages cut the first-touch faults of a multi-GB
+        // layer 512-fold, and munmap returns the memory to the system.
+        l.map_bytes = round_up(l.alloc_bytes, size_t(2) << 20);
+        void* p = ::mmap(nullptr, l.map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) throw std::bad_alloc();
+        ::madvise(p, l.map_bytes, MADV_HUGEPAGE);  // advisory: fine if THP is off
+        l.base = static_cast<uint8_t*>(p);
         std::memset(l.base, 0, l.alloc_bytes);
       }
     }
