@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <filesystem>
@@ -30,8 +31,10 @@ class TempDir {
  public:
   TempDir() {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = std::filesystem::temp_directory_path() / (std::string("megamoe_") + info->test_suite_name() +
-                                                      "_" + info->name() + "_" + std::to_string(::getpid()));
+    std::string name = std::string("megamoe_") + info->test_suite_name() + "_" + info->name() + "_" +
+                       std::to_string(::getpid());
+    std::replace(name.begin(), name.end(), '/', '_');  // parameterized names contain '/'
+    path_ = std::filesystem::temp_directory_path() / name;
     std::filesystem::remove_all(path_);
     std::filesystem::create_directories(path_);
   }
