@@ -24,6 +24,7 @@
 #include "megamoe/model/config.h"
 #include "megamoe/reference/moe.h"
 #include "megamoe/weights/host_weights.h"
+#include "megamoe/weights/store.h"
 #include "commands.h"
 
 namespace fs = std::filesystem;
@@ -121,7 +122,7 @@ int run_forward(const ForwardArgs& a) {
                                             a.checkpoint, fmt::join(desc.moe_layers, ",")));
   }
   const io::Checkpoint ckpt(a.checkpoint);
-  HostMoeWeights w = io::load_moe_layer(ckpt, desc, a.layer);
+  HostMoeWeights w = load_layer_via_store(ckpt, desc, a.layer);  // streaming, through the WeightStore
   const MoeShape& s = w.shape;
   const io::SafetensorsFile in(a.input);
   const io::TensorView xv = in.at("x");
