@@ -196,8 +196,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kXBytes = BN * kBlockK;
   constexpr int kAcc = BN / 2;  // fp32 accumulators per thread for m64nBN
 
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  static_assert(num::kFoldK * 2 == kBlockK, "a stage is folded in two halves");
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  // NOTE: offset the __shared__ array itself (not a cast integer) so the compiler keeps
+  // the shared address space and emits LDS for the scale reads.
+  uint8_t* smem = smem_raw + ((1024 - (sm90::smem_u32(smem_raw) & 1023)) & 1023);
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
   uint64_t* empty_bar = full_bar + 16;
   int* tables = reinterpret_cast<int*>(empty_bar + 16);
@@ -390,19 +393,24 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint8_t* w_s = st + wg * 64 * 128;
         const uint8_t* x_s = st + kWBytes;
         const float* s_s = reinterpret_cast<const float*>(st + kWBytes + kXBytes);
-        sm90::wgmma_fence();
+        // Two 64-deep halves (num::kFoldK), each folded with the block's scales.
 #pragma unroll
-        for (int k = 0; k < 4; ++k)
-          sm90::Wgmma<BN>::mma(tmp, sm90::smem_desc_sw128(w_s + k * 32), sm90::smem_desc_sw128(x_s + k * 32), k);
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<0>();
+        for (int half = 0; half < 2; ++half) {
+          sm90::wgmma_fence();
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-          const float sx0 = s_s[j * 8 + lcol], sx1 = s_s[j * 8 + lcol + 1];
-          acc[j * 4 + 0] = fmaf(tmp[j * 4 + 0], sx0 * sg, acc[j * 4 + 0]);
-          acc[j * 4 + 1] = fmaf(tmp[j * 4 + 1], sx1 * sg, acc[j * 4 + 1]);
-          acc[j * 4 + 2] = fmaf(tmp[j * 4 + 2], sx0 * su, acc[j * 4 + 2]);
-          acc[j * 4 + 3] = fmaf(tmp[j * 4 + 3], sx1 * su, acc[j * 4 + 3]);
+          for (int k = 0; k < 2; ++k)
+            sm90::Wgmma<BN>::mma(tmp, sm90::smem_desc_sw128(w_s + (half * 2 + k) * 32),
+                                 sm90::smem_desc_sw128(x_s + (half * 2 + k) * 32), k);
+          sm90::wgmma_commit();
+          sm90::wgmma_wait<0>();
+#pragma unroll
+          for (int j = 0; j < BN / 8; ++j) {
+            const float sx0 = s_s[j * 8 + lcol], sx1 = s_s[j * 8 + lcol + 1];
+            acc[j * 4 + 0] = fmaf(tmp[j * 4 + 0], sx0 * sg, acc[j * 4 + 0]);
+            acc[j * 4 + 1] = fmaf(tmp[j * 4 + 1], sx1 * sg, acc[j * 4 + 1]);
+            acc[j * 4 + 2] = fmaf(tmp[j * 4 + 2], sx0 * su, acc[j * 4 + 2]);
+            acc[j * 4 + 3] = fmaf(tmp[j * 4 + 3], sx1 * su, acc[j * 4 + 3]);
+          }
         }
         sm90::mbar_arrive(&empty_bar[stage]);
       }

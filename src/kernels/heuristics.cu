@@ -10,10 +10,12 @@ namespace megamoe::kernels {
 
 FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms) {
   FusedMoeConfig c;
+  // Twice the average: most experts then fit one token block, so a weight tile is
+  // streamed once; while the layer is bound by reading weights a wider N is free.
   const double avg_rows = double(tokens) * s.topk / s.experts;
   c.block_n = 128;
   for (int bn : {8, 16, 32, 64, 128}) {
-    if (bn >= avg_rows) {
+    if (bn >= 2.0 * avg_rows) {
       c.block_n = bn;
       break;
     }

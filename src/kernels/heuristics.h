@@ -32,9 +32,9 @@ constexpr int stages_for(int block_n) {
 }
 constexpr int smem_bytes(int block_n) { return fixed_smem_bytes(block_n) + stages_for(block_n) * stage_bytes(block_n); }
 
-// Token block (wgmma N): the smallest of 8..128 that holds the average rows
-// per routed expert, so decode tiles waste few columns and prefill tiles reuse
-// each weight tile over up to 128 tokens.
+// Token block (wgmma N): the smallest of 8..128 that holds twice the average
+// rows per routed expert, so decode tiles waste few columns, most experts take
+// one block, and prefill tiles reuse each weight tile over up to 128 tokens.
 FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms);
 
 // Router split-K for `tokens`: enough blocks to cover the SMs at small T.

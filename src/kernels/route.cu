@@ -11,14 +11,24 @@
 namespace megamoe::kernels {
 namespace {
 
-constexpr int kTileT = 32;   // tokens per router block
-constexpr int kTileE = 64;   // experts per router block
-constexpr int kTileH = 32;   // depth per smem step
-constexpr int kRouterThreads = 256;  // each thread: 2 tokens x 4 experts
+constexpr int kTileT = 64;           // tokens per router block
+constexpr int kTileE = 64;           // experts per router block
+constexpr int kTileH = 32;           // depth per shared-memory step
+constexpr int kRouterThreads = 256;  // 16 x 16 threads, 4 tokens x 4 experts each
+constexpr int kGemvMaxTokens = 16;   // up to this many tokens: one warp per (expert, K slice)
 
 __device__ __forceinline__ float load_w(const uint16_t* w, size_t i) { return __uint_as_float(uint32_t(w[i]) << 16); }
 __device__ __forceinline__ float load_w(const float* w, size_t i) { return w[i]; }
 
+// Four consecutive router weights as floats (16-byte or 8-byte load).
+__device__ __forceinline__ float4 load_w4(const float* w, size_t i) { return *reinterpret_cast<const float4*>(w + i); }
+__device__ __forceinline__ float4 load_w4(const uint16_t* w, size_t i) {
+  const uint2 r = *reinterpret_cast<const uint2*>(w + i);
+  return make_float4(__uint_as_float(r.x << 16), __uint_as_float(r.x & 0xFFFF0000u), __uint_as_float(r.y << 16),
+                     __uint_as_float(r.y & 0xFFFF0000u));
+}
+
+// Large T: a register-blocked float32 GEMM, logits[t][e] over one K slice.
 template <typename WT>
 __global__ void __launch_bounds__(kRouterThreads) route_logits_kernel(RouteArgs a, int H, int E) {
   const int T = *a.num_tokens;
@@ -30,12 +40,13 @@ __global__ void __launch_bounds__(kRouterThreads) route_logits_kernel(RouteArgs 
   const int h_end = min(H, h_begin + hs);
   const WT* W = static_cast<const WT*>(a.router);
 
-  __shared__ float xs[kTileH][kTileT + 1];
-  __shared__ float ws[kTileH][kTileE + 1];
+  // K-major tiles so each thread reads 4 tokens / 4 experts with one 16-byte load.
+  __shared__ __align__(16) float xs[kTileH][kTileT];
+  __shared__ __align__(16) float ws[kTileH][kTileE];
   const int tid = threadIdx.x;
-  const int tt = (tid / 16) * 2;  // 16 x 16 thread grid: 2 tokens, 4 experts each
+  const int tt = (tid / 16) * 4;
   const int te = (tid % 16) * 4;
-  float acc[2][4] = {};
+  float acc[4][4] = {};
   for (int h0 = h_begin; h0 < h_end; h0 += kTileH) {
     for (int i = tid; i < kTileT * kTileH; i += kRouterThreads) {
       const int r = i / kTileH, c = i % kTileH;
@@ -50,24 +61,62 @@ __global__ void __launch_bounds__(kRouterThreads) route_logits_kernel(RouteArgs 
     __syncthreads();
 #pragma unroll 8
     for (int k = 0; k < kTileH; ++k) {
-      const float x0 = xs[k][tt], x1 = xs[k][tt + 1];
+      const float4 xv = *reinterpret_cast<const float4*>(&xs[k][tt]);
+      const float4 wv = *reinterpret_cast<const float4*>(&ws[k][te]);
+      const float xr[4] = {xv.x, xv.y, xv.z, xv.w}, wr[4] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float w = ws[k][te + j];
-        acc[0][j] = fmaf(x0, w, acc[0][j]);
-        acc[1][j] = fmaf(x1, w, acc[1][j]);
-      }
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(xr[i], wr[j], acc[i][j]);
     }
     __syncthreads();
   }
   float* out = a.partial + size_t(blockIdx.z) * a.max_tokens * E;
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < 4; ++i)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int t = t0 + tt + i, e = e0 + te + j;
       if (t < T && e < E) out[size_t(t) * E + e] = acc[i][j];
     }
+}
+
+// Small T (decode): bound by reading the router weights once, so one warp
+// streams one expert's K slice with 16-byte loads for all tokens at once.
+template <typename WT>
+__global__ void __launch_bounds__(256) route_logits_gemv_kernel(RouteArgs a, int H, int E) {
+  const int T = min(*a.num_tokens, kGemvMaxTokens);
+  const int w = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int e = w / a.ksplit, split = w % a.ksplit;
+  if (e >= E) return;
+  const int hs = H / a.ksplit;  // a multiple of 128 (chosen so by the launcher)
+  const WT* W = static_cast<const WT*>(a.router);
+  float acc[kGemvMaxTokens];
+#pragma unroll
+  for (int t = 0; t < kGemvMaxTokens; ++t) acc[t] = 0.0f;
+  for (int h = split * hs + lane * 4; h < (split + 1) * hs; h += 128) {
+    const float4 wv = load_w4(W, size_t(e) * H + h);
+#pragma unroll
+    for (int t = 0; t < kGemvMaxTokens; ++t) {
+      if (t < T) {
+        const uint2 r = *reinterpret_cast<const uint2*>(a.x + size_t(t) * H + h);
+        acc[t] = fmaf(__uint_as_float(r.x << 16), wv.x, acc[t]);
+        acc[t] = fmaf(__uint_as_float(r.x & 0xFFFF0000u), wv.y, acc[t]);
+        acc[t] = fmaf(__uint_as_float(r.y << 16), wv.z, acc[t]);
+        acc[t] = fmaf(__uint_as_float(r.y & 0xFFFF0000u), wv.w, acc[t]);
+      }
+    }
+  }
+  float* out = a.partial + size_t(split) * a.max_tokens * E;
+#pragma unroll
+  for (int t = 0; t < kGemvMaxTokens; ++t) {
+    if (t < T) {
+      float v = acc[t];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) out[size_t(t) * E + e] = v;
+    }
+  }
 }
 
 constexpr int kTopkWarps = 4;
@@ -203,11 +252,30 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
 
 }  // namespace
 
+void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms, cudaStream_t stream);
+
 void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms, cudaStream_t stream) {
   MEGAMOE_CHECK(s.experts <= kMaxE, "route_topk supports at most 512 experts");
   MEGAMOE_CHECK(s.topk <= 32, "route_topk supports top-k <= 32");
   MEGAMOE_CHECK(s.n_group <= 32, "route_topk supports n_group <= 32");
   MEGAMOE_CHECK(host_tokens_hint >= 0 && host_tokens_hint <= a.max_tokens, "token hint out of range");
+  if (host_tokens_hint <= kGemvMaxTokens && s.hidden % 128 == 0) {
+    // K slices: enough warps to stream the router at full bandwidth (~1024), each a
+    // multiple of 128 columns.
+    RouteArgs g = a;
+    const int kb = s.hidden / 128;
+    int ksplit = 1;
+    while (ksplit * 2 <= a.ksplit && kb % (ksplit * 2) == 0 && s.experts * ksplit < 1024) ksplit *= 2;
+    g.ksplit = ksplit;
+    const int blocks = (s.experts * ksplit + 7) / 8;
+    if (s.router_dtype == RouterDtype::kBF16)
+      route_logits_gemv_kernel<uint16_t><<<blocks, 256, 0, stream>>>(g, s.hidden, s.experts);
+    else
+      route_logits_gemv_kernel<float><<<blocks, 256, 0, stream>>>(g, s.hidden, s.experts);
+    MEGAMOE_CUDA_CHECK_LAUNCH();
+    route_topk(s, g, host_tokens_hint, num_sms, stream);
+    return;
+  }
   const int t_tiles = std::max(1, (host_tokens_hint + kTileT - 1) / kTileT);
   // NOTE: the grid covers the host hint, an upper bound of the device token count: blocks
   // past the device count exit at once, so a graph captured at a hint serves any count below it.
@@ -217,6 +285,10 @@ void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, i
   else
     route_logits_kernel<float><<<grid, kRouterThreads, 0, stream>>>(a, s.hidden, s.experts);
   MEGAMOE_CUDA_CHECK_LAUNCH();
+  route_topk(s, a, host_tokens_hint, num_sms, stream);
+}
+
+void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms, cudaStream_t stream) {
   const int topk_blocks = std::max(1, std::min((host_tokens_hint + kTopkWarps - 1) / kTopkWarps, num_sms * 8));
   route_topk_kernel<<<topk_blocks, kTopkWarps * 32, 0, stream>>>(a, s);
   MEGAMOE_CUDA_CHECK_LAUNCH();

@@ -94,16 +94,20 @@ void run_faithful(const MoeShape& s, std::vector<FaithfulTask>& tasks, int threa
     const int c0 = g * num::kInterGroup, c1 = std::min(I, c0 + num::kInterGroup), width = c1 - c0;
     std::vector<const float*> arows(n);
     for (int j = 0; j < n; ++j) arows[j] = tk.xf + size_t(tk.rows[j]) * H;
-    std::vector<double> part(size_t(n) * hb);
+    // The kernel folds every num::kFoldK-deep partial sum with its block's scales.
+    const int nf = ceil_div(H, num::kFoldK);
+    std::vector<double> part(size_t(n) * nf);
     std::vector<float> acc_g(size_t(n) * width), acc_u(size_t(n) * width);
     auto gemm1_row = [&](int wrow, int srow, float* out, int col) {
-      dot_e4m3_blocks(tk.w.w13 + size_t(wrow) * H, H, kWeightBlock, arows.data(), n, part.data());
+      dot_e4m3_blocks(tk.w.w13 + size_t(wrow) * H, H, num::kFoldK, arows.data(), n, part.data());
       const float* sw = tk.w.w13_scale + size_t(srow) * hb;
       for (int j = 0; j < n; ++j) {
         const float* sx = tk.s + size_t(tk.rows[j]) * hb;
         float acc = 0.0f;
-        for (int kb = 0; kb < hb; ++kb)
-          acc = std::fmaf(float(part[size_t(j) * hb + kb]), sx[kb] * sw[kb], acc);
+        for (int f = 0; f < nf; ++f) {
+          const int kb = f * num::kFoldK / kWeightBlock;
+          acc = std::fmaf(float(part[size_t(j) * nf + f]), sx[kb] * sw[kb], acc);
+        }
         out[size_t(j) * width + col] = acc;
       }
     };

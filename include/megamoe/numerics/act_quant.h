@@ -15,6 +15,11 @@ constexpr int kActGroup = 128;         // x -> FP8: 1x128 groups along H (matche
 // float32 scale. 64 = the intermediate columns one GEMM1 tile of the Hopper
 // kernel produces, so each tile quantizes its own output without a second pass.
 constexpr int kInterGroup = 64;
+// Depth at which the kernel folds a tensor-core partial sum into its float32
+// accumulator (times scale_x * scale_w): 64, half a weight block, in both GEMMs.
+// NOTE: shorter chains of FP8 wgmma accumulation track the exact sum more closely
+// (the tensor cores accumulate with reduced precision inside a chain).
+constexpr int kFoldK = 64;
 
 // s = max(amax, 1e-4) / 448 (IEEE float division; no fast-math anywhere).
 MEGAMOE_HD float act_scale(float amax) {

@@ -24,9 +24,9 @@ void route(const MoeShape& s, const MoeWeightsView& w, const num::bf16_t* x, int
 enum class Mode {
   // float64 throughout, activations unquantized (x and the SwiGLU output).
   kExact,
-  // Mirrors the Hopper kernel: x -> E4M3 per 1x128 (act_scale), each 128-deep
-  // K block accumulated exactly and folded in float32 with
-  // scale_x * scale_w; SwiGLU in float32; the SwiGLU output (times the routing
+  // Mirrors the Hopper kernel: x -> E4M3 per 1x128 (act_scale), each 64-deep
+  // half block (num::kFoldK) accumulated exactly and folded in float32 with
+  // scale_x * scale_w of its 128-block; SwiGLU in float32; the SwiGLU output (times the routing
   // weight) -> E4M3 per 1x64 (num::kInterGroup); second GEMM folded per 64-deep
   // block; each slot's output rounded to BF16; slots summed in ascending order
   // (routed 0..K-1, then shared) in float32 and rounded to BF16.
