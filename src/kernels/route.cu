@@ -15,7 +15,8 @@ constexpr int kTileT = 64;           // tokens per router block
 constexpr int kTileE = 64;           // experts per router block
 constexpr int kTileH = 32;           // depth per shared-memory step
 constexpr int kRouterThreads = 256;  // 16 x 16 threads, 4 tokens x 4 experts each
-constexpr int kGemvMaxTokens = 16;   // up to this many tokens: one warp per (expert, K slice)
+constexpr int kGemvMaxTokens = 16;   // tokens per pass of the decode router (registers per lane)
+constexpr int kGemvChunks = 4;       // up to 64 tokens: one warp per (expert, K slice)
 
 __device__ __forceinline__ float load_w(const uint16_t* w, size_t i) { return __uint_as_float(uint32_t(w[i]) << 16); }
 __device__ __forceinline__ float load_w(const float* w, size_t i) { return w[i]; }
@@ -40,9 +41,9 @@ __global__ void __launch_bounds__(kRouterThreads) route_logits_kernel(RouteArgs 
   const int h_end = min(H, h_begin + hs);
   const WT* W = static_cast<const WT*>(a.router);
 
-  // K-major tiles so each thread reads 4 tokens / 4 experts with one 16-byte load.
-  __shared__ __align__(16) float xs[kTileH][kTileT];
-  __shared__ __align__(16) float ws[kTileH][kTileE];
+  // K-major tiles, padded by one column so the transposing stores hit distinct banks.
+  __shared__ float xs[kTileH][kTileT + 1];
+  __shared__ float ws[kTileH][kTileE + 1];
   const int tid = threadIdx.x;
   const int tt = (tid / 16) * 4;
   const int te = (tid % 16) * 4;
@@ -61,9 +62,8 @@ __global__ void __launch_bounds__(kRouterThreads) route_logits_kernel(RouteArgs 
     __syncthreads();
 #pragma unroll 8
     for (int k = 0; k < kTileH; ++k) {
-      const float4 xv = *reinterpret_cast<const float4*>(&xs[k][tt]);
-      const float4 wv = *reinterpret_cast<const float4*>(&ws[k][te]);
-      const float xr[4] = {xv.x, xv.y, xv.z, xv.w}, wr[4] = {wv.x, wv.y, wv.z, wv.w};
+      const float xr[4] = {xs[k][tt], xs[k][tt + 1], xs[k][tt + 2], xs[k][tt + 3]};
+      const float wr[4] = {ws[k][te], ws[k][te + 1], ws[k][te + 2], ws[k][te + 3]};
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -85,12 +85,16 @@ __global__ void __launch_bounds__(kRouterThreads) route_logits_kernel(RouteArgs 
 // streams one expert's K slice with 16-byte loads for all tokens at once.
 template <typename WT>
 __global__ void __launch_bounds__(256) route_logits_gemv_kernel(RouteArgs a, int H, int E) {
-  const int T = min(*a.num_tokens, kGemvMaxTokens);
   const int w = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
   const int e = w / a.ksplit, split = w % a.ksplit;
   if (e >= E) return;
   const int hs = H / a.ksplit;  // a multiple of 128 (chosen so by the launcher)
   const WT* W = static_cast<const WT*>(a.router);
+  const int T_all = min(*a.num_tokens, kGemvMaxTokens * kGemvChunks);
+  // Chunks of 16 tokens; the weight slice is re-read from L1/L2 per chunk.
+  for (int t0 = 0; t0 < T_all; t0 += kGemvMaxTokens) {
+  const int T = min(T_all - t0, kGemvMaxTokens);
+  const uint16_t* x = a.x + size_t(t0) * H;
   float acc[kGemvMaxTokens];
 #pragma unroll
   for (int t = 0; t < kGemvMaxTokens; ++t) acc[t] = 0.0f;
@@ -99,7 +103,7 @@ __global__ void __launch_bounds__(256) route_logits_gemv_kernel(RouteArgs a, int
 #pragma unroll
     for (int t = 0; t < kGemvMaxTokens; ++t) {
       if (t < T) {
-        const uint2 r = *reinterpret_cast<const uint2*>(a.x + size_t(t) * H + h);
+        const uint2 r = *reinterpret_cast<const uint2*>(x + size_t(t) * H + h);
         acc[t] = fmaf(__uint_as_float(r.x << 16), wv.x, acc[t]);
         acc[t] = fmaf(__uint_as_float(r.x & 0xFFFF0000u), wv.y, acc[t]);
         acc[t] = fmaf(__uint_as_float(r.y << 16), wv.z, acc[t]);
@@ -114,8 +118,9 @@ __global__ void __launch_bounds__(256) route_logits_gemv_kernel(RouteArgs a, int
       float v = acc[t];
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0) out[size_t(t) * E + e] = v;
+      if (lane == 0) out[size_t(t0 + t) * E + e] = v;
     }
+  }
   }
 }
 
@@ -259,7 +264,7 @@ void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, i
   MEGAMOE_CHECK(s.topk <= 32, "route_topk supports top-k <= 32");
   MEGAMOE_CHECK(s.n_group <= 32, "route_topk supports n_group <= 32");
   MEGAMOE_CHECK(host_tokens_hint >= 0 && host_tokens_hint <= a.max_tokens, "token hint out of range");
-  if (host_tokens_hint <= kGemvMaxTokens && s.hidden % 128 == 0) {
+  if (host_tokens_hint <= kGemvMaxTokens * kGemvChunks && s.hidden % 128 == 0) {
     // K slices: enough warps to stream the router at full bandwidth (~1024), each a
     // multiple of 128 columns.
     RouteArgs g = a;
