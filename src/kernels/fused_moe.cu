@@ -187,6 +187,56 @@ __device__ __forceinline__ uint8_t to_e4m3(float v) {
   return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
 
+// One tile's K loop for a consumer warpgroup: per stage two 64-deep halves
+// (num::kFoldK), each two wgmma into a register buffer, then folded into the
+// float32 accumulator. Fold of column n, fragment rows r (lo) and r + 8 (hi):
+//   acc += part * (col_scale[n] * row_scale),
+// GEMM1: col_scale = x scale of the 128-block (same for both halves), row
+//        scales = gate / up block scales (lo_scale / hi_scale rows, by kb);
+// GEMM2: col_scale = act2 scale of the half (col_half_stride = BN), row scale
+//        = the w2 block scale (lo_scale == hi_scale).
+// NOTE: the products col*row are formed exactly as ref::moe_layer forms them.
+// NOTE: folding one half while the next runs (two buffers, wait_group 1) made
+// ptxas serialize the wgmma chain (C7514) in nvcc 13.0; left for a later round.
+template <int BN>
+__device__ __forceinline__ void mma_mainloop(float (&acc)[BN / 2], int kblocks, int& it, uint8_t* smem,
+                                             uint64_t* full_bar, uint64_t* empty_bar, int wg, int lcol,
+                                             const float* lo_scale, const float* hi_scale, int col_half_stride) {
+  constexpr int kStages = stages_for(BN);
+  constexpr int kStageBytes = stage_bytes(BN);
+  constexpr int kWBytes = kBlockM * kBlockK;
+  constexpr int kXBytes = BN * kBlockK;
+  float buf[BN / 2];
+  for (int kb = 0; kb < kblocks; ++kb, ++it) {
+    const int stage = it % kStages;
+    const float lo = __ldg(lo_scale + kb), hi = __ldg(hi_scale + kb);
+    sm90::mbar_wait(&full_bar[stage], (it / kStages) & 1);
+    const uint8_t* st = smem + stage * kStageBytes;
+    const uint8_t* w_s = st + wg * 64 * 128;
+    const uint8_t* x_s = st + kWBytes;
+    const float* s_s = reinterpret_cast<const float*>(st + kWBytes + kXBytes);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      sm90::wgmma_fence();
+      sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128(w_s + half * 64), sm90::smem_desc_sw128(x_s + half * 64), 0);
+      sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128(w_s + half * 64 + 32),
+                           sm90::smem_desc_sw128(x_s + half * 64 + 32), 1);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      const float* cs = s_s + half * col_half_stride;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const float c0 = cs[j * 8 + lcol], c1 = cs[j * 8 + lcol + 1];
+        acc[j * 4 + 0] = fmaf(buf[j * 4 + 0], c0 * lo, acc[j * 4 + 0]);
+        acc[j * 4 + 1] = fmaf(buf[j * 4 + 1], c1 * lo, acc[j * 4 + 1]);
+        acc[j * 4 + 2] = fmaf(buf[j * 4 + 2], c0 * hi, acc[j * 4 + 2]);
+        acc[j * 4 + 3] = fmaf(buf[j * 4 + 3], c1 * hi, acc[j * 4 + 3]);
+      }
+    }
+    sm90::mbar_arrive(&empty_bar[stage]);
+  }
+}
+
 template <int BN>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
@@ -371,7 +421,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lcol = (lane % 4) * 2;         // fragment column (and + 1), plus 8 * j
 
   float acc[kAcc];
-  float tmp[kAcc];
   int it = 0;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
@@ -384,36 +433,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float* wsc = shared ? a.sw13_scale : a.w13_scale + size_t(tl.e) * (2 * (a.I / 128)) * (a.H / 128);
       const float* sg_row = wsc + size_t(tl.nblk / 2) * (a.H / 128);
       const float* su_row = wsc + size_t(I_e / 128 + tl.nblk / 2) * (a.H / 128);
-      for (int kb = 0; kb < tl.kblocks; ++kb, ++it) {
-        const int stage = it % kStages;
-        const uint32_t phase = (it / kStages) & 1;
-        const float sg = __ldg(sg_row + kb), su = __ldg(su_row + kb);
-        sm90::mbar_wait(&full_bar[stage], phase);
-        const uint8_t* st = smem + stage * kStageBytes;
-        const uint8_t* w_s = st + wg * 64 * 128;
-        const uint8_t* x_s = st + kWBytes;
-        const float* s_s = reinterpret_cast<const float*>(st + kWBytes + kXBytes);
-        // Two 64-deep halves (num::kFoldK), each folded with the block's scales.
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          sm90::wgmma_fence();
-#pragma unroll
-          for (int k = 0; k < 2; ++k)
-            sm90::Wgmma<BN>::mma(tmp, sm90::smem_desc_sw128(w_s + (half * 2 + k) * 32),
-                                 sm90::smem_desc_sw128(x_s + (half * 2 + k) * 32), k);
-          sm90::wgmma_commit();
-          sm90::wgmma_wait<0>();
-#pragma unroll
-          for (int j = 0; j < BN / 8; ++j) {
-            const float sx0 = s_s[j * 8 + lcol], sx1 = s_s[j * 8 + lcol + 1];
-            acc[j * 4 + 0] = fmaf(tmp[j * 4 + 0], sx0 * sg, acc[j * 4 + 0]);
-            acc[j * 4 + 1] = fmaf(tmp[j * 4 + 1], sx1 * sg, acc[j * 4 + 1]);
-            acc[j * 4 + 2] = fmaf(tmp[j * 4 + 2], sx0 * su, acc[j * 4 + 2]);
-            acc[j * 4 + 3] = fmaf(tmp[j * 4 + 3], sx1 * su, acc[j * 4 + 3]);
-          }
-        }
-        sm90::mbar_arrive(&empty_bar[stage]);
-      }
+      mma_mainloop<BN>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lcol, sg_row, su_row, 0);
       // ---- GEMM1 epilogue: SwiGLU x routing weight, 1x64 E4M3 quantization ----
       // Thread holds gate (row lrow) and up (row lrow + 8) of intermediate column
       // wg * 32 + wwarp * 8 + lane / 4 for tokens j * 8 + lcol + {0, 1}.
@@ -457,35 +477,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else {
       const float* wsc = shared ? a.sw2_scale + size_t(tl.nblk) * (a.Is / 128)
                                 : a.w2_scale + (size_t(tl.e) * (a.H / 128) + tl.nblk) * (a.I / 128);
-      for (int kb = 0; kb < tl.kblocks; ++kb, ++it) {
-        const int stage = it % kStages;
-        const uint32_t phase = (it / kStages) & 1;
-        const float sw = __ldg(wsc + kb);
-        sm90::mbar_wait(&full_bar[stage], phase);
-        const uint8_t* st = smem + stage * kStageBytes;
-        const uint8_t* w_s = st + wg * 64 * 128;
-        const uint8_t* x_s = st + kWBytes;
-        const float* s_s = reinterpret_cast<const float*>(st + kWBytes + kXBytes);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          sm90::wgmma_fence();
-#pragma unroll
-          for (int k = 0; k < 2; ++k)
-            sm90::Wgmma<BN>::mma(tmp, sm90::smem_desc_sw128(w_s + (half * 2 + k) * 32),
-                                 sm90::smem_desc_sw128(x_s + (half * 2 + k) * 32), k);
-          sm90::wgmma_commit();
-          sm90::wgmma_wait<0>();
-#pragma unroll
-          for (int j = 0; j < BN / 8; ++j) {
-            const float sa0 = s_s[half * BN + j * 8 + lcol] * sw, sa1 = s_s[half * BN + j * 8 + lcol + 1] * sw;
-            acc[j * 4 + 0] = fmaf(tmp[j * 4 + 0], sa0, acc[j * 4 + 0]);
-            acc[j * 4 + 1] = fmaf(tmp[j * 4 + 1], sa1, acc[j * 4 + 1]);
-            acc[j * 4 + 2] = fmaf(tmp[j * 4 + 2], sa0, acc[j * 4 + 2]);
-            acc[j * 4 + 3] = fmaf(tmp[j * 4 + 3], sa1, acc[j * 4 + 3]);
-          }
-        }
-        sm90::mbar_arrive(&empty_bar[stage]);
-      }
+      mma_mainloop<BN>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lcol, wsc, wsc, BN);
       // ---- GEMM2 epilogue: BF16 per-slot rows ----
       const int f = tl.nblk * 128 + wg * 64 + lrow;
 #pragma unroll
