@@ -253,7 +253,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* smem = smem_raw + ((1024 - (sm90::smem_u32(smem_raw) & 1023)) & 1023);
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
   uint64_t* empty_bar = full_bar + 16;
-  int* tables = reinterpret_cast<int*>(empty_bar + 16);
+  int* stage_tile = reinterpret_cast<int*>(empty_bar + 16);  // tile id a stage starts (-1: no more)
+  int* tables = stage_tile + 16;
   Sched sc{tables, tables + (kMaxExpertsTotal + 1), tables + 2 * (kMaxExpertsTotal + 1)};
   float* red = reinterpret_cast<float*>(tables + 3 * (kMaxExpertsTotal + 1));  // [8 warps][BN]
 
@@ -374,7 +375,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tid == 0) {
       sm90::fence_proxy_async_global();
       int it = 0;
-      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      // Dynamic schedule: the next tile in (GEMM1 tiles, then GEMM2 tiles) order goes to
+      // whichever CTA asks first, so uneven tiles (a GEMM1 tile streams H/I times the
+      // bytes of a GEMM2 tile) balance out. NOTE: deadlock-free because every GEMM1
+      // tile is handed out before any GEMM2 tile, to a CTA that is already running.
+      for (;;) {
+        const int tile = atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterNextTile], 1);
+        if (tile >= tiles) {
+          // Sentinel stage: tells the consumers there is no further tile.
+          const int stage = it % kStages;
+          sm90::mbar_wait(&empty_bar[stage], ((it / kStages) & 1) ^ 1);
+          stage_tile[stage] = -1;
+          sm90::mbar_arrive(&full_bar[stage]);
+          break;
+        }
         const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
         const bool shared = tl.e == a.E;
         if (tl.gemm == 2) {
@@ -393,6 +407,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           uint8_t* x_s = st + kWBytes;
           uint8_t* s_s = st + kWBytes + kXBytes;
           const uint32_t bytes = kWBytes + kXBytes + (tl.gemm == 1 ? 1 : 2) * BN * 4;
+          if (kb == 0) stage_tile[stage] = tile;  // published by the arrive below
           sm90::mbar_arrive_expect_tx(&full_bar[stage], bytes);
           if (tl.gemm == 1) {
             sm90::tma_load_5d(w_s, shared ? &tm.sw13 : &tm.w13, &full_bar[stage], kb * 128, 0, 0, tl.nblk * 8,
@@ -422,7 +437,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   float acc[kAcc];
   int it = 0;
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+  for (;;) {
+    // The first stage of the next tile carries its id (the producer's schedule).
+    const int first_stage = it % kStages;
+    sm90::mbar_wait(&full_bar[first_stage], (it / kStages) & 1);
+    const int tile = stage_tile[first_stage];
+    if (tile < 0) break;
     const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
     const bool shared = tl.e == a.E;
 #pragma unroll

@@ -23,8 +23,9 @@ constexpr int stage_bytes(int block_n) {
   return ((kBlockM * kBlockK + block_n * kBlockK + 2 * block_n * 4) + 1023) / 1024 * 1024;
 }
 constexpr int fixed_smem_bytes(int block_n) {
-  // 1 KB alignment slack + barriers + expert tables (3 x 513 ints) + amax table (8 warps x block_n)
-  return 1024 + 2 * 16 * 8 + 3 * (kMaxExpertsTotal + 1) * 4 + 8 * block_n * 4;
+  // 1 KB alignment slack + barriers + tile id per stage + expert tables (3 x 513 ints)
+  // + amax table (8 warps x block_n)
+  return 1024 + 2 * 16 * 8 + 16 * 4 + 3 * (kMaxExpertsTotal + 1) * 4 + 8 * block_n * 4;
 }
 constexpr int stages_for(int block_n) {
   const int s = (kSmemBudget - fixed_smem_bytes(block_n)) / stage_bytes(block_n);

@@ -28,12 +28,13 @@ namespace megamoe::kernels {
 // Workspace of one layer object, sized once from (shape, max_tokens). All
 // regions live in one device allocation; `counters` is zeroed per forward.
 struct MoeWorkspaceLayout {
-  // counters (int32): [0] grid barrier, [1] GEMM2 tiles done,
-  // [2, 2 + E_total) rows per expert (E_total = E + shared),
-  // then one GEMM1-done counter per (expert, token block) unit.
+  // counters (int32): [0] grid barrier, [1] GEMM2 tiles done, [2] next tile
+  // (the dynamic scheduler), [3, 3 + E_total) rows per expert (E_total = E +
+  // shared), then one GEMM1-done counter per (expert, token block) unit.
   static constexpr int kCounterBarrier = 0;
   static constexpr int kCounterDone2 = 1;
-  static constexpr int kCounterExperts = 2;
+  static constexpr int kCounterNextTile = 2;
+  static constexpr int kCounterExperts = 3;
 
   int max_tokens = 0;
   int experts_total = 0;  // routed + (1 if shared)
