@@ -1,9 +1,9 @@
 // The `megamoe` command: demo, forward, bench, make-checkpoint, inspect.
 // Every error names what is wrong and exits non-zero.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "commands.h"
 #include "megamoe/api/bench.h"
 #include "megamoe/api/forward.h"
 #include "megamoe/io/checkpoint.h"
@@ -25,7 +26,6 @@
 #include "megamoe/reference/moe.h"
 #include "megamoe/weights/host_weights.h"
 #include "megamoe/weights/store.h"
-#include "commands.h"
 
 namespace fs = std::filesystem;
 using namespace megamoe;
@@ -83,8 +83,8 @@ int run_demo(const DemoArgs& a) {
   const auto x = random_tokens(size_t(a.tokens) * s.hidden, a.seed + 7);
   const api::ForwardOutput out = api::forward(b, w, x.data(), a.tokens);
   const double gflop = a.tokens * s.flops_per_token() * 1e-9;
-  fmt::print("forward on {}: {} tokens in {:.3f} ms, {:.1f} GFLOP/s ({:.1f} GFLOP)\n", api::to_string(out.backend),
-             a.tokens, out.seconds * 1e3, gflop / out.seconds, gflop);
+  fmt::print("forward on {}: {} tokens in {:.3f} ms, {:.1f} GFLOP/s ({:.1f} GFLOP)\n",
+             api::to_string(out.backend), a.tokens, out.seconds * 1e3, gflop / out.seconds, gflop);
 
   // Check a sample of tokens against the float64 reference with unquantized activations.
   const int n = std::min(a.check_tokens, a.tokens);
@@ -97,9 +97,10 @@ int run_demo(const DemoArgs& a) {
   ref::moe_layer(s, w.view(), x.data(), n, ids.data(), wts.data(), ref::Mode::kExact, exact.data());
   for (size_t i = 0; i < got.size(); ++i) got[i] = num::bf16_decode(out.y[i]);
   const double err = rel_l2(got, exact);
-  fmt::print("check on {} tokens: routing ids {} vs the reference; relative L2 vs exact float64 = {:.3e} "
-             "(FP8 activations explain a few 1e-2)\n",
-             n, id_mismatch == 0 ? "identical" : fmt::format("{} DIFFER", id_mismatch), err);
+  fmt::print(
+      "check on {} tokens: routing ids {} vs the reference; relative L2 vs exact float64 = {:.3e} "
+      "(FP8 activations explain a few 1e-2)\n",
+      n, id_mismatch == 0 ? "identical" : fmt::format("{} DIFFER", id_mismatch), err);
   if (id_mismatch || !(err < 0.1)) {
     fmt::print(stderr, "demo: FAILED (ids differ or error too large)\n");
     return 1;
@@ -127,8 +128,8 @@ int run_forward(const ForwardArgs& a) {
   const io::SafetensorsFile in(a.input);
   const io::TensorView xv = in.at("x");
   if (xv.dtype != io::Dtype::kBF16 || xv.shape.size() != 2 || xv.shape[1] != s.hidden)
-    throw std::invalid_argument(fmt::format("{}: tensor 'x' must be BF16 [T, {}], found {} {}", a.input, s.hidden,
-                                            io::to_string(xv.dtype), io::format_shape(xv.shape)));
+    throw std::invalid_argument(fmt::format("{}: tensor 'x' must be BF16 [T, {}], found {} {}", a.input,
+                                            s.hidden, io::to_string(xv.dtype), io::format_shape(xv.shape)));
   const int T = int(xv.shape[0]);
   std::vector<num::bf16_t> x(size_t(T) * s.hidden);
   std::memcpy(x.data(), xv.data, x.size() * 2);
@@ -138,7 +139,8 @@ int run_forward(const ForwardArgs& a) {
   t.push_back({"topk_ids", io::Dtype::kI32, {T, s.topk}, out.ids.data(), out.ids.size() * 4});
   t.push_back({"topk_weights", io::Dtype::kF32, {T, s.topk}, out.weights.data(), out.weights.size() * 4});
   io::write_safetensors(a.output, t,
-                        {{"backend", api::to_string(out.backend)}, {"layer", std::to_string(a.layer)},
+                        {{"backend", api::to_string(out.backend)},
+                         {"layer", std::to_string(a.layer)},
                          {"ranks", std::to_string(a.ranks)}});
   fmt::print("forward: layer {} of {} ({}), {} tokens on {} (ranks {}) in {:.3f} ms -> {}\n", a.layer,
              a.checkpoint, desc.family, T, api::to_string(out.backend), a.ranks, out.seconds * 1e3, a.output);
@@ -189,11 +191,13 @@ int run_bench_cmd(const BenchArgs& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"megamoe: FP8 Mixture-of-Experts layers (DeepSeek-V3 / GLM-5 family) on Hopper GPUs and the CPU"};
+  CLI::App app{
+      "megamoe: FP8 Mixture-of-Experts layers (DeepSeek-V3 / GLM-5 family) on Hopper GPUs and the CPU"};
   app.require_subcommand(1);
 
   DemoArgs demo;
-  auto* c_demo = app.add_subcommand("demo", "Run a random layer of a preset shape and check it against float64");
+  auto* c_demo =
+      app.add_subcommand("demo", "Run a random layer of a preset shape and check it against float64");
   c_demo->add_option("--preset", demo.preset, "glm-5.3-flash | glm-5 | deepseek-v3 | glm-4.7-flash")
       ->capture_default_str();
   c_demo->add_option("--tokens", demo.tokens, "tokens in the batch")->capture_default_str();
@@ -203,16 +207,20 @@ int main(int argc, char** argv) {
   c_demo->add_option("--seed", demo.seed)->capture_default_str();
 
   ForwardArgs fwd;
-  auto* c_fwd = app.add_subcommand("forward", "Run one MoE layer of a checkpoint on x from a safetensors file");
+  auto* c_fwd =
+      app.add_subcommand("forward", "Run one MoE layer of a checkpoint on x from a safetensors file");
   c_fwd->add_option("--checkpoint", fwd.checkpoint, "HF-layout checkpoint directory")->required();
   c_fwd->add_option("--layer", fwd.layer, "decoder layer index (an MoE layer)")->required();
   c_fwd->add_option("--input", fwd.input, "safetensors file with x: BF16 [T, H]")->required();
-  c_fwd->add_option("--output", fwd.output, "safetensors file to write y, topk_ids, topk_weights")->required();
+  c_fwd->add_option("--output", fwd.output, "safetensors file to write y, topk_ids, topk_weights")
+      ->required();
   c_fwd->add_option("--backend", fwd.backend, "auto | cpu | cuda")->capture_default_str();
-  c_fwd->add_option("--ranks", fwd.ranks, "expert-parallel ranks (tokens split evenly)")->capture_default_str();
+  c_fwd->add_option("--ranks", fwd.ranks, "expert-parallel ranks (tokens split evenly)")
+      ->capture_default_str();
 
   BenchArgs bench;
-  auto* c_bench = app.add_subcommand("bench", "Time the CUDA layer against the floors and cuBLASLt (GPU only)");
+  auto* c_bench =
+      app.add_subcommand("bench", "Time the CUDA layer against the floors and cuBLASLt (GPU only)");
   c_bench->add_option("--preset", bench.presets, "presets (default: glm-5.3-flash glm-5 deepseek-v3)");
   c_bench->add_option("--tokens", bench.tokens, "token counts (default: 1 8 64 256 1024 4096 16384)");
   c_bench->add_option("--json", bench.json, "write the results as JSON here");

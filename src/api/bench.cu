@@ -6,8 +6,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <functional>
 #include <cmath>
+#include <functional>
 #include <set>
 #include <stdexcept>
 
@@ -24,7 +24,8 @@ namespace {
 // Weight bytes one expert streams (E4M3 weights + float scales) for intermediate `inter`.
 double expert_bytes(const MoeShape& s, int inter) {
   const double H = s.hidden, I = inter;
-  const double scales = (2.0 * std::ceil(I / 128) * std::ceil(H / 128) + std::ceil(H / 128) * std::ceil(I / 128)) * 4;
+  const double scales =
+      (2.0 * std::ceil(I / 128) * std::ceil(H / 128) + std::ceil(H / 128) * std::ceil(I / 128)) * 4;
   return 3.0 * H * I + scales;
 }
 
@@ -75,7 +76,8 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
         uint64_t st = 0x9E3779B97F4A7C15ull * (T + 1);
         for (auto& v : x) {  // N(0,1)-ish via the sum of two uniforms; fresh per T
           st ^= st << 13, st ^= st >> 7, st ^= st << 17;
-          const float u = float(st >> 40) * (1.0f / 16777216.0f) + float((st >> 16) & 0xFFFFFF) * (1.0f / 16777216.0f);
+          const float u =
+              float(st >> 40) * (1.0f / 16777216.0f) + float((st >> 16) & 0xFFFFFF) * (1.0f / 16777216.0f);
           v = num::bf16_encode((u - 1.0f) * 2.45f);
         }
         DeviceBuffer dx(x.size() * 2), dy(x.size() * 2);
@@ -102,12 +104,12 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
         const int* dTp = static_cast<const int*>(dT.p);
         cudaGraphExec_t g_fwd = capture([&](cudaStream_t st2) { layer.forward(xp, yp, T, dTp, st2); });
         cudaGraphExec_t g_route = capture([&](cudaStream_t st2) { layer.route(xp, T, dTp, st2); });
-        const bench::Timing ours = bench::time_device(
-            [&](cudaStream_t st2) { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(g_fwd, st2)); }, stream, opt.warmup, opt.iters,
-            true);
-        const bench::Timing route = bench::time_device(
-            [&](cudaStream_t st2) { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(g_route, st2)); }, stream, opt.warmup,
-            opt.iters, true);
+        const bench::Timing ours =
+            bench::time_device([&](cudaStream_t st2) { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(g_fwd, st2)); },
+                               stream, opt.warmup, opt.iters, true);
+        const bench::Timing route =
+            bench::time_device([&](cudaStream_t st2) { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(g_route, st2)); },
+                               stream, opt.warmup, opt.iters, true);
         MEGAMOE_CUDA_CHECK(cudaGraphExecDestroy(g_fwd));
         MEGAMOE_CUDA_CHECK(cudaGraphExecDestroy(g_route));
         layer.forward(xp, yp, T, nullptr, stream);
@@ -115,7 +117,8 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
         std::vector<int32_t> ids(size_t(T) * s.topk);
         std::vector<float> wts(ids.size());
         MEGAMOE_CUDA_CHECK(cudaMemcpy(ids.data(), layer.topk_ids(), ids.size() * 4, cudaMemcpyDeviceToHost));
-        MEGAMOE_CUDA_CHECK(cudaMemcpy(wts.data(), layer.topk_weights(), wts.size() * 4, cudaMemcpyDeviceToHost));
+        MEGAMOE_CUDA_CHECK(
+            cudaMemcpy(wts.data(), layer.topk_weights(), wts.size() * 4, cudaMemcpyDeviceToHost));
         std::vector<num::bf16_t> y(x.size());
         MEGAMOE_CUDA_CHECK(cudaMemcpy(y.data(), dy.p, y.size() * 2, cudaMemcpyDeviceToHost));
         size_t nonfinite = 0;
@@ -134,8 +137,8 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
         if (opt.baseline && T > 0) {
           bench::CublasLtMoeBaseline base(s, dview, T);
           const bench::DeviceRoutedBatch& b = base.plan(ids.data(), wts.data(), T, stream);
-          const bench::Timing bt = bench::time_device(
-              [&](cudaStream_t st2) { base.forward(b, xp, yp, st2); }, stream, opt.warmup, opt.iters, true);
+          const bench::Timing bt = bench::time_device([&](cudaStream_t st2) { base.forward(b, xp, yp, st2); },
+                                                      stream, opt.warmup, opt.iters, true);
           base_us = bt.median_us + route.median_us;  // plus our routing, as the issue defines it
         }
         nlohmann::json c;
@@ -161,12 +164,13 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
         c["nonfinite_outputs"] = nonfinite;
         c["config"] = layer.config_for(T);
         out["cases"].push_back(c);
-        log(fmt::format("{:14s} E={:3d} T={:5d}: {:9.1f} us (p10 {:.1f}, p90 {:.1f}; route {:.1f}) floor {:8.1f} "
-                        "(x{:.2f}) {:7.1f} TFLOP/s {:5.2f} TB/s | cuBLASLt {:9.1f} us (x{:.2f}) | {}",
-                        name, s.experts, T, ours.median_us, ours.p10_us, ours.p90_us, route.median_us, floor_us,
-                        ours.median_us / floor_us, flops / (ours.median_us * 1e-6) * 1e-12,
-                        bytes / (ours.median_us * 1e-6) * 1e-12, base_us, base_us > 0 ? base_us / ours.median_us : 0.0,
-                        layer.config_for(T)));
+        log(fmt::format(
+            "{:14s} E={:3d} T={:5d}: {:9.1f} us (p10 {:.1f}, p90 {:.1f}; route {:.1f}) floor {:8.1f} "
+            "(x{:.2f}) {:7.1f} TFLOP/s {:5.2f} TB/s | cuBLASLt {:9.1f} us (x{:.2f}) | {}",
+            name, s.experts, T, ours.median_us, ours.p10_us, ours.p90_us, route.median_us, floor_us,
+            ours.median_us / floor_us, flops / (ours.median_us * 1e-6) * 1e-12,
+            bytes / (ours.median_us * 1e-6) * 1e-12, base_us, base_us > 0 ? base_us / ours.median_us : 0.0,
+            layer.config_for(T)));
       }
     }
   }

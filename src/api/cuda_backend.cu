@@ -15,7 +15,9 @@ bool cuda_device_ok(std::string* why) {
   const cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess || n == 0) {
     cudaGetLastError();
-    if (why) *why = e != cudaSuccess ? std::string("no usable CUDA driver/device: ") + cudaGetErrorString(e) : "no CUDA device";
+    if (why)
+      *why = e != cudaSuccess ? std::string("no usable CUDA driver/device: ") + cudaGetErrorString(e)
+                              : "no CUDA device";
     return false;
   }
   int dev = 0, major = 0, minor = 0;
@@ -23,7 +25,9 @@ bool cuda_device_ok(std::string* why) {
   MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
   if (major != 9 || minor != 0) {
-    if (why) *why = fmt::format("device {} has compute capability {}.{}; the kernels are built for sm_90a (Hopper)", dev, major, minor);
+    if (why)
+      *why = fmt::format("device {} has compute capability {}.{}; the kernels are built for sm_90a (Hopper)",
+                         dev, major, minor);
     return false;
   }
   return true;
@@ -65,8 +69,10 @@ ForwardOutput cuda_forward(const HostMoeWeights& w, const num::bf16_t* x, int T,
   out.ids.resize(size_t(T) * s.topk);
   out.weights.resize(size_t(T) * s.topk);
   MEGAMOE_CUDA_CHECK(cudaMemcpy(out.y.data(), dy, xb, cudaMemcpyDeviceToHost));
-  MEGAMOE_CUDA_CHECK(cudaMemcpy(out.ids.data(), layer.topk_ids(), out.ids.size() * 4, cudaMemcpyDeviceToHost));
-  MEGAMOE_CUDA_CHECK(cudaMemcpy(out.weights.data(), layer.topk_weights(), out.weights.size() * 4, cudaMemcpyDeviceToHost));
+  MEGAMOE_CUDA_CHECK(
+      cudaMemcpy(out.ids.data(), layer.topk_ids(), out.ids.size() * 4, cudaMemcpyDeviceToHost));
+  MEGAMOE_CUDA_CHECK(
+      cudaMemcpy(out.weights.data(), layer.topk_weights(), out.weights.size() * 4, cudaMemcpyDeviceToHost));
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   cudaStreamDestroy(stream);

@@ -63,7 +63,8 @@ ForwardOutput forward(Backend b, const HostMoeWeights& w, const num::bf16_t* x, 
   const auto t0 = std::chrono::steady_clock::now();
   if (ranks == 1) {
     ref::route(s, w.view(), x, T, out.ids.data(), out.weights.data());
-    ref::moe_layer(s, w.view(), x, T, out.ids.data(), out.weights.data(), ref::Mode::kKernelFaithful, y.data());
+    ref::moe_layer(s, w.view(), x, T, out.ids.data(), out.weights.data(), ref::Mode::kKernelFaithful,
+                   y.data());
   } else {
     // Split the tokens evenly over the ranks (the first ranks take the remainder).
     std::vector<ref::RankBatch> batches(ranks);

@@ -40,7 +40,8 @@ void require_device_memory(const void* p, const char* what) {
   int dev = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
   if (attr.device != dev)
-    throw std::invalid_argument(fmt::format("{}: pointer is on device {}, the layer on device {}", what, attr.device, dev));
+    throw std::invalid_argument(
+        fmt::format("{}: pointer is on device {}, the layer on device {}", what, attr.device, dev));
 }
 
 void require_aligned(const void* p, size_t align, const char* what) {
@@ -50,10 +51,13 @@ void require_aligned(const void* p, size_t align, const char* what) {
 
 void validate_shape(const MoeShape& s) {
   s.validate();
-  if (s.hidden % 128 != 0) throw std::invalid_argument(fmt::format("CUDA backend: H = {} must be a multiple of 128", s.hidden));
-  if (s.inter % 128 != 0) throw std::invalid_argument(fmt::format("CUDA backend: I = {} must be a multiple of 128", s.inter));
+  if (s.hidden % 128 != 0)
+    throw std::invalid_argument(fmt::format("CUDA backend: H = {} must be a multiple of 128", s.hidden));
+  if (s.inter % 128 != 0)
+    throw std::invalid_argument(fmt::format("CUDA backend: I = {} must be a multiple of 128", s.inter));
   if (s.experts + (s.has_shared() ? 1 : 0) > kernels::kMaxExpertsTotal)
-    throw std::invalid_argument(fmt::format("CUDA backend: at most {} experts (E = {})", kernels::kMaxExpertsTotal - 1, s.experts));
+    throw std::invalid_argument(
+        fmt::format("CUDA backend: at most {} experts (E = {})", kernels::kMaxExpertsTotal - 1, s.experts));
   if (s.topk > 32) throw std::invalid_argument(fmt::format("CUDA backend: top-k <= 32 (K = {})", s.topk));
 }
 
@@ -61,7 +65,8 @@ void validate_shape(const MoeShape& s) {
 
 static std::unique_ptr<CudaMoeLayer::Impl> make_impl(const MoeShape& s, const MoeLayerOptions& opt) {
   validate_shape(s);
-  if (opt.max_tokens <= 0) throw std::invalid_argument(fmt::format("max_tokens = {} must be > 0", opt.max_tokens));
+  if (opt.max_tokens <= 0)
+    throw std::invalid_argument(fmt::format("max_tokens = {} must be > 0", opt.max_tokens));
   auto impl = std::make_unique<CudaMoeLayer::Impl>();
   impl->shape = s;
   impl->wlayout = MoeWeightLayout::compute(s);
@@ -79,7 +84,8 @@ static void finish_plan(CudaMoeLayer::Impl& impl) {
   impl.plan = kernels::fused_moe_plan_create(impl.shape, v, impl.ws, impl.workspace, cfg);
 }
 
-CudaMoeLayer::CudaMoeLayer(const HostMoeWeights& w, const MoeLayerOptions& opt) : impl_(make_impl(w.shape, opt)) {
+CudaMoeLayer::CudaMoeLayer(const HostMoeWeights& w, const MoeLayerOptions& opt)
+    : impl_(make_impl(w.shape, opt)) {
   MEGAMOE_CUDA_CHECK(cudaMalloc(&impl_->owned_weights, w.bytes()));
   MEGAMOE_CUDA_CHECK(cudaMemcpy(impl_->owned_weights, w.data(), w.bytes(), cudaMemcpyHostToDevice));
   impl_->weights = impl_->owned_weights;
@@ -99,8 +105,8 @@ CudaMoeLayer::~CudaMoeLayer() = default;
 void CudaMoeLayer::forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint, const int* num_tokens_dev,
                            Stream stream) {
   if (tokens_hint < 0 || tokens_hint > impl_->ws.max_tokens)
-    throw std::invalid_argument(
-        fmt::format("forward: {} tokens exceed the layer's max_tokens = {}", tokens_hint, impl_->ws.max_tokens));
+    throw std::invalid_argument(fmt::format("forward: {} tokens exceed the layer's max_tokens = {}",
+                                            tokens_hint, impl_->ws.max_tokens));
   if (tokens_hint > 0) {
     require_aligned(x, 16, "forward x");
     require_aligned(y, 16, "forward y");
@@ -120,8 +126,8 @@ void CudaMoeLayer::forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint
 
 void CudaMoeLayer::route(const num::bf16_t* x, int tokens_hint, const int* num_tokens_dev, Stream stream) {
   if (tokens_hint < 0 || tokens_hint > impl_->ws.max_tokens)
-    throw std::invalid_argument(
-        fmt::format("route: {} tokens exceed the layer's max_tokens = {}", tokens_hint, impl_->ws.max_tokens));
+    throw std::invalid_argument(fmt::format("route: {} tokens exceed the layer's max_tokens = {}",
+                                            tokens_hint, impl_->ws.max_tokens));
   auto s = static_cast<cudaStream_t>(stream);
   if (!num_tokens_dev) {
     kernels::set_device_int(impl_->own_count, tokens_hint, s);

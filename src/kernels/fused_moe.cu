@@ -146,7 +146,8 @@ __device__ __forceinline__ int largest_le(const int* off, int lo, int hi, int mu
 }
 
 template <int BN>
-__device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc, int tile, int t1_routed, int t1) {
+__device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc, int tile, int t1_routed,
+                                            int t1) {
   Tile t;
   const int n1 = a.I / 64, n2 = a.H / 128;
   int local, nb;
@@ -201,7 +202,8 @@ __device__ __forceinline__ uint8_t to_e4m3(float v) {
 template <int BN>
 __device__ __forceinline__ void mma_mainloop(float (&acc)[BN / 2], int kblocks, int& it, uint8_t* smem,
                                              uint64_t* full_bar, uint64_t* empty_bar, int wg, int lcol,
-                                             const float* lo_scale, const float* hi_scale, int col_half_stride) {
+                                             const float* lo_scale, const float* hi_scale,
+                                             int col_half_stride) {
   constexpr int kStages = stages_for(BN);
   constexpr int kStageBytes = stage_bytes(BN);
   constexpr int kWBytes = kBlockM * kBlockK;
@@ -218,7 +220,8 @@ __device__ __forceinline__ void mma_mainloop(float (&acc)[BN / 2], int kblocks, 
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       sm90::wgmma_fence();
-      sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128(w_s + half * 64), sm90::smem_desc_sw128(x_s + half * 64), 0);
+      sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128(w_s + half * 64),
+                           sm90::smem_desc_sw128(x_s + half * 64), 0);
       sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128(w_s + half * 64 + 32),
                            sm90::smem_desc_sw128(x_s + half * 64 + 32), 1);
       sm90::wgmma_commit();
@@ -428,10 +431,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ======================= consumer warpgroups =======================
   sm90::setmaxnreg_inc<232>();
-  const int ctid = tid - 128;     // 0..255
-  const int wg = ctid / 128;      // 0, 1
-  const int wwarp = (ctid / 32) % 4;  // warp inside the warpgroup
-  const int cwarp = ctid / 32;        // 0..7
+  const int ctid = tid - 128;              // 0..255
+  const int wg = ctid / 128;               // 0, 1
+  const int wwarp = (ctid / 32) % 4;       // warp inside the warpgroup
+  const int cwarp = ctid / 32;             // 0..7
   const int lrow = wwarp * 16 + lane / 4;  // fragment row (and row + 8)
   const int lcol = (lane % 4) * 2;         // fragment column (and + 1), plus 8 * j
 
@@ -463,7 +466,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int c = 0; c < 2; ++c) {
           const int n = j * 8 + lcol + c;
           const float rw = n < tl.rows ? __ldcg(a.row_weight + tl.row0 + n) : 0.0f;
-          const float v = n < tl.rows ? num::swiglu(acc[j * 4 + c], acc[j * 4 + 2 + c], a.swiglu_limit, rw) : 0.0f;
+          const float v =
+              n < tl.rows ? num::swiglu(acc[j * 4 + c], acc[j * 4 + 2 + c], a.swiglu_limit, rw) : 0.0f;
           acc[j * 4 + c] = v;
           float m = fabsf(v);
           m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
@@ -563,14 +567,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 // Host side: tensor maps and the plan
 // ============================================================================
 using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*,
+                                   CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
+                                   CUtensorMapFloatOOBfill);
 
 EncodeTiledFn encode_fn() {
   static EncodeTiledFn fn = [] {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult q{};
-    MEGAMOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
+    MEGAMOE_CUDA_CHECK(
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
     MEGAMOE_CHECK(q == cudaDriverEntryPointSuccess && p, "cuTensorMapEncodeTiled not found in the driver");
     return reinterpret_cast<EncodeTiledFn>(p);
   }();
@@ -593,8 +599,9 @@ CUtensorMap make_map(const char* what, CUtensorMapDataType dtype, int rank, cons
   const CUresult r = encode_fn()(&m, dtype, cuuint32_t(rank), const_cast<void*>(base), d, s, b, es,
                                  CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) throw std::runtime_error(std::string("cuTensorMapEncodeTiled failed for ") + what +
-                                                  " (CUresult " + std::to_string(int(r)) + ")");
+  if (r != CUDA_SUCCESS)
+    throw std::runtime_error(std::string("cuTensorMapEncodeTiled failed for ") + what + " (CUresult " +
+                             std::to_string(int(r)) + ")");
   return m;
 }
 
@@ -603,7 +610,8 @@ constexpr int kBlockNs[] = {8, 16, 32, 64, 128};
 int block_n_index(int bn) {
   for (int i = 0; i < 5; ++i)
     if (kBlockNs[i] == bn) return i;
-  throw std::invalid_argument("fused_moe: unsupported block_n " + std::to_string(bn) + " (8, 16, 32, 64, 128)");
+  throw std::invalid_argument("fused_moe: unsupported block_n " + std::to_string(bn) +
+                              " (8, 16, 32, 64, 128)");
 }
 
 __global__ void set_int_kernel(int* p, int v) { *p = v; }
@@ -637,7 +645,8 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   s.validate();
   MEGAMOE_CHECK(s.hidden % 128 == 0, "fused_moe needs H % 128 == 0");
   MEGAMOE_CHECK(s.inter % 128 == 0, "fused_moe needs I % 128 == 0");
-  MEGAMOE_CHECK(s.experts + (s.has_shared() ? 1 : 0) <= kMaxExpertsTotal, "fused_moe supports at most 511 experts");
+  MEGAMOE_CHECK(s.experts + (s.has_shared() ? 1 : 0) <= kMaxExpertsTotal,
+                "fused_moe supports at most 511 experts");
   auto plan = std::make_unique<FusedMoePlan>();
   plan->shape = s;
   plan->ws = ws;
@@ -654,8 +663,8 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   TensorMaps wm{};
   // w13 viewed as [E][group I/8][half 2][row 8][H]: a box {128, 8, 2, 8, 1} is 64 gate and 64 up rows
   // interleaved by 8 (gate 0-7, up 0-7, gate 8-15, ...), 16 KB.
-  wm.w13 = make_map("w13", CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, w.w13, {H, 8, 2, I / 8, E}, {H, I * H, 8 * H, 2 * I * H},
-                    {128, 8, 2, 8, 1}, CU_TENSOR_MAP_SWIZZLE_128B);
+  wm.w13 = make_map("w13", CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, w.w13, {H, 8, 2, I / 8, E},
+                    {H, I * H, 8 * H, 2 * I * H}, {128, 8, 2, 8, 1}, CU_TENSOR_MAP_SWIZZLE_128B);
   wm.w2 = make_map("w2", CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, w.w2, {I, H, E}, {I, H * I}, {128, 128, 1},
                    CU_TENSOR_MAP_SWIZZLE_128B);
   if (s.has_shared()) {
@@ -671,8 +680,8 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   for (int i = 0; i < 5; ++i) {
     const uint32_t bn = kBlockNs[i];
     TensorMaps m = wm;
-    m.x = make_map("x_sorted", CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base + ws.x_sorted.offset, {H, R}, {H}, {128, bn},
-                   CU_TENSOR_MAP_SWIZZLE_128B);
+    m.x = make_map("x_sorted", CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base + ws.x_sorted.offset, {H, R}, {H},
+                   {128, bn}, CU_TENSOR_MAP_SWIZZLE_128B);
     m.xs = make_map("x_sorted_scale", CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, base + ws.x_sorted_scale.offset,
                     {R, H / 128}, {R * 4}, {bn, 1}, CU_TENSOR_MAP_SWIZZLE_NONE);
     m.a2 = make_map("act2", CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base + ws.act2.offset, {P, R}, {P}, {128, bn},
@@ -738,13 +747,15 @@ void route_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_token
   r.ids = reinterpret_cast<int32_t*>(base + p->ws.topk_ids.offset);
   r.weights = reinterpret_cast<float*>(base + p->ws.topk_weights.offset);
   r.pos = reinterpret_cast<int32_t*>(base + p->ws.topk_pos.offset);
-  r.expert_counts = reinterpret_cast<int*>(base + p->ws.counters.offset) + MoeWorkspaceLayout::kCounterExperts;
+  r.expert_counts =
+      reinterpret_cast<int*>(base + p->ws.counters.offset) + MoeWorkspaceLayout::kCounterExperts;
   r.max_tokens = p->ws.max_tokens;
   r.ksplit = choose_router_ksplit(p->shape, host_tokens_hint, p->num_sms, p->ws.max_ksplit);
   launch_route(p->shape, r, host_tokens_hint, p->num_sms, stream);
 }
 
-void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint, cudaStream_t stream) {
+void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint,
+                       cudaStream_t stream) {
   MEGAMOE_CHECK(host_tokens_hint >= 0 && host_tokens_hint <= p->ws.max_tokens,
                 "token count " + std::to_string(host_tokens_hint) + " exceeds the workspace's max_tokens " +
                     std::to_string(p->ws.max_tokens));

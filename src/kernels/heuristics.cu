@@ -1,10 +1,10 @@
-#include "heuristics.h"
-
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+
+#include "heuristics.h"
 
 namespace megamoe::kernels {
 
@@ -40,7 +40,8 @@ std::string describe(const FusedMoeConfig& c) {
 
 void maybe_print_config(const MoeShape& s, int tokens, const FusedMoeConfig& c) {
   const char* env = std::getenv("MEGAMOE_PRINT_CONFIG");
-  if (env && env[0] == '1') std::fprintf(stderr, "megamoe: T=%d %s: %s\n", tokens, s.describe().c_str(), describe(c).c_str());
+  if (env && env[0] == '1')
+    std::fprintf(stderr, "megamoe: T=%d %s: %s\n", tokens, s.describe().c_str(), describe(c).c_str());
 }
 
 }  // namespace megamoe::kernels

@@ -12,7 +12,7 @@ namespace megamoe::kernels {
 // per pipeline stage (= the 128-wide block of the checkpoint's scales).
 constexpr int kBlockM = 128;
 constexpr int kBlockK = 128;
-constexpr int kThreads = 384;          // warpgroup 0: TMA producer; 1-2: wgmma consumers
+constexpr int kThreads = 384;  // warpgroup 0: TMA producer; 1-2: wgmma consumers
 constexpr int kConsumerThreads = 256;
 constexpr int kMaxExpertsTotal = 512;  // routed + shared, bounded by shared-memory tables
 constexpr int kSmemBudget = 227 * 1024;
@@ -31,7 +31,9 @@ constexpr int stages_for(int block_n) {
   const int s = (kSmemBudget - fixed_smem_bytes(block_n)) / stage_bytes(block_n);
   return s > 12 ? 12 : s;
 }
-constexpr int smem_bytes(int block_n) { return fixed_smem_bytes(block_n) + stages_for(block_n) * stage_bytes(block_n); }
+constexpr int smem_bytes(int block_n) {
+  return fixed_smem_bytes(block_n) + stages_for(block_n) * stage_bytes(block_n);
+}
 
 // Token block (wgmma N): the smallest of 8..128 that holds twice the average
 // rows per routed expert, so decode tiles waste few columns, most experts take

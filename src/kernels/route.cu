@@ -18,15 +18,19 @@ constexpr int kRouterThreads = 256;  // 16 x 16 threads, 4 tokens x 4 experts ea
 constexpr int kGemvMaxTokens = 16;   // tokens per pass of the decode router (registers per lane)
 constexpr int kGemvChunks = 4;       // up to 64 tokens: one warp per (expert, K slice)
 
-__device__ __forceinline__ float load_w(const uint16_t* w, size_t i) { return __uint_as_float(uint32_t(w[i]) << 16); }
+__device__ __forceinline__ float load_w(const uint16_t* w, size_t i) {
+  return __uint_as_float(uint32_t(w[i]) << 16);
+}
 __device__ __forceinline__ float load_w(const float* w, size_t i) { return w[i]; }
 
 // Four consecutive router weights as floats (16-byte or 8-byte load).
-__device__ __forceinline__ float4 load_w4(const float* w, size_t i) { return *reinterpret_cast<const float4*>(w + i); }
+__device__ __forceinline__ float4 load_w4(const float* w, size_t i) {
+  return *reinterpret_cast<const float4*>(w + i);
+}
 __device__ __forceinline__ float4 load_w4(const uint16_t* w, size_t i) {
   const uint2 r = *reinterpret_cast<const uint2*>(w + i);
-  return make_float4(__uint_as_float(r.x << 16), __uint_as_float(r.x & 0xFFFF0000u), __uint_as_float(r.y << 16),
-                     __uint_as_float(r.y & 0xFFFF0000u));
+  return make_float4(__uint_as_float(r.x << 16), __uint_as_float(r.x & 0xFFFF0000u),
+                     __uint_as_float(r.y << 16), __uint_as_float(r.y & 0xFFFF0000u));
 }
 
 // Large T: a register-blocked float32 GEMM, logits[t][e] over one K slice.
@@ -93,34 +97,34 @@ __global__ void __launch_bounds__(256) route_logits_gemv_kernel(RouteArgs a, int
   const int T_all = min(*a.num_tokens, kGemvMaxTokens * kGemvChunks);
   // Chunks of 16 tokens; the weight slice is re-read from L1/L2 per chunk.
   for (int t0 = 0; t0 < T_all; t0 += kGemvMaxTokens) {
-  const int T = min(T_all - t0, kGemvMaxTokens);
-  const uint16_t* x = a.x + size_t(t0) * H;
-  float acc[kGemvMaxTokens];
+    const int T = min(T_all - t0, kGemvMaxTokens);
+    const uint16_t* x = a.x + size_t(t0) * H;
+    float acc[kGemvMaxTokens];
 #pragma unroll
-  for (int t = 0; t < kGemvMaxTokens; ++t) acc[t] = 0.0f;
-  for (int h = split * hs + lane * 4; h < (split + 1) * hs; h += 128) {
-    const float4 wv = load_w4(W, size_t(e) * H + h);
+    for (int t = 0; t < kGemvMaxTokens; ++t) acc[t] = 0.0f;
+    for (int h = split * hs + lane * 4; h < (split + 1) * hs; h += 128) {
+      const float4 wv = load_w4(W, size_t(e) * H + h);
+#pragma unroll
+      for (int t = 0; t < kGemvMaxTokens; ++t) {
+        if (t < T) {
+          const uint2 r = *reinterpret_cast<const uint2*>(x + size_t(t) * H + h);
+          acc[t] = fmaf(__uint_as_float(r.x << 16), wv.x, acc[t]);
+          acc[t] = fmaf(__uint_as_float(r.x & 0xFFFF0000u), wv.y, acc[t]);
+          acc[t] = fmaf(__uint_as_float(r.y << 16), wv.z, acc[t]);
+          acc[t] = fmaf(__uint_as_float(r.y & 0xFFFF0000u), wv.w, acc[t]);
+        }
+      }
+    }
+    float* out = a.partial + size_t(split) * a.max_tokens * E;
 #pragma unroll
     for (int t = 0; t < kGemvMaxTokens; ++t) {
       if (t < T) {
-        const uint2 r = *reinterpret_cast<const uint2*>(x + size_t(t) * H + h);
-        acc[t] = fmaf(__uint_as_float(r.x << 16), wv.x, acc[t]);
-        acc[t] = fmaf(__uint_as_float(r.x & 0xFFFF0000u), wv.y, acc[t]);
-        acc[t] = fmaf(__uint_as_float(r.y << 16), wv.z, acc[t]);
-        acc[t] = fmaf(__uint_as_float(r.y & 0xFFFF0000u), wv.w, acc[t]);
+        float v = acc[t];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) out[size_t(t0 + t) * E + e] = v;
       }
     }
-  }
-  float* out = a.partial + size_t(split) * a.max_tokens * E;
-#pragma unroll
-  for (int t = 0; t < kGemvMaxTokens; ++t) {
-    if (t < T) {
-      float v = acc[t];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0) out[size_t(t0 + t) * E + e] = v;
-    }
-  }
   }
 }
 
@@ -257,9 +261,11 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
 
 }  // namespace
 
-void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms, cudaStream_t stream);
+void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms,
+                cudaStream_t stream);
 
-void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms, cudaStream_t stream) {
+void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms,
+                  cudaStream_t stream) {
   MEGAMOE_CHECK(s.experts <= kMaxE, "route_topk supports at most 512 experts");
   MEGAMOE_CHECK(s.topk <= 32, "route_topk supports top-k <= 32");
   MEGAMOE_CHECK(s.n_group <= 32, "route_topk supports n_group <= 32");
@@ -293,8 +299,10 @@ void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, i
   route_topk(s, a, host_tokens_hint, num_sms, stream);
 }
 
-void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms, cudaStream_t stream) {
-  const int topk_blocks = std::max(1, std::min((host_tokens_hint + kTopkWarps - 1) / kTopkWarps, num_sms * 8));
+void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms,
+                cudaStream_t stream) {
+  const int topk_blocks =
+      std::max(1, std::min((host_tokens_hint + kTopkWarps - 1) / kTopkWarps, num_sms * 8));
   route_topk_kernel<<<topk_blocks, kTopkWarps * 32, 0, stream>>>(a, s);
   MEGAMOE_CUDA_CHECK_LAUNCH();
 }

@@ -41,9 +41,10 @@ double MoeShape::flops_per_token() const {
 }
 
 std::string MoeShape::describe() const {
-  return fmt::format("H={} I={} E={} K={} shared={} groups={}/{} score={} norm={} scale={} clamp={} router={}",
-                     hidden, inter, experts, topk, shared_experts, n_group, topk_group, to_string(score),
-                     norm_topk_prob, routed_scaling, swiglu_limit, to_string(router_dtype));
+  return fmt::format(
+      "H={} I={} E={} K={} shared={} groups={}/{} score={} norm={} scale={} clamp={} router={}", hidden,
+      inter, experts, topk, shared_experts, n_group, topk_group, to_string(score), norm_topk_prob,
+      routed_scaling, swiglu_limit, to_string(router_dtype));
 }
 
 const std::vector<Preset>& presets() {

@@ -50,15 +50,16 @@ Compare compare(const std::vector<num::bf16_t>& y, const std::vector<float>& ref
     const double a = num::bf16_decode(y[i]), r = ref[i];
     if (!std::isfinite(a)) {
       ++c.nonfinite;
-      if (c.first.empty()) c.first = "non-finite at token " + std::to_string(i / H) + " col " + std::to_string(i % H);
+      if (c.first.empty())
+        c.first = "non-finite at token " + std::to_string(i / H) + " col " + std::to_string(i % H);
       continue;
     }
     num += (a - r) * (a - r);
     den += r * r;
     if (std::fabs(a - r) > atol + rtol * std::fabs(r)) {
       if (c.bad == 0)
-        c.first = "token " + std::to_string(i / H) + " col " + std::to_string(i % H) + ": got " + std::to_string(a) +
-                  " want " + std::to_string(r);
+        c.first = "token " + std::to_string(i / H) + " col " + std::to_string(i % H) + ": got " +
+                  std::to_string(a) + " want " + std::to_string(r);
       ++c.bad;
     }
   }
@@ -90,8 +91,10 @@ GpuRun run_gpu(api::CudaMoeLayer& layer, const std::vector<num::bf16_t>& x, int 
   r.w.resize(size_t(T) * s.topk);
   EXPECT_EQ(cudaMemcpy(r.y.data(), dy, n * 2, cudaMemcpyDeviceToHost), cudaSuccess);
   if (T > 0) {
-    EXPECT_EQ(cudaMemcpy(r.ids.data(), layer.topk_ids(), r.ids.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(r.w.data(), layer.topk_weights(), r.w.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(r.ids.data(), layer.topk_ids(), r.ids.size() * 4, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(r.w.data(), layer.topk_weights(), r.w.size() * 4, cudaMemcpyDeviceToHost),
+              cudaSuccess);
   }
   cudaFree(dx);
   cudaFree(dy);
@@ -192,7 +195,8 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
   for (const char* bn : {"8", "16", "32", "64", "128"}) {
     setenv("MEGAMOE_BLOCK_N", bn, 1);
     const GpuRun c = run_gpu(layer, x, T);
-    EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2)) << "block_n " << bn << " changes the bytes";
+    EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
+        << "block_n " << bn << " changes the bytes";
   }
   unsetenv("MEGAMOE_BLOCK_N");
 }

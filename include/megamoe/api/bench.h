@@ -4,18 +4,17 @@
 #pragma once
 
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 namespace megamoe::api {
 
 struct BenchOptions {
   std::vector<std::string> presets{"glm-5.3-flash", "glm-5", "deepseek-v3"};
   std::vector<int> tokens{1, 8, 64, 256, 1024, 4096, 16384};
-  bool ep8_share = true;   // also the one-rank share of an 8-way expert-parallel layer
-  bool baseline = true;    // cuBLASLt expert-by-expert baseline
+  bool ep8_share = true;  // also the one-rank share of an 8-way expert-parallel layer
+  bool baseline = true;   // cuBLASLt expert-by-expert baseline
   int warmup = 3;
   int iters = 15;
   double tc_peak_tflops = 1424.0;  // FP8 block-scaled dense ceiling measured on the H200 (ANCHORS.md)

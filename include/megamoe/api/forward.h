@@ -26,10 +26,10 @@ bool cuda_available(std::string* why = nullptr);
 Backend resolve(Backend b);
 
 struct ForwardOutput {
-  std::vector<num::bf16_t> y;    // [T][H]
-  std::vector<int32_t> ids;      // [T][K]
-  std::vector<float> weights;    // [T][K]
-  double seconds = 0;            // compute time (device time for CUDA, wall for CPU)
+  std::vector<num::bf16_t> y;  // [T][H]
+  std::vector<int32_t> ids;    // [T][K]
+  std::vector<float> weights;  // [T][K]
+  double seconds = 0;          // compute time (device time for CUDA, wall for CPU)
   Backend backend = Backend::kCpu;
 };
 

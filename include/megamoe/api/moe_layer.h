@@ -37,7 +37,8 @@ class CudaMoeLayer {
   // T (<= max_tokens) that sizes the launch (capture a graph at the largest
   // hint you need). If num_tokens_dev is null the layer uses its own device
   // counter set to tokens_hint (an async copy, capturable).
-  void forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint, const int* num_tokens_dev, Stream stream);
+  void forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint, const int* num_tokens_dev,
+               Stream stream);
 
   // Only the routing part of forward (router GEMM + top-k), for benchmarks.
   void route(const num::bf16_t* x, int tokens_hint, const int* num_tokens_dev, Stream stream);

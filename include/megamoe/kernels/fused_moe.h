@@ -62,17 +62,17 @@ struct MoeWorkspaceLayout {
 
 // Tile configuration of the fused kernel (chosen in heuristics, one place).
 struct FusedMoeConfig {
-  int block_n = 8;      // tokens per tile (wgmma N): 8, 16, 32, 64 or 128
-  int stages = 8;       // shared-memory ring depth
-  int num_sms = 0;      // persistent grid
+  int block_n = 8;  // tokens per tile (wgmma N): 8, 16, 32, 64 or 128
+  int stages = 8;   // shared-memory ring depth
+  int num_sms = 0;  // persistent grid
   int router_ksplit = 1;
 };
 
 struct DeviceTensors {
-  const uint16_t* x = nullptr;        // bf16 [T][H]
-  const int* num_tokens = nullptr;    // device int: T (<= max_tokens)
-  uint16_t* y = nullptr;              // bf16 [T][H]
-  void* workspace = nullptr;          // MoeWorkspaceLayout::total_bytes
+  const uint16_t* x = nullptr;      // bf16 [T][H]
+  const int* num_tokens = nullptr;  // device int: T (<= max_tokens)
+  uint16_t* y = nullptr;            // bf16 [T][H]
+  void* workspace = nullptr;        // MoeWorkspaceLayout::total_bytes
 };
 
 // Opaque per-layer launch plan: tensor maps etc. (built once per layer object).
@@ -90,7 +90,8 @@ void fused_moe_forward(const FusedMoePlan* plan, const DeviceTensors& t, int hos
                        cudaStream_t stream);
 
 // Only the routing part (memset + route_logits + route_topk), for tests/bench.
-void route_forward(const FusedMoePlan* plan, const DeviceTensors& t, int host_tokens_hint, cudaStream_t stream);
+void route_forward(const FusedMoePlan* plan, const DeviceTensors& t, int host_tokens_hint,
+                   cudaStream_t stream);
 
 // Device pointers of the routing outputs inside the workspace ([T][K] each).
 struct RoutingOutputs {

@@ -45,8 +45,8 @@ struct Preset {
   std::string name;        // glm-5.3-flash, glm-5, deepseek-v3, glm-4.7-flash
   std::string model_type;  // config.json model_type
   MoeShape shape;
-  int num_layers = 0;        // decoder layers
-  int first_dense = 0;       // leading dense layers
+  int num_layers = 0;   // decoder layers
+  int first_dense = 0;  // leading dense layers
 };
 
 const std::vector<Preset>& presets();

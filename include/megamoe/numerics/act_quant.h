@@ -22,9 +22,7 @@ constexpr int kInterGroup = 64;
 constexpr int kFoldK = 64;
 
 // s = max(amax, 1e-4) / 448 (IEEE float division; no fast-math anywhere).
-MEGAMOE_HD float act_scale(float amax) {
-  return (amax > kActScaleEps ? amax : kActScaleEps) / kE4M3Max;
-}
+MEGAMOE_HD float act_scale(float amax) { return (amax > kActScaleEps ? amax : kActScaleEps) / kE4M3Max; }
 
 // q = e4m3(x * (1 / s)).
 MEGAMOE_HD uint8_t act_quant(float x, float inv_scale) { return e4m3_encode(x * inv_scale); }
