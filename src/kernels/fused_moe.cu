@@ -382,8 +382,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       // whichever CTA asks first, so uneven tiles (a GEMM1 tile streams H/I times the
       // bytes of a GEMM2 tile) balance out. NOTE: deadlock-free because every GEMM1
       // tile is handed out before any GEMM2 tile, to a CTA that is already running.
+      int next = atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterNextTile], 1);
       for (;;) {
-        const int tile = atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterNextTile], 1);
+        const int tile = next;
         if (tile >= tiles) {
           // Sentinel stage: tells the consumers there is no further tile.
           const int stage = it % kStages;
@@ -392,6 +393,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           sm90::mbar_arrive(&full_bar[stage]);
           break;
         }
+        // Ask for the following tile now: the atomic's round trip overlaps this tile's loads.
+        next = atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterNextTile], 1);
         const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
         const bool shared = tl.e == a.E;
         if (tl.gemm == 2) {

@@ -15,8 +15,7 @@ constexpr int kTileT = 64;           // tokens per router block
 constexpr int kTileE = 64;           // experts per router block
 constexpr int kTileH = 32;           // depth per shared-memory step
 constexpr int kRouterThreads = 256;  // 16 x 16 threads, 4 tokens x 4 experts each
-constexpr int kGemvMaxTokens = 16;   // tokens per pass of the decode router (registers per lane)
-constexpr int kGemvChunks = 4;       // up to 64 tokens: one warp per (expert, K slice)
+constexpr int kLanesMaxTokens = 256;  // up to this many tokens: the lane-per-token kernel
 
 __device__ __forceinline__ float load_w(const uint16_t* w, size_t i) {
   return __uint_as_float(uint32_t(w[i]) << 16);
@@ -85,47 +84,35 @@ __global__ void __launch_bounds__(kRouterThreads) route_logits_kernel(RouteArgs 
     }
 }
 
-// Small T (decode): bound by reading the router weights once, so one warp
-// streams one expert's K slice with 16-byte loads for all tokens at once.
+// Small T (decode): one warp per (expert, K slice, group of 32 tokens), a lane
+// per token; the weights are read once per warp as broadcast 16-byte loads.
+// NOTE: every logit is the same float computation in both router kernels: per
+// K slice (kRouterSlices, fixed per shape) a sequential fmaf chain over the
+// columns in ascending order, then the slices summed in order by route_topk. So
+// the routing, and the layer's output bytes, do not depend on which kernel ran
+// (the token hint) -- a graph captured at a large hint replays bit-identically.
 template <typename WT>
-__global__ void __launch_bounds__(256) route_logits_gemv_kernel(RouteArgs a, int H, int E) {
+__global__ void __launch_bounds__(256) route_logits_lanes_kernel(RouteArgs a, int H, int E, int groups) {
+  const int T = *a.num_tokens;
   const int w = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int e = w / a.ksplit, split = w % a.ksplit;
-  if (e >= E) return;
-  const int hs = H / a.ksplit;  // a multiple of 128 (chosen so by the launcher)
-  const WT* W = static_cast<const WT*>(a.router);
-  const int T_all = min(*a.num_tokens, kGemvMaxTokens * kGemvChunks);
-  // Chunks of 16 tokens; the weight slice is re-read from L1/L2 per chunk.
-  for (int t0 = 0; t0 < T_all; t0 += kGemvMaxTokens) {
-    const int T = min(T_all - t0, kGemvMaxTokens);
-    const uint16_t* x = a.x + size_t(t0) * H;
-    float acc[kGemvMaxTokens];
-#pragma unroll
-    for (int t = 0; t < kGemvMaxTokens; ++t) acc[t] = 0.0f;
-    for (int h = split * hs + lane * 4; h < (split + 1) * hs; h += 128) {
-      const float4 wv = load_w4(W, size_t(e) * H + h);
-#pragma unroll
-      for (int t = 0; t < kGemvMaxTokens; ++t) {
-        if (t < T) {
-          const uint2 r = *reinterpret_cast<const uint2*>(x + size_t(t) * H + h);
-          acc[t] = fmaf(__uint_as_float(r.x << 16), wv.x, acc[t]);
-          acc[t] = fmaf(__uint_as_float(r.x & 0xFFFF0000u), wv.y, acc[t]);
-          acc[t] = fmaf(__uint_as_float(r.y << 16), wv.z, acc[t]);
-          acc[t] = fmaf(__uint_as_float(r.y & 0xFFFF0000u), wv.w, acc[t]);
-        }
-      }
-    }
-    float* out = a.partial + size_t(split) * a.max_tokens * E;
-#pragma unroll
-    for (int t = 0; t < kGemvMaxTokens; ++t) {
-      if (t < T) {
-        float v = acc[t];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0) out[size_t(t0 + t) * E + e] = v;
-      }
-    }
+  const int g = w % groups, rest = w / groups;
+  const int split = rest % a.ksplit, e = rest / a.ksplit;
+  if (e >= E || g * 32 >= T) return;
+  const int t = g * 32 + lane;
+  const bool active = t < T;
+  const int hs = H / a.ksplit;
+  const WT* W = static_cast<const WT*>(a.router) + size_t(e) * H;
+  const uint16_t* x = a.x + size_t(active ? t : 0) * H;
+  float acc = 0.0f;
+  for (int h = split * hs; h < (split + 1) * hs; h += 4) {
+    const float4 wv = load_w4(W, h);
+    const uint2 r = *reinterpret_cast<const uint2*>(x + h);
+    acc = fmaf(__uint_as_float(r.x << 16), wv.x, acc);
+    acc = fmaf(__uint_as_float(r.x & 0xFFFF0000u), wv.y, acc);
+    acc = fmaf(__uint_as_float(r.y << 16), wv.z, acc);
+    acc = fmaf(__uint_as_float(r.y & 0xFFFF0000u), wv.w, acc);
   }
+  if (active) a.partial[(size_t(split) * a.max_tokens + t) * E + e] = acc;
 }
 
 constexpr int kTopkWarps = 4;
@@ -270,21 +257,18 @@ void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, i
   MEGAMOE_CHECK(s.topk <= 32, "route_topk supports top-k <= 32");
   MEGAMOE_CHECK(s.n_group <= 32, "route_topk supports n_group <= 32");
   MEGAMOE_CHECK(host_tokens_hint >= 0 && host_tokens_hint <= a.max_tokens, "token hint out of range");
-  if (host_tokens_hint <= kGemvMaxTokens * kGemvChunks && s.hidden % 128 == 0) {
-    // K slices: enough warps to stream the router at full bandwidth (~1024), each a
-    // multiple of 128 columns.
-    RouteArgs g = a;
-    const int kb = s.hidden / 128;
-    int ksplit = 1;
-    while (ksplit * 2 <= a.ksplit && kb % (ksplit * 2) == 0 && s.experts * ksplit < 1024) ksplit *= 2;
-    g.ksplit = ksplit;
-    const int blocks = (s.experts * ksplit + 7) / 8;
+  MEGAMOE_CHECK(a.ksplit == kRouterSlices && s.hidden % (kRouterSlices * kTileH) == 0,
+                "the router splits H into 4 slices of a multiple of 32 columns");
+  if (host_tokens_hint <= kLanesMaxTokens) {
+    const int groups = std::max(1, (host_tokens_hint + 31) / 32);  // the hint bounds the device count
+    const int warps = s.experts * kRouterSlices * groups;
+    const int blocks = (warps + 7) / 8;
     if (s.router_dtype == RouterDtype::kBF16)
-      route_logits_gemv_kernel<uint16_t><<<blocks, 256, 0, stream>>>(g, s.hidden, s.experts);
+      route_logits_lanes_kernel<uint16_t><<<blocks, 256, 0, stream>>>(a, s.hidden, s.experts, groups);
     else
-      route_logits_gemv_kernel<float><<<blocks, 256, 0, stream>>>(g, s.hidden, s.experts);
+      route_logits_lanes_kernel<float><<<blocks, 256, 0, stream>>>(a, s.hidden, s.experts, groups);
     MEGAMOE_CUDA_CHECK_LAUNCH();
-    route_topk(s, g, host_tokens_hint, num_sms, stream);
+    route_topk(s, a, host_tokens_hint, num_sms, stream);
     return;
   }
   const int t_tiles = std::max(1, (host_tokens_hint + kTileT - 1) / kTileT);

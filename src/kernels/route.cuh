@@ -11,6 +11,10 @@
 
 namespace megamoe::kernels {
 
+// The router's K is cut into this many slices (partial logits summed in order).
+// Fixed per shape, never chosen from the token count: see route.cu's NOTE.
+constexpr int kRouterSlices = 4;
+
 struct RouteArgs {
   const uint16_t* x = nullptr;   // bf16 [T][H]
   const void* router = nullptr;  // bf16 or f32 [E][H]

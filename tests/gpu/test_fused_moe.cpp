@@ -212,7 +212,9 @@ TEST_F(FusedMoe, TooManyTokensIsAnError) {
 TEST_F(FusedMoe, GraphReplayWithDeviceTokenCount) {
   const MoeShape s = reduced_shape();
   HostMoeWeights w = make_random_weights(s, 31);
-  const int Tmax = 256;
+  // 320 tokens: the graph's router takes the tiled path, the eager runs below 256 the
+  // lane-per-token path; the bytes must agree (the logits are one computation).
+  const int Tmax = 320;
   const auto x = random_x(size_t(Tmax) * s.hidden, 32);
   api::MoeLayerOptions opt;
   opt.max_tokens = Tmax;
@@ -231,7 +233,7 @@ TEST_F(FusedMoe, GraphReplayWithDeviceTokenCount) {
   layer.forward(dx, dy, Tmax, dT, st);
   CK(cudaStreamEndCapture(st, &graph));
   CK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int T : {37, 256, 1, 100}) {
+  for (int T : {37, 320, 1, 100, 257}) {
     CK(cudaMemcpy(dT, &T, sizeof(int), cudaMemcpyHostToDevice));
     CK(cudaMemset(dy, 0xFF, x.size() * 2));
     CK(cudaGraphLaunch(exec, st));
