@@ -12,31 +12,14 @@
 #include <vector>
 
 #include "megamoe/io/checkpoint.h"
+#include "store_support.h"
 
 namespace megamoe::io {
 namespace {
 
 namespace fs = std::filesystem;
 
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    std::string name = std::string("megamoe_ckpt_") + info->test_suite_name() + "_" + info->name();
-    std::replace(name.begin(), name.end(), '/', '_');
-    path_ = fs::temp_directory_path() / (name + "_" + std::to_string(::getpid()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using test::TempDir;  // one per test, removed afterwards (store_support.h)
 
 MoeShape small_shape(RouterDtype router) {
   MoeShape s;

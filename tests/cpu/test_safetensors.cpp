@@ -12,31 +12,14 @@
 #include <vector>
 
 #include "megamoe/io/safetensors.h"
+#include "store_support.h"
 
 namespace megamoe::io {
 namespace {
 
 namespace fs = std::filesystem;
 
-// A fresh directory per test, removed afterwards.
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() / (std::string("megamoe_st_") + info->test_suite_name() + "_" +
-                                         info->name() + "_" + std::to_string(::getpid()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using test::TempDir;  // one per test, removed afterwards (store_support.h)
 
 // File bytes: 8-byte LE length (or `len` when given), the header text, then
 // `data_bytes` bytes of data.
