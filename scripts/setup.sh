@@ -3,7 +3,8 @@
 # then configures and builds into build/. Used by demo.sh and test.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-pkgs=(cmake ninja-build g++ nlohmann-json3-dev libcli11-dev libfmt-dev libgtest-dev python3 python3-pip)
+# clang + its sanitizer runtime: the bounded libFuzzer run of scripts/fuzz.sh.
+pkgs=(cmake ninja-build g++ nlohmann-json3-dev libcli11-dev libfmt-dev libgtest-dev python3 python3-pip clang libclang-rt-dev)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
