@@ -378,11 +378,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tid == 0) {
       sm90::fence_proxy_async_global();
       int it = 0;
-      // Dynamic schedule: the next tile in (GEMM1 tiles, then GEMM2 tiles) order goes to
-      // whichever CTA asks first, so uneven tiles (a GEMM1 tile streams H/I times the
-      // bytes of a GEMM2 tile) balance out. NOTE: deadlock-free because every GEMM1
-      // tile is handed out before any GEMM2 tile, to a CTA that is already running.
-      int next = atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterNextTile], 1);
+      // Tiles in (GEMM1 tiles, then GEMM2 tiles) order: round-robin over the CTAs, or
+      // (kDynamicTileSchedule) to whichever CTA asks first. NOTE: deadlock-free either
+      // way: every GEMM1 tile is handed out before any GEMM2 tile, to a running CTA.
+      int next = kDynamicTileSchedule ? atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterNextTile], 1)
+                                      : int(blockIdx.x);
       for (;;) {
         const int tile = next;
         if (tile >= tiles) {
@@ -394,7 +394,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           break;
         }
         // Ask for the following tile now: the atomic's round trip overlaps this tile's loads.
-        next = atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterNextTile], 1);
+        next = kDynamicTileSchedule ? atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterNextTile], 1)
+                                    : tile + int(gridDim.x);
         const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
         const bool shared = tl.e == a.E;
         if (tl.gemm == 2) {

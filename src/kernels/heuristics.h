@@ -16,7 +16,11 @@ constexpr int kThreads = 384;  // warpgroup 0: TMA producer; 1-2: wgmma consumer
 constexpr int kConsumerThreads = 256;
 constexpr int kMaxExpertsTotal = 512;  // routed + shared, bounded by shared-memory tables
 constexpr int kSmemBudget = 227 * 1024;
-constexpr int kRowAlign = 8;  // expert row segments start on multiples of 8 rows (TMA 16-byte rule)
+constexpr int kRowAlign = 8;
+// Tile schedule: false = static round-robin (CTA c takes tiles c, c + grid, ...);
+// true = an atomic tile counter. Measured on the H200 (bench/results/NOTES.md, v2
+// vs v4): the dynamic one was ~5 % slower at T >= 64 and no faster below.
+constexpr bool kDynamicTileSchedule = false;  // expert row segments start on multiples of 8 rows (TMA 16-byte rule)
 
 // Pipeline depth for a token block: as many stages as fit the budget, at most 12.
 constexpr int stage_bytes(int block_n) {
