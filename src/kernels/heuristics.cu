@@ -6,6 +6,8 @@
 
 #include "heuristics.h"
 
+#include "route.cuh"
+
 namespace megamoe::kernels {
 
 FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms) {
@@ -28,7 +30,7 @@ FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms) {
 
 int choose_router_ksplit(const MoeShape& s, int tokens, int num_sms, int max_ksplit) {
   // NOTE: fixed (see route.cu): the logits must not depend on the token count.
-  return 4;
+  return kRouterSlices;
 }
 
 std::string describe(const FusedMoeConfig& c) {

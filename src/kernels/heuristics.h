@@ -44,7 +44,7 @@ constexpr int smem_bytes(int block_n) {
 // one block, and prefill tiles reuse each weight tile over up to 128 tokens.
 FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms);
 
-// Router split-K for `tokens`: enough blocks to cover the SMs at small T.
+// Router K slices: fixed per shape (kRouterSlices), whatever the token count.
 int choose_router_ksplit(const MoeShape& s, int tokens, int num_sms, int max_ksplit);
 
 std::string describe(const FusedMoeConfig& c);
