@@ -15,9 +15,13 @@ bool cuda_device_ok(std::string* why) {
   const cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess || n == 0) {
     cudaGetLastError();
-    if (why)
-      *why = e != cudaSuccess ? std::string("no usable CUDA driver/device: ") + cudaGetErrorString(e)
-                              : "no CUDA device";
+    if (why) {
+      // cudart reports a missing driver as "insufficient driver": say what it means.
+      if (e == cudaErrorInsufficientDriver || e == cudaErrorNoDevice || n == 0)
+        *why = "no NVIDIA GPU (driver or device) on this machine";
+      else
+        *why = std::string("the CUDA runtime cannot use the GPU: ") + cudaGetErrorString(e);
+    }
     return false;
   }
   int dev = 0, major = 0, minor = 0;
