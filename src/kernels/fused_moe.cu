@@ -18,11 +18,18 @@
 // SwiGLU runs in registers. The epilogue multiplies the routing weight and
 // quantizes per token over the tile's 64 columns (num::kInterGroup, float32
 // scale) into act2.
-// GEMM2 tile: 128 hidden outputs x block_n rows over K = I, folding the
-// accumulator per 64-deep half block (one act2 scale each); BF16 results go to
-// per-slot rows y_rows. Finally every CTA reduces a share of the tokens over
-// their slots in ascending order (routed 0..K-1, then shared): the output
-// bytes do not depend on tile sizes or SM count.
+// GEMM2 tile: 128 hidden outputs x block_n rows over K = I; BF16 results go to
+// per-slot rows y_rows. Both GEMMs fold the tensor-core partial sum every 64
+// columns (num::kFoldK) with scale_act * scale_w in float32. Finally every CTA
+// reduces a share of the tokens over their slots in ascending order (routed
+// 0..K-1, then shared): the output bytes do not depend on tile sizes or SM
+// count.
+//
+// Schedule: GEMM1 tiles, then GEMM2 tiles, handed round-robin to the CTAs (see
+// kDynamicTileSchedule); the producer carries each tile's id to the consumers
+// in the first stage it fills, and a GEMM2 tile's token loads wait for the
+// completion counter of its (expert, token block). Expert row segments start
+// on multiples of 8 rows (kRowAlign: TMA boxes start 16-byte aligned).
 #include <cuda.h>
 #include <cuda_fp8.h>
 

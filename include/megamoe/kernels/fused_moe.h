@@ -4,11 +4,12 @@
 //
 // One forward = 4 stream operations, all CUDA-graph capturable:
 //   1. memset of the workspace counters (epoch reset),
-//   2. route_logits: router GEMM, split-K partials (deterministic order),
+//   2. route_logits: router GEMM in float32, 4 fixed K slices (the same float
+//      computation whichever kernel runs, so routing is bit-stable),
 //   3. route_topk: scores, bias, grouped top-k, weights; per-expert row counts,
 //   4. fused_moe: ONE persistent kernel: quantize x (1x128 E4M3) and scatter
-//      each token to its experts' row segments, grid barrier, then a static
-//      tile schedule of GEMM1 tiles (w13, SwiGLU, x routing weight, 1x64 E4M3)
+//      each token to its experts' row segments, grid barrier, then a
+//      round-robin tile schedule of GEMM1 tiles (w13, SwiGLU, x routing weight, 1x64 E4M3)
 //      and GEMM2 tiles (w2 -> BF16 per slot) with per-(expert, token block)
 //      completion counters between them, then the ordered slot reduction.
 // The token count is read from device memory, so one captured graph serves any
