@@ -64,14 +64,9 @@ MoeWorkspaceLayout MoeWorkspaceLayout::compute(const MoeShape& s, int max_tokens
   if (w.rows_cap == 0) w.rows_cap = 128;
   w.units_cap = w.experts_total + int(int64_t(max_tokens) * s.slots() / 8);
   w.inter_pitch = std::max(s.inter, s.shared_inter());
-  w.max_ksplit = 16;
-  size_t cursor = 0;
-  auto place = [&](Region& r, size_t bytes) {
-    cursor = (cursor + 1023) & ~size_t(1023);
-    r.offset = cursor;
-    r.bytes = bytes;
-    cursor += bytes;
-  };
+  w.max_ksplit = kRouterSlices;
+  RegionPlanner plan(1024);
+  auto place = [&](Region& r, size_t bytes) { plan.place(r, bytes); };
   const size_t T = std::max(1, max_tokens), K = s.topk, H = s.hidden, E = s.experts, R = w.rows_cap;
   place(w.counters, size_t(w.counter_count()) * 4);
   place(w.logits_partial, size_t(w.max_ksplit) * T * E * 4);
@@ -84,7 +79,7 @@ MoeWorkspaceLayout MoeWorkspaceLayout::compute(const MoeShape& s, int max_tokens
   place(w.act2, R * size_t(w.inter_pitch));
   place(w.act2_scale, size_t(w.inter_pitch / num::kInterGroup) * R * 4);
   place(w.y_rows, R * H * 2);
-  w.total_bytes = (cursor + 1023) & ~size_t(1023);
+  w.total_bytes = plan.total();
   return w;
 }
 
@@ -742,7 +737,7 @@ RoutingOutputs routing_outputs(const FusedMoePlan* p) {
 
 FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
   FusedMoeConfig cfg = choose_config(p->shape, tokens, p->num_sms);
-  cfg.router_ksplit = choose_router_ksplit(p->shape, tokens, p->num_sms, p->ws.max_ksplit);
+  cfg.router_ksplit = kRouterSlices;
   return cfg;
 }
 
@@ -761,7 +756,7 @@ void route_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_token
   r.expert_counts =
       reinterpret_cast<int*>(base + p->ws.counters.offset) + MoeWorkspaceLayout::kCounterExperts;
   r.max_tokens = p->ws.max_tokens;
-  r.ksplit = choose_router_ksplit(p->shape, host_tokens_hint, p->num_sms, p->ws.max_ksplit);
+  r.ksplit = kRouterSlices;
   launch_route(p->shape, r, host_tokens_hint, p->num_sms, stream);
 }
 

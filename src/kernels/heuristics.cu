@@ -6,8 +6,6 @@
 
 #include "heuristics.h"
 
-#include "route.cuh"
-
 namespace megamoe::kernels {
 
 FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms) {
@@ -26,11 +24,6 @@ FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms) {
   c.stages = stages_for(c.block_n);
   c.num_sms = num_sms;
   return c;
-}
-
-int choose_router_ksplit(const MoeShape& s, int tokens, int num_sms, int max_ksplit) {
-  // NOTE: fixed (see route.cu): the logits must not depend on the token count.
-  return kRouterSlices;
 }
 
 std::string describe(const FusedMoeConfig& c) {

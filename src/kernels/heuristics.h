@@ -16,11 +16,13 @@ constexpr int kThreads = 384;  // warpgroup 0: TMA producer; 1-2: wgmma consumer
 constexpr int kConsumerThreads = 256;
 constexpr int kMaxExpertsTotal = 512;  // routed + shared, bounded by shared-memory tables
 constexpr int kSmemBudget = 227 * 1024;
+// Expert row segments start on multiples of 8 rows: the scale tensor maps put the
+// row index innermost and a TMA box must start 16-byte aligned in global memory.
 constexpr int kRowAlign = 8;
 // Tile schedule: false = static round-robin (CTA c takes tiles c, c + grid, ...);
 // true = an atomic tile counter. Measured on the H200 (bench/results/NOTES.md, v2
 // vs v4): the dynamic one was ~5 % slower at T >= 64 and no faster below.
-constexpr bool kDynamicTileSchedule = false;  // expert row segments start on multiples of 8 rows (TMA 16-byte rule)
+constexpr bool kDynamicTileSchedule = false;
 
 // Pipeline depth for a token block: as many stages as fit the budget, at most 12.
 constexpr int stage_bytes(int block_n) {
@@ -43,9 +45,6 @@ constexpr int smem_bytes(int block_n) {
 // rows per routed expert, so decode tiles waste few columns, most experts take
 // one block, and prefill tiles reuse each weight tile over up to 128 tokens.
 FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms);
-
-// Router K slices: fixed per shape (kRouterSlices), whatever the token count.
-int choose_router_ksplit(const MoeShape& s, int tokens, int num_sms, int max_ksplit);
 
 std::string describe(const FusedMoeConfig& c);
 void maybe_print_config(const MoeShape& s, int tokens, const FusedMoeConfig& c);

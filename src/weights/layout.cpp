@@ -5,13 +5,8 @@ namespace megamoe {
 MoeWeightLayout MoeWeightLayout::compute(const MoeShape& s) {
   s.validate();
   MoeWeightLayout l;
-  size_t cursor = 0;
-  auto place = [&](Region& r, size_t bytes) {
-    cursor = (cursor + 255) & ~size_t(255);
-    r.offset = cursor;
-    r.bytes = bytes;
-    cursor += bytes;
-  };
+  RegionPlanner plan(256);
+  auto place = [&](Region& r, size_t bytes) { plan.place(r, bytes); };
   const size_t H = s.hidden, I = s.inter, E = s.experts, Is = s.shared_inter();
   const size_t hb = hidden_blocks(s.hidden);
   place(l.w13, E * 2 * I * H);
@@ -26,7 +21,7 @@ MoeWeightLayout MoeWeightLayout::compute(const MoeShape& s) {
   }
   place(l.router, E * H * (s.router_dtype == RouterDtype::kBF16 ? 2 : 4));
   if (s.correction_bias) place(l.bias, E * sizeof(float));
-  l.total_bytes = (cursor + 255) & ~size_t(255);
+  l.total_bytes = plan.total();
   return l;
 }
 

@@ -118,12 +118,8 @@ Mxfp8Layout Mxfp8Layout::compute(const MoeShape& s) {
     throw std::invalid_argument(fmt::format("MXFP8 kernel format: H = {} and I = {} must be multiples of {}",
                                             s.hidden, s.inter, num::kMxGroup));
   Mxfp8Layout l;
-  size_t cursor = 0;
-  auto place = [&](Region& r, size_t bytes) {
-    cursor = round_up(cursor, kAlign);
-    r = {cursor, bytes};
-    cursor += bytes;
-  };
+  RegionPlanner plan(kAlign);
+  auto place = [&](Region& r, size_t bytes) { plan.place(r, bytes); };
   const size_t H = size_t(s.hidden), I = size_t(s.inter), E = size_t(s.experts),
                Is = size_t(s.shared_inter());
   const size_t g = num::kMxGroup;
@@ -137,7 +133,7 @@ Mxfp8Layout Mxfp8Layout::compute(const MoeShape& s) {
     place(l.shared_w2, H * Is);
     place(l.shared_w2_sf, H * Is / g);
   }
-  l.total_bytes = round_up(cursor, kAlign);
+  l.total_bytes = plan.total();
   return l;
 }
 

@@ -31,6 +31,25 @@ struct Region {
   size_t bytes = 0;
 };
 
+// Lays regions out one after another in one allocation, each starting on an
+// `align`-byte boundary (the one offset computation every buffer layout uses).
+class RegionPlanner {
+ public:
+  explicit RegionPlanner(size_t align) : align_(align) {}
+  void place(Region& r, size_t bytes) {
+    cursor_ = round(cursor_);
+    r.offset = cursor_;
+    r.bytes = bytes;
+    cursor_ += bytes;
+  }
+  size_t total() const { return round(cursor_); }
+
+ private:
+  size_t round(size_t v) const { return (v + align_ - 1) / align_ * align_; }
+  size_t align_;
+  size_t cursor_ = 0;
+};
+
 struct MoeWeightLayout {
   Region w13, w13_scale, w2, w2_scale;
   Region shared_w13, shared_w13_scale, shared_w2, shared_w2_scale;
