@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: check the carried binaries start, run the GPU
 # tests, the demo and the benchmark, logging everything under $OUT.
-# Usage (from the repo root there): scripts/device_run.sh BIN_DIR [tests] [demo] [bench ARGS...]
+# Usage (from the repo root there): scripts/device_run.sh BIN_DIR [tests] [sanitize] [demo] [bench ARGS...]
+# A failing test step ends the call (KEEP_GOING=1 runs the later steps anyway).
 set -uo pipefail
 bin=$1; shift
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -14,7 +15,10 @@ if command -v cuobjdump >/dev/null; then
 fi
 while [ $# -gt 0 ]; do
   case $1 in
-    tests) shift; timeout 300 "$bin/megamoe_gpu_tests" ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED)|OK \]|FAILED|rel_l2|Failure|error" ;;
+    tests) shift; timeout "${TEST_TIMEOUT:-180}" "$bin/megamoe_gpu_tests" ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} > "$out/gpu_tests.log" 2>&1
+           rc=$?; grep -E "^\[  (FAILED|PASSED)|OK \]|FAILED|Failure|error" "$out/gpu_tests.log"
+           # A failing (or hung: rc 124) test run stops here unless KEEP_GOING=1: no timings of a wrong kernel.
+           if [ $rc -ne 0 ] && [ "${KEEP_GOING:-0}" != 1 ]; then echo "gpu tests failed (rc $rc)"; tail -40 "$out/gpu_tests.log"; exit 1; fi ;;
     sanitize) shift; timeout 300 compute-sanitizer --tool memcheck "$bin/megamoe_gpu_tests" --gtest_filter='FusedMoe.ReducedShapeSmallT' > "$out/memcheck.log" 2>&1; tail -3 "$out/memcheck.log"
               timeout 300 compute-sanitizer --tool racecheck "$bin/megamoe_gpu_tests" --gtest_filter='FusedMoe.ZeroTokens:FusedMoe.ReducedShapeSmallT' > "$out/racecheck.log" 2>&1; tail -3 "$out/racecheck.log" ;;
     demo) shift; timeout 200 "$bin/megamoe" demo --preset glm-5 --tokens 64 2>&1 | tee "$out/demo.log" ;;

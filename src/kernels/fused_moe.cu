@@ -7,15 +7,18 @@
 //   warpgroup 0: one thread issues every TMA load (weights, tokens, scales)
 //                into a ring of `kStages` shared-memory stages (full/empty
 //                mbarriers); the other 127 threads idle after phase 0.
-//   warpgroups 1, 2: wgmma consumers. A tile is 128 weight rows (64 per
-//                warpgroup, the wgmma M) x block_n token rows (the wgmma N:
-//                "swap AB", so a decode tile of 8 tokens wastes no M rows).
+//   warpgroups 1, 2: wgmma consumers. A tile is 128 weight rows x block_n
+//                token rows. Up to 64 tokens the weights are the wgmma M (64
+//                rows per warpgroup) and the tokens N ("swap AB", so a decode
+//                tile of 8 tokens wastes no M rows); at 128 tokens the tokens
+//                are M (64 per warpgroup) and the 128 weight rows N, so the
+//                scale fold costs one FFMA per accumulator (swap_ab()).
 //
 // GEMM1 tile: 64 intermediate columns of one expert: gate rows [64p, 64p+64)
 // and up rows [64p, 64p+64), interleaved by 8 rows in shared memory by a 5-D
 // TMA box over the checkpoint layout, so each thread's accumulator holds a
-// gate value and its up partner (rows r and r+8 of the wgmma fragment) and
-// SwiGLU runs in registers. The epilogue multiplies the routing weight and
+// gate value and its up partner (fragment rows r and r+8, or with tokens in M
+// columns 8j and 8j+8) and SwiGLU runs in registers. The epilogue multiplies the routing weight and
 // quantizes per token over the tile's 64 columns (num::kInterGroup, float32
 // scale) into act2.
 // GEMM2 tile: 128 hidden outputs x block_n rows over K = I; BF16 results go to
@@ -25,11 +28,13 @@
 // 0..K-1, then shared): the output bytes do not depend on tile sizes or SM
 // count.
 //
-// Schedule: GEMM1 tiles, then GEMM2 tiles, handed round-robin to the CTAs (see
-// kDynamicTileSchedule); the producer carries each tile's id to the consumers
-// in the first stage it fills, and a GEMM2 tile's token loads wait for the
-// completion counter of its (expert, token block). Expert row segments start
-// on multiples of 8 rows (kRowAlign: TMA boxes start 16-byte aligned).
+// Schedule: GEMM1 tiles, then GEMM2 tiles, in a static byte-balanced order
+// (TileSchedule); the producer carries each tile's id to the consumers in the
+// first stage it fills. Weights and tokens of a stage are issued separately:
+// the first tile's weights stream during phase 0, and a GEMM2 tile's weights
+// while its token loads wait for the completion counter of its (expert, token
+// block). Expert row segments start on multiples of 8 rows (kRowAlign: TMA
+// boxes start 16-byte aligned).
 #include <cuda.h>
 #include <cuda_fp8.h>
 
@@ -42,6 +47,7 @@
 #include "cuda_check.h"
 #include "heuristics.h"
 #include "megamoe/kernels/fused_moe.h"
+#include "megamoe/kernels/tile_schedule.h"
 #include "megamoe/numerics/act_quant.h"
 #include "route.cuh"
 #include "sm90_ptx.cuh"
@@ -190,30 +196,37 @@ __device__ __forceinline__ uint8_t to_e4m3(float v) {
   return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
 
-// One tile's K loop for a consumer warpgroup: per stage two 64-deep halves
-// (num::kFoldK), each two wgmma into a register buffer, then folded into the
-// float32 accumulator. Fold of column n, fragment rows r (lo) and r + 8 (hi):
-//   acc += part * (col_scale[n] * row_scale),
-// GEMM1: col_scale = x scale of the 128-block (same for both halves), row
-//        scales = gate / up block scales (lo_scale / hi_scale rows, by kb);
-// GEMM2: col_scale = act2 scale of the half (col_half_stride = BN), row scale
-//        = the w2 block scale (lo_scale == hi_scale).
-// NOTE: the products col*row are formed exactly as ref::moe_layer forms them.
+// ---------------------------------------------------------------------------
+// K loops of a consumer warpgroup. Per stage two 64-deep halves (num::kFoldK):
+// each is two wgmma into a register buffer (scale_d = 0 first), then folded
+// into the float32 accumulator as acc += part * (scale_x * scale_w).
+// NOTE: the products scale_x * scale_w are formed exactly as ref::moe_layer
+// forms them, and each fragment element sees the same sequence of folds in both
+// layouts below, so the bytes do not depend on which layout (or block_n) ran.
 // NOTE: folding one half while the next runs (two buffers, wait_group 1) made
-// ptxas serialize the wgmma chain (C7514) in nvcc 13.0; left for a later round.
-template <int BN>
-__device__ __forceinline__ void mma_mainloop(float (&acc)[BN / 2], int kblocks, int& it, uint8_t* smem,
-                                             uint64_t* full_bar, uint64_t* empty_bar, int wg, int lcol,
-                                             const float* lo_scale, const float* hi_scale,
-                                             int col_half_stride) {
+// ptxas serialize the wgmma chain (C7514) in nvcc 13.0; the two consumer
+// warpgroups overlap each other's folds instead.
+// ---------------------------------------------------------------------------
+
+// Swap AB (decode, BN <= 64 tokens): A = 64 weight rows of the warpgroup, B = the
+// BN tokens. Fragment rows lrow / lrow + 8 (gate / up in GEMM1), columns =
+// tokens. GEMM1: scale_x per token and 128-block (same in both halves), scale_w
+// = gate (lo) / up (hi) block; GEMM2: scale_x per token and 64-group (per half),
+// one scale_w.
+template <int BN, int kGemm>
+__device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kblocks, int& it, uint8_t* smem,
+                                                 uint64_t* full_bar, uint64_t* empty_bar, int wg, int lcol,
+                                                 const float* lo_scale, const float* hi_scale) {
   constexpr int kStages = stages_for(BN);
   constexpr int kStageBytes = stage_bytes(BN);
   constexpr int kWBytes = kBlockM * kBlockK;
   constexpr int kXBytes = BN * kBlockK;
   float buf[BN / 2];
+  float p[BN / 8][4];  // per column pair: (c0, c1) x (lo, hi) scale products
   for (int kb = 0; kb < kblocks; ++kb, ++it) {
     const int stage = it % kStages;
-    const float lo = __ldg(lo_scale + kb), hi = __ldg(hi_scale + kb);
+    const float lo = __ldg(lo_scale + kb);
+    const float hi = kGemm == 1 ? __ldg(hi_scale + kb) : lo;
     sm90::mbar_wait(&full_bar[stage], (it / kStages) & 1);
     const uint8_t* st = smem + stage * kStageBytes;
     const uint8_t* w_s = st + wg * 64 * 128;
@@ -227,19 +240,85 @@ __device__ __forceinline__ void mma_mainloop(float (&acc)[BN / 2], int kblocks, 
       sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128(w_s + half * 64 + 32),
                            sm90::smem_desc_sw128(x_s + half * 64 + 32), 1);
       sm90::wgmma_commit();
-      sm90::wgmma_wait<0>();
-      const float* cs = s_s + half * col_half_stride;
+      if (kGemm == 2 || half == 0) {
+        // GEMM1: once per stage (both halves share the 128-block x scale); GEMM2: per half.
+        const float* cs = s_s + (kGemm == 2 ? half * BN : 0);
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const float c0 = cs[j * 8 + lcol], c1 = cs[j * 8 + lcol + 1];
-        acc[j * 4 + 0] = fmaf(buf[j * 4 + 0], c0 * lo, acc[j * 4 + 0]);
-        acc[j * 4 + 1] = fmaf(buf[j * 4 + 1], c1 * lo, acc[j * 4 + 1]);
-        acc[j * 4 + 2] = fmaf(buf[j * 4 + 2], c0 * hi, acc[j * 4 + 2]);
-        acc[j * 4 + 3] = fmaf(buf[j * 4 + 3], c1 * hi, acc[j * 4 + 3]);
+        for (int j = 0; j < BN / 8; ++j) {
+          const float c0 = cs[j * 8 + lcol], c1 = cs[j * 8 + lcol + 1];
+          p[j][0] = c0 * lo, p[j][1] = c1 * lo;
+          p[j][2] = kGemm == 1 ? c0 * hi : p[j][0];
+          p[j][3] = kGemm == 1 ? c1 * hi : p[j][1];
+        }
+      }
+      sm90::wgmma_wait<0>();
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[j * 4 + q] = fmaf(buf[j * 4 + q], p[j][q], acc[j * 4 + q]);
+    }
+    sm90::mbar_arrive(&empty_bar[stage]);
+  }
+}
+
+// Tokens in M (prefill, BN = 128 tokens): A = the warpgroup's 64 token rows, B =
+// the 128 weight rows. Fragment rows = tokens lrow / lrow + 8, columns = weight
+// rows 8j + lcol (+1): in GEMM1 j even = gate, j odd = its up partner (the 8-row
+// interleave). Only four scale products per thread and stage (two tokens x gate /
+// up), so the fold is one FFMA per accumulator.
+template <int kGemm>
+__device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks, int& it, uint8_t* smem,
+                                                  uint64_t* full_bar, uint64_t* empty_bar, int wg, int lrow,
+                                                  const float* gate_scale, const float* up_scale) {
+  constexpr int BN = 128;
+  constexpr int kStages = stages_for(BN);
+  constexpr int kStageBytes = stage_bytes(BN);
+  constexpr int kWBytes = kBlockM * kBlockK;
+  constexpr int kXBytes = BN * kBlockK;
+  const int r0 = wg * 64 + lrow, r1 = r0 + 8;
+  float buf[64];
+  for (int kb = 0; kb < kblocks; ++kb, ++it) {
+    const int stage = it % kStages;
+    const float sg = __ldg(gate_scale + kb);
+    const float su = kGemm == 1 ? __ldg(up_scale + kb) : sg;
+    sm90::mbar_wait(&full_bar[stage], (it / kStages) & 1);
+    const uint8_t* st = smem + stage * kStageBytes;
+    const uint8_t* w_s = st;
+    const uint8_t* x_s = st + kWBytes + wg * 64 * 128;
+    const float* s_s = reinterpret_cast<const float*>(st + kWBytes + kXBytes);
+    float p0g = 0, p0u = 0, p1g = 0, p1u = 0;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      sm90::wgmma_fence();
+      sm90::Wgmma<128>::mma(buf, sm90::smem_desc_sw128(x_s + half * 64),
+                            sm90::smem_desc_sw128(w_s + half * 64), 0);
+      sm90::Wgmma<128>::mma(buf, sm90::smem_desc_sw128(x_s + half * 64 + 32),
+                            sm90::smem_desc_sw128(w_s + half * 64 + 32), 1);
+      sm90::wgmma_commit();
+      if (kGemm == 2 || half == 0) {
+        const float* cs = s_s + (kGemm == 2 ? half * BN : 0);
+        const float x0 = cs[r0], x1 = cs[r1];
+        p0g = x0 * sg, p1g = x1 * sg;
+        p0u = kGemm == 1 ? x0 * su : p0g;
+        p1u = kGemm == 1 ? x1 * su : p1g;
+      }
+      sm90::wgmma_wait<0>();
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float q0 = (j % 2 == 0) ? p0g : p0u, q1 = (j % 2 == 0) ? p1g : p1u;
+        acc[j * 4 + 0] = fmaf(buf[j * 4 + 0], q0, acc[j * 4 + 0]);
+        acc[j * 4 + 1] = fmaf(buf[j * 4 + 1], q0, acc[j * 4 + 1]);
+        acc[j * 4 + 2] = fmaf(buf[j * 4 + 2], q1, acc[j * 4 + 2]);
+        acc[j * 4 + 3] = fmaf(buf[j * 4 + 3], q1, acc[j * 4 + 3]);
       }
     }
     sm90::mbar_arrive(&empty_bar[stage]);
   }
+}
+
+// Two E4M3 codes in one 16-bit word (lo in the low byte).
+__device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
+  return uint16_t(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
 }
 
 template <int BN>
@@ -250,8 +329,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kWBytes = kBlockM * kBlockK;
   constexpr int kXBytes = BN * kBlockK;
   constexpr int kAcc = BN / 2;  // fp32 accumulators per thread for m64nBN
+  constexpr bool kSwapAB = swap_ab(BN);
 
   static_assert(num::kFoldK * 2 == kBlockK, "a stage is folded in two halves");
+  static_assert(kSwapAB || BN == 128, "the tokens-in-M layout is built for 128-token tiles");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // NOTE: offset the __shared__ array itself (not a cast integer) so the compiler keeps
   // the shared address space and emits LDS for the scale reads.
@@ -319,6 +400,62 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   if (a.debug_stop == 1) return;
 
+  // ---- Tile schedule (identical in every role) ----
+  const int n1 = a.I / 64, n2 = a.H / 128;
+  const int t1_routed = n1 * sc.unit_off[a.E];
+  const int nb_shared = a.has_shared ? sc.unit_off[a.E + 1] - sc.unit_off[a.E] : 0;
+  const int t1 = t1_routed + (a.Is / 64) * nb_shared;
+  const int t2 = n2 * sc.unit_off[E_total];
+  const int tiles = t1 + t2;
+
+  // ---- Producer helpers (thread 0 only) ----
+  // A stage's weights and its tokens are issued separately: the weights never
+  // depend on anything, the tokens on phase 0 (GEMM1) or on the tile's GEMM1
+  // units (GEMM2), so weight loads start before those are done.
+  auto stage_tx = [&](const Tile& tl) -> uint32_t {
+    return kWBytes + kXBytes + (tl.gemm == 1 ? 1 : 2) * BN * 4;
+  };
+  auto issue_weights = [&](const Tile& tl, int kb, int stage) {
+    uint8_t* w_s = smem + stage * kStageBytes;
+    const bool shared = tl.e == a.E;
+    if (tl.gemm == 1)
+      sm90::tma_load_5d(w_s, shared ? &tm.sw13 : &tm.w13, &full_bar[stage], kb * 128, 0, 0, tl.nblk * 8,
+                        shared ? 0 : tl.e);
+    else
+      sm90::tma_load_3d(w_s, shared ? &tm.sw2 : &tm.w2, &full_bar[stage], kb * 128, tl.nblk * 128,
+                        shared ? 0 : tl.e);
+  };
+  auto issue_tokens = [&](const Tile& tl, int kb, int stage) {
+    uint8_t* x_s = smem + stage * kStageBytes + kWBytes;
+    uint8_t* s_s = x_s + kXBytes;
+    if (tl.gemm == 1) {
+      sm90::tma_load_2d(x_s, &tm.x, &full_bar[stage], kb * 128, tl.row0);
+      sm90::tma_load_2d(s_s, &tm.xs, &full_bar[stage], tl.row0, kb);
+    } else {
+      sm90::tma_load_2d(x_s, &tm.a2, &full_bar[stage], kb * 128, tl.row0);
+      sm90::tma_load_2d(s_s, &tm.a2s, &full_bar[stage], tl.row0, kb * 2);
+    }
+  };
+
+  // The first tile's weights go out before phase 0: they stream while the tokens
+  // are quantized and the grid meets at the barrier (the ring is empty, no waits).
+  TileSchedule sched;
+  int first_tile = tiles, first_issued = 0;
+  if (tid == 0) {
+    sched.init(blockIdx.x, gridDim.x, t1, t2, a.H / 128, a.I / 128);
+    first_tile = sched.next();
+    // NOTE: MEGAMOE_DEBUG_STOP=2 exits after phase 0, so it must leave no copy in flight.
+    if (first_tile < tiles && a.debug_stop != 2) {
+      const Tile tl = decode_tile<BN>(a, sc, first_tile, t1_routed, t1);
+      first_issued = min(kStages, tl.kblocks);
+      stage_tile[0] = first_tile;  // published by the full barrier's completion
+      for (int kb = 0; kb < first_issued; ++kb) {
+        sm90::mbar_arrive_expect_tx(&full_bar[kb], stage_tx(tl));
+        issue_weights(tl, kb, kb);
+      }
+    }
+  }
+
   // ---- Phase 0: quantize x (1x128 E4M3) and scatter each token to its rows. ----
   {
     const int hb = a.H / 128;
@@ -364,29 +501,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();
-  if (a.debug_stop == 2) return;
-
-  // ---- Tile schedule (identical in every role) ----
-  const int n1 = a.I / 64, n2 = a.H / 128;
-  const int t1_routed = n1 * sc.unit_off[a.E];
-  const int nb_shared = a.has_shared ? sc.unit_off[a.E + 1] - sc.unit_off[a.E] : 0;
-  const int t1 = t1_routed + (a.Is / 64) * nb_shared;
-  const int t2 = n2 * sc.unit_off[E_total];
-  const int tiles = t1 + t2;
+  if (a.debug_stop == 2) return;  // (no early weight loads in this mode: see above)
 
   if (warp < 4) {
     // ======================= producer warpgroup =======================
-    sm90::setmaxnreg_dec<40>();
+    sm90::setmaxnreg_dec<kProducerRegs>();
     if (tid == 0) {
       sm90::fence_proxy_async_global();
-      int it = 0;
-      // Tiles in (GEMM1 tiles, then GEMM2 tiles) order: round-robin over the CTAs, or
-      // (kDynamicTileSchedule) to whichever CTA asks first. NOTE: deadlock-free either
-      // way: every GEMM1 tile is handed out before any GEMM2 tile, to a running CTA.
-      int next = kDynamicTileSchedule ? atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterNextTile], 1)
-                                      : int(blockIdx.x);
+      int it = first_issued;  // stages filled so far (ring position)
+      int tile = first_tile;
+      int kb0 = first_issued;  // weights already issued for kb < kb0 of the first tile
       for (;;) {
-        const int tile = next;
         if (tile >= tiles) {
           // Sentinel stage: tells the consumers there is no further tile.
           const int stage = it % kStages;
@@ -395,48 +520,46 @@ __global__ void __launch_bounds__(kThreads, 1)
           sm90::mbar_arrive(&full_bar[stage]);
           break;
         }
-        // Ask for the following tile now: the atomic's round trip overlaps this tile's loads.
-        next = kDynamicTileSchedule ? atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterNextTile], 1)
-                                    : tile + int(gridDim.x);
         const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
-        const bool shared = tl.e == a.E;
-        if (tl.gemm == 2) {
-          // GEMM2 needs every GEMM1 tile of its (expert, token block).
-          const int need = (shared ? a.Is : a.I) / 64;
-          while (sm90::ld_acquire_gpu(&done1[tl.unit]) < need) {
+        // GEMM2 needs every GEMM1 tile of its (expert, token block).
+        const int need = (tl.e == a.E ? a.Is : a.I) / 64;
+        bool ready = tl.gemm == 1 || sm90::ld_acquire_gpu(&done1[tl.unit]) >= need;
+        int deferred = kb0;  // stages [it - deferred, it): weights issued, tokens not yet
+        for (int kb = kb0;; ++kb) {
+          // NOTE: at most kStages deferred stages: the next empty-wait must concern a stage
+          // whose tokens were issued, or the consumers could never free it.
+          if (!ready && (deferred == kStages || kb == tl.kblocks)) {
+            while (sm90::ld_acquire_gpu(&done1[tl.unit]) < need) {
+            }
+            ready = true;
           }
-          sm90::fence_proxy_async_global();
-        }
-        for (int kb = 0; kb < tl.kblocks; ++kb, ++it) {
+          if (ready && deferred > 0) {
+            sm90::fence_proxy_async_global();
+            for (int d = 0; d < deferred; ++d)
+              issue_tokens(tl, kb - deferred + d, (it - deferred + d) % kStages);
+            deferred = 0;
+          }
+          if (kb == tl.kblocks) break;
           const int stage = it % kStages;
-          const uint32_t phase = (it / kStages) & 1;
-          sm90::mbar_wait(&empty_bar[stage], phase ^ 1);
-          uint8_t* st = smem + stage * kStageBytes;
-          uint8_t* w_s = st;
-          uint8_t* x_s = st + kWBytes;
-          uint8_t* s_s = st + kWBytes + kXBytes;
-          const uint32_t bytes = kWBytes + kXBytes + (tl.gemm == 1 ? 1 : 2) * BN * 4;
-          if (kb == 0) stage_tile[stage] = tile;  // published by the arrive below
-          sm90::mbar_arrive_expect_tx(&full_bar[stage], bytes);
-          if (tl.gemm == 1) {
-            sm90::tma_load_5d(w_s, shared ? &tm.sw13 : &tm.w13, &full_bar[stage], kb * 128, 0, 0, tl.nblk * 8,
-                              shared ? 0 : tl.e);
-            sm90::tma_load_2d(x_s, &tm.x, &full_bar[stage], kb * 128, tl.row0);
-            sm90::tma_load_2d(s_s, &tm.xs, &full_bar[stage], tl.row0, kb);
-          } else {
-            sm90::tma_load_3d(w_s, shared ? &tm.sw2 : &tm.w2, &full_bar[stage], kb * 128, tl.nblk * 128,
-                              shared ? 0 : tl.e);
-            sm90::tma_load_2d(x_s, &tm.a2, &full_bar[stage], kb * 128, tl.row0);
-            sm90::tma_load_2d(s_s, &tm.a2s, &full_bar[stage], tl.row0, kb * 2);
-          }
+          sm90::mbar_wait(&empty_bar[stage], ((it / kStages) & 1) ^ 1);
+          if (kb == 0) stage_tile[stage] = tile;  // published by the full barrier's completion
+          sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx(tl));
+          issue_weights(tl, kb, stage);
+          if (ready)
+            issue_tokens(tl, kb, stage);
+          else
+            ++deferred;
+          ++it;
         }
+        kb0 = 0;
+        tile = sched.next();
       }
     }
     return;
   }
 
   // ======================= consumer warpgroups =======================
-  sm90::setmaxnreg_inc<232>();
+  sm90::setmaxnreg_inc<kConsumerRegs>();
   const int ctid = tid - 128;              // 0..255
   const int wg = ctid / 128;               // 0, 1
   const int wwarp = (ctid / 32) % 4;       // warp inside the warpgroup
@@ -462,42 +585,92 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float* wsc = shared ? a.sw13_scale : a.w13_scale + size_t(tl.e) * (2 * (a.I / 128)) * (a.H / 128);
       const float* sg_row = wsc + size_t(tl.nblk / 2) * (a.H / 128);
       const float* su_row = wsc + size_t(I_e / 128 + tl.nblk / 2) * (a.H / 128);
-      mma_mainloop<BN>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lcol, sg_row, su_row, 0);
-      // ---- GEMM1 epilogue: SwiGLU x routing weight, 1x64 E4M3 quantization ----
-      // Thread holds gate (row lrow) and up (row lrow + 8) of intermediate column
-      // wg * 32 + wwarp * 8 + lane / 4 for tokens j * 8 + lcol + {0, 1}.
+      if constexpr (kSwapAB) {
+        mainloop_swap_ab<BN, 1>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lcol, sg_row, su_row);
+        // ---- GEMM1 epilogue: SwiGLU x routing weight, 1x64 E4M3 quantization ----
+        // Thread holds gate (row lrow) and up (row lrow + 8) of intermediate column
+        // wg * 32 + wwarp * 8 + lane / 4 for tokens j * 8 + lcol + {0, 1}.
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
+        for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int n = j * 8 + lcol + c;
-          const float rw = n < tl.rows ? __ldcg(a.row_weight + tl.row0 + n) : 0.0f;
-          const float v =
-              n < tl.rows ? num::swiglu(acc[j * 4 + c], acc[j * 4 + 2 + c], a.swiglu_limit, rw) : 0.0f;
-          acc[j * 4 + c] = v;
-          float m = fabsf(v);
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-          if (lane < 4) red[cwarp * BN + n] = m;
-        }
-      }
-      sm90::named_barrier(1, kConsumerThreads);
-      const int col = tl.nblk * 64 + wg * 32 + wwarp * 8 + lane / 4;
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int n = j * 8 + lcol + c;
-          float amax = red[n];
-#pragma unroll
-          for (int w = 1; w < 8; ++w) amax = fmaxf(amax, red[w * BN + n]);
-          const float s = num::act_scale(amax);
-          const float inv = 1.0f / s;
-          if (n < tl.rows) {
-            a.act2[size_t(tl.row0 + n) * a.inter_pitch + col] = to_e4m3(acc[j * 4 + c] * inv);
-            if (cwarp == 0 && lane < 4) a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + n] = s;
+          for (int c = 0; c < 2; ++c) {
+            const int n = j * 8 + lcol + c;
+            const float rw = n < tl.rows ? __ldcg(a.row_weight + tl.row0 + n) : 0.0f;
+            const float v =
+                n < tl.rows ? num::swiglu(acc[j * 4 + c], acc[j * 4 + 2 + c], a.swiglu_limit, rw) : 0.0f;
+            acc[j * 4 + c] = v;
+            float m = fabsf(v);
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+            if (lane < 4) red[cwarp * BN + n] = m;
           }
+        }
+        sm90::named_barrier(1, kConsumerThreads);
+        const int col = tl.nblk * 64 + wg * 32 + wwarp * 8 + lane / 4;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int n = j * 8 + lcol + c;
+            float amax = red[n];
+#pragma unroll
+            for (int w = 1; w < 8; ++w) amax = fmaxf(amax, red[w * BN + n]);
+            const float s = num::act_scale(amax);
+            const float inv = 1.0f / s;
+            if (n < tl.rows) {
+              a.act2[size_t(tl.row0 + n) * a.inter_pitch + col] = to_e4m3(acc[j * 4 + c] * inv);
+              if (cwarp == 0 && lane < 4) a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + n] = s;
+            }
+          }
+        }
+      } else {
+        mainloop_tokens_m<1>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lrow, sg_row, su_row);
+        // ---- GEMM1 epilogue (tokens in M) ----
+        // Thread holds tokens n0 = wg * 64 + lrow and n0 + 8; for i in 0..7 the gate
+        // (acc[8i + c], j = 2i) and up (acc[8i + 4 + c], j = 2i + 1) values of
+        // intermediate column 8i + lcol + c. A token's 64 columns sit in one lane quad.
+        const int n0 = wg * 64 + lrow, n1r = n0 + 8;
+        const float rw0 = n0 < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0) : 0.0f;
+        const float rw1 = n1r < tl.rows ? __ldcg(a.row_weight + tl.row0 + n1r) : 0.0f;
+        float m0 = 0.0f, m1 = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const float v0 =
+                n0 < tl.rows ? num::swiglu(acc[8 * i + c], acc[8 * i + 4 + c], a.swiglu_limit, rw0) : 0.0f;
+            const float v1 = n1r < tl.rows
+                                 ? num::swiglu(acc[8 * i + 2 + c], acc[8 * i + 6 + c], a.swiglu_limit, rw1)
+                                 : 0.0f;
+            acc[8 * i + c] = v0;
+            acc[8 * i + 2 + c] = v1;
+            m0 = fmaxf(m0, fabsf(v0));
+            m1 = fmaxf(m1, fabsf(v1));
+          }
+        }
+#pragma unroll
+        for (int o = 1; o < 4; o <<= 1) {
+          m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, o));
+          m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, o));
+        }
+        const float s0 = num::act_scale(m0), s1 = num::act_scale(m1);
+        const float inv0 = 1.0f / s0, inv1 = 1.0f / s1;
+        const int col0 = tl.nblk * 64 + lcol;
+        if (n0 < tl.rows) {
+          uint8_t* dst = a.act2 + size_t(tl.row0 + n0) * a.inter_pitch + col0;
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            *reinterpret_cast<uint16_t*>(dst + 8 * i) = pack_e4m3x2(acc[8 * i] * inv0, acc[8 * i + 1] * inv0);
+          if (lane % 4 == 0) a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + n0] = s0;
+        }
+        if (n1r < tl.rows) {
+          uint8_t* dst = a.act2 + size_t(tl.row0 + n1r) * a.inter_pitch + col0;
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            *reinterpret_cast<uint16_t*>(dst + 8 * i) =
+                pack_e4m3x2(acc[8 * i + 2] * inv1, acc[8 * i + 3] * inv1);
+          if (lane % 4 == 0) a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + n1r] = s1;
         }
       }
       sm90::fence_proxy_async_global();
@@ -507,19 +680,37 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else {
       const float* wsc = shared ? a.sw2_scale + size_t(tl.nblk) * (a.Is / 128)
                                 : a.w2_scale + (size_t(tl.e) * (a.H / 128) + tl.nblk) * (a.I / 128);
-      mma_mainloop<BN>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lcol, wsc, wsc, BN);
-      // ---- GEMM2 epilogue: BF16 per-slot rows ----
-      const int f = tl.nblk * 128 + wg * 64 + lrow;
+      if constexpr (kSwapAB) {
+        mainloop_swap_ab<BN, 2>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lcol, wsc, wsc);
+        // ---- GEMM2 epilogue: BF16 per-slot rows ----
+        const int f = tl.nblk * 128 + wg * 64 + lrow;
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
+        for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int n = j * 8 + lcol + c;
-          if (n < tl.rows) {
-            uint16_t* yr = a.y_rows + size_t(tl.row0 + n) * a.H;
-            yr[f] = bf16_encode(acc[j * 4 + c]);
-            yr[f + 8] = bf16_encode(acc[j * 4 + 2 + c]);
+          for (int c = 0; c < 2; ++c) {
+            const int n = j * 8 + lcol + c;
+            if (n < tl.rows) {
+              uint16_t* yr = a.y_rows + size_t(tl.row0 + n) * a.H;
+              yr[f] = bf16_encode(acc[j * 4 + c]);
+              yr[f + 8] = bf16_encode(acc[j * 4 + 2 + c]);
+            }
           }
+        }
+      } else {
+        mainloop_tokens_m<2>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lrow, wsc, wsc);
+        // ---- GEMM2 epilogue (tokens in M): BF16 pairs of hidden columns ----
+        const int n0 = wg * 64 + lrow, n1r = n0 + 8;
+        const int f0 = tl.nblk * 128 + lcol;
+        uint16_t* y0 = a.y_rows + size_t(tl.row0 + n0) * a.H + f0;
+        uint16_t* y1 = a.y_rows + size_t(tl.row0 + n1r) * a.H + f0;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          if (n0 < tl.rows)
+            *reinterpret_cast<uint32_t*>(y0 + 8 * j) =
+                uint32_t(bf16_encode(acc[4 * j])) | (uint32_t(bf16_encode(acc[4 * j + 1])) << 16);
+          if (n1r < tl.rows)
+            *reinterpret_cast<uint32_t*>(y1 + 8 * j) =
+                uint32_t(bf16_encode(acc[4 * j + 2])) | (uint32_t(bf16_encode(acc[4 * j + 3])) << 16);
         }
       }
       __threadfence();
@@ -696,6 +887,7 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
                      {R, P / num::kInterGroup}, {R * 4}, {bn, 2}, CU_TENSOR_MAP_SWIZZLE_NONE);
     plan->maps[i] = m;
   }
+  route_prepare();
   set_smem_attr<8>();
   set_smem_attr<16>();
   set_smem_attr<32>();

@@ -14,15 +14,30 @@ constexpr int kBlockM = 128;
 constexpr int kBlockK = 128;
 constexpr int kThreads = 384;  // warpgroup 0: TMA producer; 1-2: wgmma consumers
 constexpr int kConsumerThreads = 256;
+// setmaxnreg split of the 64K registers: the producer's schedule state needs ~72
+// (at 40 and 56 ptxas spilled), the consumers' 128-token tiles ~170.
+constexpr int kProducerRegs = 72;
+constexpr int kConsumerRegs = 216;
+static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536, "register budget");
 constexpr int kMaxExpertsTotal = 512;  // routed + shared, bounded by shared-memory tables
 constexpr int kSmemBudget = 227 * 1024;
 // Expert row segments start on multiples of 8 rows: the scale tensor maps put the
 // row index innermost and a TMA box must start 16-byte aligned in global memory.
 constexpr int kRowAlign = 8;
-// Tile schedule: false = static round-robin (CTA c takes tiles c, c + grid, ...);
-// true = an atomic tile counter. Measured on the H200 (bench/results/NOTES.md, v2
-// vs v4): the dynamic one was ~5 % slower at T >= 64 and no faster below.
-constexpr bool kDynamicTileSchedule = false;
+// Tile layout by token block: up to 64 tokens "swap AB" (weights in the wgmma M,
+// tokens in N: a decode tile wastes no rows), 128 tokens in M and weights in N
+// (prefill: the fold needs four scale products per thread, not one per token).
+// Both give the same bytes (fused_moe.cu). The tile schedule is static and
+// byte-balanced (TileSchedule); an atomic-counter schedule was measured ~5 %
+// slower at T >= 64 (bench/results/NOTES.md, v4) and is gone.
+constexpr bool swap_ab(int block_n) { return block_n < 128; }
+
+// Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
+// tiles (decode: 64+ blocks stream the router weight at once), up to
+// kRouteMediumTokens 64x32, above 128x64 (fewer L2 re-reads). Every tile computes
+// the same bits, so these only move time.
+constexpr int kRouteSmallTokens = 64;
+constexpr int kRouteMediumTokens = 1024;
 
 // Pipeline depth for a token block: as many stages as fit the budget, at most 12.
 constexpr int stage_bytes(int block_n) {

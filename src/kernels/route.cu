@@ -1,121 +1,216 @@
-// Routing on the GPU. The router GEMM runs in float32 on CUDA cores from BF16
-// activations and BF16/F32 router weights; split-K partials are summed in a
-// fixed order by the top-k kernel, so the logits (and thus ids and weights)
-// are bit-identical from run to run.
+// Routing on the GPU. The router GEMM runs on the tensor cores (mma.sync BF16
+// -> F32) from BF16 activations and BF16/F32 router weights; split-K partials
+// are summed in a fixed order by the top-k kernel, so the logits (and thus ids
+// and weights) are bit-identical from run to run and across tile configurations.
 #include <algorithm>
 #include <cfloat>
 
 #include "cuda_check.h"
+#include "heuristics.h"
 #include "route.cuh"
+#include "sm90_ptx.cuh"
 
 namespace megamoe::kernels {
 namespace {
 
-constexpr int kTileT = 64;           // tokens per router block
-constexpr int kTileE = 64;           // experts per router block
-constexpr int kTileH = 32;           // depth per shared-memory step
-constexpr int kRouterThreads = 256;  // 16 x 16 threads, 4 tokens x 4 experts each
-constexpr int kLanesMaxTokens = 256;  // up to this many tokens: the lane-per-token kernel
+// ============================================================================
+// route_logits: partial[slice][t][e] = sum over the slice's columns of x[t][h] * w[e][h]
+// ============================================================================
+// x is BF16, so exact in the BF16 operand. A float32 router weight is split into
+// three BF16 terms hi + mid + lo (each the nearest BF16 of what the previous ones
+// leave), which carry the full 24-bit significand; all three products go into
+// one float32 accumulator. For a BF16 router weight one term is exact.
+// NOTE: every logit is the same float computation whatever the tile configuration:
+// per K slice (kRouterSlices, fixed) one accumulator, per 16-column step in
+// ascending order mma(hi), mma(mid), mma(lo); the slices are summed in order by
+// route_topk. The tile shape (picked from the token hint) only changes which
+// threads do the work, so a graph captured at a large hint replays bit-identically
+// at any smaller count.
+constexpr int kRouteStepK = 64;  // columns per pipeline stage
+constexpr int kRoutePad = 8;     // row padding (elements): conflict-free fragment loads
 
-__device__ __forceinline__ float load_w(const uint16_t* w, size_t i) {
-  return __uint_as_float(uint32_t(w[i]) << 16);
-}
-__device__ __forceinline__ float load_w(const float* w, size_t i) { return w[i]; }
-
-// Four consecutive router weights as floats (16-byte or 8-byte load).
-__device__ __forceinline__ float4 load_w4(const float* w, size_t i) {
-  return *reinterpret_cast<const float4*>(w + i);
-}
-__device__ __forceinline__ float4 load_w4(const uint16_t* w, size_t i) {
-  const uint2 r = *reinterpret_cast<const uint2*>(w + i);
-  return make_float4(__uint_as_float(r.x << 16), __uint_as_float(r.x & 0xFFFF0000u),
-                     __uint_as_float(r.y << 16), __uint_as_float(r.y & 0xFFFF0000u));
-}
-
-// Large T: a register-blocked float32 GEMM, logits[t][e] over one K slice.
 template <typename WT>
-__global__ void __launch_bounds__(kRouterThreads) route_logits_kernel(RouteArgs a, int H, int E) {
+struct RouterTerms;
+template <>
+struct RouterTerms<float> {
+  static constexpr int kTerms = 3;
+};
+template <>
+struct RouterTerms<uint16_t> {
+  static constexpr int kTerms = 1;
+};
+
+// B fragments (k, k+1 and k+8, k+9 of one expert row) of every term.
+__device__ __forceinline__ void router_b_frags(const float* w, uint32_t (&b)[3][2]) {
+  const float2 p0 = *reinterpret_cast<const float2*>(w);
+  const float2 p1 = *reinterpret_cast<const float2*>(w + 8);
+  const float v[4] = {p0.x, p0.y, p1.x, p1.y};
+  float r[4];
+  uint32_t t[2];
+#pragma unroll
+  for (int term = 0; term < 3; ++term) {
+    t[0] = sm90::pack_bf16x2(term == 0 ? v[0] : r[0], term == 0 ? v[1] : r[1]);
+    t[1] = sm90::pack_bf16x2(term == 0 ? v[2] : r[2], term == 0 ? v[3] : r[3]);
+    b[term][0] = t[0];
+    b[term][1] = t[1];
+    if (term < 2) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float src = term == 0 ? v[i] : r[i];
+        const uint32_t packed = t[i / 2];
+        const float taken = __uint_as_float(i % 2 == 0 ? packed << 16 : packed & 0xFFFF0000u);
+        r[i] = src - taken;  // exact: the residual of a nearest-BF16 rounding
+      }
+    }
+  }
+}
+__device__ __forceinline__ void router_b_frags(const uint16_t* w, uint32_t (&b)[1][2]) {
+  b[0][0] = *reinterpret_cast<const uint32_t*>(w);
+  b[0][1] = *reinterpret_cast<const uint32_t*>(w + 8);
+}
+
+// Block tile BT tokens x BE experts x one K slice; WM x WN warps, each MI x NI
+// fragments of 16 x 8; `kStages`-deep cp.async ring of kRouteStepK columns.
+template <typename WT, int BT, int BE, int WM, int WN, int kStages>
+__global__ void __launch_bounds__(WM* WN * 32) route_logits_kernel(RouteArgs a, int H, int E) {
+  constexpr int kThreads = WM * WN * 32;
+  constexpr int MI = BT / WM / 16, NI = BE / WN / 8;
+  constexpr int kTerms = RouterTerms<WT>::kTerms;
+  constexpr int XP = kRouteStepK + kRoutePad;  // x row pitch (bf16)
+  constexpr int WP = kRouteStepK + kRoutePad;  // w row pitch (WT)
+  constexpr int kXChunks = kRouteStepK * 2 / 16, kWChunks = kRouteStepK * int(sizeof(WT)) / 16;
+  static_assert(MI * WM * 16 == BT && NI * WN * 8 == BE, "warp tiling");
+
   const int T = *a.num_tokens;
-  const int t0 = blockIdx.y * kTileT;
+  const int t0 = blockIdx.y * BT;
   if (t0 >= T) return;
-  const int e0 = blockIdx.x * kTileE;
-  const int hs = (H + a.ksplit - 1) / a.ksplit;
+  const int e0 = blockIdx.x * BE;
+  const int hs = H / a.ksplit;
   const int h_begin = blockIdx.z * hs;
-  const int h_end = min(H, h_begin + hs);
+  const int steps = (hs + kRouteStepK - 1) / kRouteStepK;
   const WT* W = static_cast<const WT*>(a.router);
 
-  // K-major tiles, padded by one column so the transposing stores hit distinct banks.
-  __shared__ float xs[kTileH][kTileT + 1];
-  __shared__ float ws[kTileH][kTileE + 1];
+  extern __shared__ __align__(16) uint8_t route_smem[];
+  auto* xs = reinterpret_cast<uint16_t*>(route_smem);                            // [kStages][BT][XP]
+  auto* ws = reinterpret_cast<WT*>(route_smem + size_t(kStages) * BT * XP * 2);  // [kStages][BE][WP]
+
   const int tid = threadIdx.x;
-  const int tt = (tid / 16) * 4;
-  const int te = (tid % 16) * 4;
-  float acc[4][4] = {};
-  for (int h0 = h_begin; h0 < h_end; h0 += kTileH) {
-    for (int i = tid; i < kTileT * kTileH; i += kRouterThreads) {
-      const int r = i / kTileH, c = i % kTileH;
+  auto load_stage = [&](int step, int slot) {
+    const int h0 = h_begin + step * kRouteStepK;
+    for (int i = tid; i < BT * kXChunks; i += kThreads) {
+      const int r = i / kXChunks, c = (i % kXChunks) * 8;
       const int t = t0 + r, h = h0 + c;
-      xs[c][r] = (t < T && h < h_end) ? __uint_as_float(uint32_t(a.x[size_t(t) * H + h]) << 16) : 0.0f;
+      const bool ok = t < T && h < h_begin + hs;
+      sm90::cp_async_16(xs + (size_t(slot) * BT + r) * XP + c, ok ? a.x + size_t(t) * H + h : a.x,
+                        ok ? 16 : 0);
     }
-    for (int i = tid; i < kTileE * kTileH; i += kRouterThreads) {
-      const int r = i / kTileH, c = i % kTileH;
+    constexpr int kPer = 16 / int(sizeof(WT));
+    for (int i = tid; i < BE * kWChunks; i += kThreads) {
+      const int r = i / kWChunks, c = (i % kWChunks) * kPer;
       const int e = e0 + r, h = h0 + c;
-      ws[c][r] = (e < E && h < h_end) ? load_w(W, size_t(e) * H + h) : 0.0f;
+      const bool ok = e < E && h < h_begin + hs;
+      sm90::cp_async_16(ws + (size_t(slot) * BE + r) * WP + c, ok ? W + size_t(e) * H + h : W, ok ? 16 : 0);
     }
-    __syncthreads();
-#pragma unroll 8
-    for (int k = 0; k < kTileH; ++k) {
-      const float xr[4] = {xs[k][tt], xs[k][tt + 1], xs[k][tt + 2], xs[k][tt + 3]};
-      const float wr[4] = {ws[k][te], ws[k][te + 1], ws[k][te + 2], ws[k][te + 3]};
+  };
+
+  const int warp = tid / 32, lane = tid % 32;
+  const int wm = warp / WN, wn = warp % WN;
+  const int g = lane / 4, tq = lane % 4;
+  float acc[MI][NI][4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
+  for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(xr[i], wr[j], acc[i][j]);
-    }
-    __syncthreads();
+    for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < steps) load_stage(s, s);
+    sm90::cp_async_commit();
   }
+  for (int step = 0; step < steps; ++step) {
+    sm90::cp_async_wait<kStages - 2>();
+    __syncthreads();  // stage `step` visible to all; slot (step - 1) % kStages free
+    if (step + kStages - 1 < steps) load_stage(step + kStages - 1, (step + kStages - 1) % kStages);
+    sm90::cp_async_commit();
+    const int slot = step % kStages;
+    const uint16_t* xb = xs + (size_t(slot) * BT + wm * (BT / WM)) * XP;
+    const WT* wb = ws + (size_t(slot) * BE + wn * (BE / WN)) * WP;
+#pragma unroll
+    for (int kk = 0; kk < kRouteStepK / 16; ++kk) {
+      uint32_t af[MI][4];
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        const uint16_t* p = xb + (mi * 16 + g) * XP + kk * 16 + 2 * tq;
+        af[mi][0] = *reinterpret_cast<const uint32_t*>(p);
+        af[mi][1] = *reinterpret_cast<const uint32_t*>(p + 8 * XP);
+        af[mi][2] = *reinterpret_cast<const uint32_t*>(p + 8);
+        af[mi][3] = *reinterpret_cast<const uint32_t*>(p + 8 * XP + 8);
+      }
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni) {
+        uint32_t bf[kTerms][2];
+        router_b_frags(wb + (ni * 8 + g) * WP + kk * 16 + 2 * tq, bf);
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int term = 0; term < kTerms; ++term)
+            sm90::mma_bf16_16816(acc[mi][ni], af[mi], bf[term][0], bf[term][1]);
+      }
+    }
+  }
+  sm90::cp_async_wait<0>();
+
   float* out = a.partial + size_t(blockIdx.z) * a.max_tokens * E;
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
+  for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int t = t0 + tt + i, e = e0 + te + j;
-      if (t < T && e < E) out[size_t(t) * E + e] = acc[i][j];
-    }
+    for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int t = t0 + wm * (BT / WM) + mi * 16 + g + (q / 2) * 8;
+        const int e = e0 + wn * (BE / WN) + ni * 8 + 2 * tq + (q % 2);
+        if (t < T && e < E) out[size_t(t) * E + e] = acc[mi][ni][q];
+      }
 }
 
-// Small T (decode): one warp per (expert, K slice, group of 32 tokens), a lane
-// per token; the weights are read once per warp as broadcast 16-byte loads.
-// NOTE: every logit is the same float computation in both router kernels: per
-// K slice (kRouterSlices, fixed per shape) a sequential fmaf chain over the
-// columns in ascending order, then the slices summed in order by route_topk. So
-// the routing, and the layer's output bytes, do not depend on which kernel ran
-// (the token hint) -- a graph captured at a large hint replays bit-identically.
-template <typename WT>
-__global__ void __launch_bounds__(256) route_logits_lanes_kernel(RouteArgs a, int H, int E, int groups) {
-  const int T = *a.num_tokens;
-  const int w = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = w % groups, rest = w / groups;
-  const int split = rest % a.ksplit, e = rest / a.ksplit;
-  if (e >= E || g * 32 >= T) return;
-  const int t = g * 32 + lane;
-  const bool active = t < T;
-  const int hs = H / a.ksplit;
-  const WT* W = static_cast<const WT*>(a.router) + size_t(e) * H;
-  const uint16_t* x = a.x + size_t(active ? t : 0) * H;
-  float acc = 0.0f;
-  // NOTE: unrolled so the loads of 8 steps are in flight together (v4 measured one
-  // step per memory latency: 82 us at T=1); the fmaf chain keeps its order.
-#pragma unroll 8
-  for (int h = split * hs; h < (split + 1) * hs; h += 4) {
-    const float4 wv = load_w4(W, h);
-    const uint2 r = *reinterpret_cast<const uint2*>(x + h);
-    acc = fmaf(__uint_as_float(r.x << 16), wv.x, acc);
-    acc = fmaf(__uint_as_float(r.x & 0xFFFF0000u), wv.y, acc);
-    acc = fmaf(__uint_as_float(r.y << 16), wv.z, acc);
-    acc = fmaf(__uint_as_float(r.y & 0xFFFF0000u), wv.w, acc);
+template <typename WT, int BT, int BE, int WM, int WN, int kStages>
+struct RouteTile {
+  static constexpr size_t smem() {
+    return size_t(kStages) *
+           (size_t(BT) * (kRouteStepK + kRoutePad) * 2 + size_t(BE) * (kRouteStepK + kRoutePad) * sizeof(WT));
   }
-  if (active) a.partial[(size_t(split) * a.max_tokens + t) * E + e] = acc;
+  static void prepare() {
+    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(route_logits_kernel<WT, BT, BE, WM, WN, kStages>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem())));
+  }
+  static void launch(const RouteArgs& a, const MoeShape& s, int hint, cudaStream_t stream) {
+    auto kernel = route_logits_kernel<WT, BT, BE, WM, WN, kStages>;
+    // NOTE: the grid covers the host hint, an upper bound of the device token count: blocks
+    // past the device count exit at once, so a graph captured at a hint serves any count below it.
+    const dim3 grid((s.experts + BE - 1) / BE, std::max(1, (hint + BT - 1) / BT), a.ksplit);
+    kernel<<<grid, WM * WN * 32, smem(), stream>>>(a, s.hidden, s.experts);
+    MEGAMOE_CUDA_CHECK_LAUNCH();
+  }
+};
+
+// Tile configurations by token hint (see heuristics.h for the thresholds).
+template <typename WT>
+using RouteSmall = RouteTile<WT, 16, 16, 1, 2, 12>;  // decode: 64+ blocks, deep ring
+template <typename WT>
+using RouteMedium = RouteTile<WT, 64, 32, 2, 2, 4>;
+template <typename WT>
+using RouteLarge = RouteTile<WT, 128, 64, 2, 2, 3>;  // prefill: fewer re-reads
+
+template <typename WT>
+void launch_route_logits(const RouteArgs& a, const MoeShape& s, int hint, cudaStream_t stream) {
+  if (hint <= kRouteSmallTokens)
+    RouteSmall<WT>::launch(a, s, hint, stream);
+  else if (hint <= kRouteMediumTokens)
+    RouteMedium<WT>::launch(a, s, hint, stream);
+  else
+    RouteLarge<WT>::launch(a, s, hint, stream);
 }
 
 constexpr int kTopkWarps = 4;
@@ -254,35 +349,23 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
 void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms,
                 cudaStream_t stream);
 
+void route_prepare() {
+  RouteSmall<float>::prepare(), RouteMedium<float>::prepare(), RouteLarge<float>::prepare();
+  RouteSmall<uint16_t>::prepare(), RouteMedium<uint16_t>::prepare(), RouteLarge<uint16_t>::prepare();
+}
+
 void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms,
                   cudaStream_t stream) {
   MEGAMOE_CHECK(s.experts <= kMaxE, "route_topk supports at most 512 experts");
   MEGAMOE_CHECK(s.topk <= 32, "route_topk supports top-k <= 32");
   MEGAMOE_CHECK(s.n_group <= 32, "route_topk supports n_group <= 32");
   MEGAMOE_CHECK(host_tokens_hint >= 0 && host_tokens_hint <= a.max_tokens, "token hint out of range");
-  MEGAMOE_CHECK(a.ksplit == kRouterSlices && s.hidden % (kRouterSlices * kTileH) == 0,
+  MEGAMOE_CHECK(a.ksplit == kRouterSlices && s.hidden % (kRouterSlices * 32) == 0,
                 "the router splits H into 4 slices of a multiple of 32 columns");
-  if (host_tokens_hint <= kLanesMaxTokens) {
-    const int groups = std::max(1, (host_tokens_hint + 31) / 32);  // the hint bounds the device count
-    const int warps = s.experts * kRouterSlices * groups;
-    const int blocks = (warps + 7) / 8;
-    if (s.router_dtype == RouterDtype::kBF16)
-      route_logits_lanes_kernel<uint16_t><<<blocks, 256, 0, stream>>>(a, s.hidden, s.experts, groups);
-    else
-      route_logits_lanes_kernel<float><<<blocks, 256, 0, stream>>>(a, s.hidden, s.experts, groups);
-    MEGAMOE_CUDA_CHECK_LAUNCH();
-    route_topk(s, a, host_tokens_hint, num_sms, stream);
-    return;
-  }
-  const int t_tiles = std::max(1, (host_tokens_hint + kTileT - 1) / kTileT);
-  // NOTE: the grid covers the host hint, an upper bound of the device token count: blocks
-  // past the device count exit at once, so a graph captured at a hint serves any count below it.
-  dim3 grid((s.experts + kTileE - 1) / kTileE, t_tiles, a.ksplit);
   if (s.router_dtype == RouterDtype::kBF16)
-    route_logits_kernel<uint16_t><<<grid, kRouterThreads, 0, stream>>>(a, s.hidden, s.experts);
+    launch_route_logits<uint16_t>(a, s, host_tokens_hint, stream);
   else
-    route_logits_kernel<float><<<grid, kRouterThreads, 0, stream>>>(a, s.hidden, s.experts);
-  MEGAMOE_CUDA_CHECK_LAUNCH();
+    launch_route_logits<float>(a, s, host_tokens_hint, stream);
   route_topk(s, a, host_tokens_hint, num_sms, stream);
 }
 

@@ -29,6 +29,10 @@ struct RouteArgs {
   int ksplit = 1;
 };
 
-void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms, cudaStream_t stream);
+// Raises the router kernels' shared-memory limits (once per device, before launches).
+void route_prepare();
+
+void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms,
+                  cudaStream_t stream);
 
 }  // namespace megamoe::kernels

@@ -201,6 +201,52 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
   unsetenv("MEGAMOE_BLOCK_N");
 }
 
+TEST_F(FusedMoe, RoutingBitsIndependentOfRouterTile) {
+  // The router GEMM picks its tile shape from the token hint (decode, medium,
+  // prefill); every shape must give the same logits, so ids and weights match
+  // bit for bit, for the F32 (three BF16 terms) and the BF16 router weight.
+  MoeShape f32 = reduced_shape();
+  MoeShape bf16 = reduced_shape();
+  bf16.n_group = 8, bf16.topk_group = 4, bf16.router_dtype = RouterDtype::kBF16;
+  for (const MoeShape& s : {f32, bf16}) {
+    HostMoeWeights w = make_random_weights(s, 41);
+    const int T = 40, Tmax = 2048;
+    const auto x = random_x(size_t(T) * s.hidden, 42);
+    api::MoeLayerOptions opt;
+    opt.max_tokens = Tmax;
+    api::CudaMoeLayer layer(w, opt);
+    num::bf16_t* dx = nullptr;
+    int* dT = nullptr;
+    CK(cudaMalloc(&dx, x.size() * 2));
+    CK(cudaMalloc(&dT, sizeof(int)));
+    CK(cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dT, &T, sizeof(int), cudaMemcpyHostToDevice));
+    std::vector<int32_t> ids0;
+    std::vector<float> w0;
+    for (int hint : {T, 512, Tmax}) {
+      layer.route(dx, hint, dT, nullptr);
+      CK(cudaDeviceSynchronize());
+      std::vector<int32_t> ids(size_t(T) * s.topk);
+      std::vector<float> wts(ids.size());
+      CK(cudaMemcpy(ids.data(), layer.topk_ids(), ids.size() * 4, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(wts.data(), layer.topk_weights(), wts.size() * 4, cudaMemcpyDeviceToHost));
+      if (ids0.empty()) {
+        ids0 = ids, w0 = wts;
+        std::vector<int32_t> ref_ids(ids.size());
+        std::vector<float> ref_w(ids.size());
+        ref::route(s, w.view(), x.data(), T, ref_ids.data(), ref_w.data());
+        EXPECT_EQ(ids, ref_ids) << "routing ids differ from the CPU reference";
+        continue;
+      }
+      EXPECT_EQ(ids, ids0) << "hint " << hint << " changes the routing ids";
+      EXPECT_EQ(0, std::memcmp(wts.data(), w0.data(), wts.size() * 4))
+          << "hint " << hint << " changes the weights";
+    }
+    cudaFree(dx);
+    cudaFree(dT);
+  }
+}
+
 TEST_F(FusedMoe, TooManyTokensIsAnError) {
   HostMoeWeights w = make_random_weights(reduced_shape(), 3);
   api::MoeLayerOptions opt;
@@ -212,8 +258,8 @@ TEST_F(FusedMoe, TooManyTokensIsAnError) {
 TEST_F(FusedMoe, GraphReplayWithDeviceTokenCount) {
   const MoeShape s = reduced_shape();
   HostMoeWeights w = make_random_weights(s, 31);
-  // 320 tokens: the graph's router takes the tiled path, the eager runs below 256 the
-  // lane-per-token path; the bytes must agree (the logits are one computation).
+  // 320 tokens: the graph's router and fused kernel take their medium tiles, the eager
+  // runs at 1 and 37 the decode ones; the bytes must agree (one float computation).
   const int Tmax = 320;
   const auto x = random_x(size_t(Tmax) * s.hidden, 32);
   api::MoeLayerOptions opt;

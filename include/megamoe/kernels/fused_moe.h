@@ -4,13 +4,15 @@
 //
 // One forward = 4 stream operations, all CUDA-graph capturable:
 //   1. memset of the workspace counters (epoch reset),
-//   2. route_logits: router GEMM in float32, 4 fixed K slices (the same float
-//      computation whichever kernel runs, so routing is bit-stable),
+//   2. route_logits: router GEMM on the tensor cores (BF16 x, the weight as
+//      three BF16 terms when it is F32), float32 sums over 4 fixed K slices
+//      (the same float computation whatever the tile shape, so routing is
+//      bit-stable),
 //   3. route_topk: scores, bias, grouped top-k, weights; per-expert row counts,
 //   4. fused_moe: ONE persistent kernel: quantize x (1x128 E4M3) and scatter
 //      each token to its experts' row segments, grid barrier, then a
-//      round-robin tile schedule of GEMM1 tiles (w13, SwiGLU, x routing weight, 1x64 E4M3)
-//      and GEMM2 tiles (w2 -> BF16 per slot) with per-(expert, token block)
+//      static byte-balanced tile schedule of GEMM1 tiles (w13, SwiGLU, x
+//      routing weight, 1x64 E4M3) and GEMM2 tiles (w2 -> BF16 per slot) with per-(expert, token block)
 //      completion counters between them, then the ordered slot reduction.
 // The token count is read from device memory, so one captured graph serves any
 // count up to max_tokens.
@@ -29,12 +31,11 @@ namespace megamoe::kernels {
 // Workspace of one layer object, sized once from (shape, max_tokens). All
 // regions live in one device allocation; `counters` is zeroed per forward.
 struct MoeWorkspaceLayout {
-  // counters (int32): [0] grid barrier, [1] GEMM2 tiles done, [2] next tile
-  // (the dynamic scheduler), [3, 3 + E_total) rows per expert (E_total = E +
-  // shared), then one GEMM1-done counter per (expert, token block) unit.
+  // counters (int32): [0] grid barrier, [1] GEMM2 tiles done, [2] unused,
+  // [3, 3 + E_total) rows per expert (E_total = E + shared), then one GEMM1-done
+  // counter per (expert, token block) unit.
   static constexpr int kCounterBarrier = 0;
   static constexpr int kCounterDone2 = 1;
-  static constexpr int kCounterNextTile = 2;
   static constexpr int kCounterExperts = 3;
 
   int max_tokens = 0;

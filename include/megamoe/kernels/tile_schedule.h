@@ -1,0 +1,52 @@
+// The fused kernel's static tile schedule: which tiles CTA c of G processes, in
+// which order. Plain C++ (host and device) so the CPU tests check it exactly.
+//
+// GEMM1 tiles [0, t1) go round-robin (CTA c: c, c + G, ...). The CTAs left with
+// one GEMM1 tile fewer (c >= t1 % G) then take `extra` GEMM2 tiles each,
+// round-robin among themselves, where extra = the cost of a GEMM1 tile in GEMM2
+// tiles (weight stages, rounded); the other GEMM2 tiles [t1, t1 + t2) go
+// round-robin over all CTAs. So every CTA streams about the same number of
+// weight bytes: at T = 1 on GLM-5 (288 GEMM1 tiles of 48 stages, 432 GEMM2
+// tiles of 16, 132 CTAs) at most 2.62 MB a CTA against a 2.57 MB mean, where
+// plain round-robin put 3.15 MB on 24 of them.
+// NOTE: deadlock-free: each CTA takes its tiles in increasing order and every
+// GEMM1 tile precedes every GEMM2 tile, so a GEMM2 tile only waits for GEMM1
+// tiles that running CTAs take before any GEMM2 tile, and GEMM1 tiles never wait.
+#pragma once
+
+#include "megamoe/numerics/fp8.h"  // MEGAMOE_HD
+
+namespace megamoe::kernels {
+
+struct TileSchedule {
+  int c, G, t1, t2, r1, light, extra, p1, phase, m;
+
+  // cost1, cost2: weight stages of a GEMM1 and of a (routed) GEMM2 tile.
+  MEGAMOE_HD void init(int cta, int grid, int tiles1, int tiles2, int cost1, int cost2) {
+    c = cta, G = grid, t1 = tiles1, t2 = tiles2;
+    r1 = t1 % G;
+    light = r1 ? G - r1 : 0;
+    extra = r1 ? (cost1 + cost2 / 2) / cost2 : 0;
+    p1 = extra * light < t2 ? extra * light : t2;
+    phase = 0, m = 0;
+  }
+
+  // The next tile id of this CTA; t1 + t2 once there is none.
+  MEGAMOE_HD int next() {
+    if (phase == 0) {
+      const int t = c + m * G;
+      if (t < t1) return ++m, t;
+      phase = 1, m = 0;
+    }
+    if (phase == 1) {
+      const int j = (c - r1) + m * light;
+      if (c >= r1 && m < extra && j < p1) return ++m, t1 + j;
+      phase = 2, m = 0;
+    }
+    const int j = p1 + c + m * G;
+    ++m;
+    return j < t2 ? t1 + j : t1 + t2;
+  }
+};
+
+}  // namespace megamoe::kernels
