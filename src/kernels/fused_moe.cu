@@ -43,6 +43,7 @@
 #include <cstdlib>
 #include <memory>
 #include <stdexcept>
+#include <string>
 
 #include "cuda_check.h"
 #include "heuristics.h"
@@ -100,6 +101,10 @@ struct KernelArgs {
   int rows_cap, inter_pitch;
   float swiglu_limit;
   int debug_stop;  // MEGAMOE_DEBUG_STOP: 0 = full kernel; 1/2/3 stop after tables / phase 0 / the mainloop
+  // Measurement switches (wrong outputs when set; for timing the parts of the kernel):
+  int debug_skip;      // MEGAMOE_DEBUG_SKIP: bit 0 = no wgmma and no fold, bit 1 = no fold
+  int round_robin;     // MEGAMOE_SCHEDULE=rr: plain round-robin instead of TileSchedule's balance
+  int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
   const int* num_tokens;
   const uint16_t* x;
   uint16_t* y;
@@ -216,7 +221,7 @@ __device__ __forceinline__ uint8_t to_e4m3(float v) {
 template <int BN, int kGemm>
 __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kblocks, int& it, uint8_t* smem,
                                                  uint64_t* full_bar, uint64_t* empty_bar, int wg, int lcol,
-                                                 const float* lo_scale, const float* hi_scale) {
+                                                 const float* lo_scale, const float* hi_scale, int skip) {
   constexpr int kStages = stages_for(BN);
   constexpr int kStageBytes = stage_bytes(BN);
   constexpr int kWBytes = kBlockM * kBlockK;
@@ -228,6 +233,10 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     const float lo = __ldg(lo_scale + kb);
     const float hi = kGemm == 1 ? __ldg(hi_scale + kb) : lo;
     sm90::mbar_wait(&full_bar[stage], (it / kStages) & 1);
+    if (skip & 1) {
+      sm90::mbar_arrive(&empty_bar[stage]);
+      continue;
+    }
     const uint8_t* st = smem + stage * kStageBytes;
     const uint8_t* w_s = st + wg * 64 * 128;
     const uint8_t* x_s = st + kWBytes;
@@ -252,6 +261,7 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
         }
       }
       sm90::wgmma_wait<0>();
+      if (skip & 2) continue;
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
@@ -269,7 +279,7 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
 template <int kGemm>
 __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks, int& it, uint8_t* smem,
                                                   uint64_t* full_bar, uint64_t* empty_bar, int wg, int lrow,
-                                                  const float* gate_scale, const float* up_scale) {
+                                                  const float* gate_scale, const float* up_scale, int skip) {
   constexpr int BN = 128;
   constexpr int kStages = stages_for(BN);
   constexpr int kStageBytes = stage_bytes(BN);
@@ -282,6 +292,10 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     const float sg = __ldg(gate_scale + kb);
     const float su = kGemm == 1 ? __ldg(up_scale + kb) : sg;
     sm90::mbar_wait(&full_bar[stage], (it / kStages) & 1);
+    if (skip & 1) {
+      sm90::mbar_arrive(&empty_bar[stage]);
+      continue;
+    }
     const uint8_t* st = smem + stage * kStageBytes;
     const uint8_t* w_s = st;
     const uint8_t* x_s = st + kWBytes + wg * 64 * 128;
@@ -303,6 +317,7 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
         p1u = kGemm == 1 ? x1 * su : p1g;
       }
       sm90::wgmma_wait<0>();
+      if (skip & 2) continue;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const float q0 = (j % 2 == 0) ? p0g : p0u, q1 = (j % 2 == 0) ? p1g : p1u;
@@ -442,10 +457,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   TileSchedule sched;
   int first_tile = tiles, first_issued = 0;
   if (tid == 0) {
-    sched.init(blockIdx.x, gridDim.x, t1, t2, a.H / 128, a.I / 128);
+    sched.init(blockIdx.x, gridDim.x, t1, t2, a.H / 128, a.I / 128, !a.round_robin);
     first_tile = sched.next();
     // NOTE: MEGAMOE_DEBUG_STOP=2 exits after phase 0, so it must leave no copy in flight.
-    if (first_tile < tiles && a.debug_stop != 2) {
+    if (first_tile < tiles && a.debug_stop != 2 && !a.no_early_loads) {
       const Tile tl = decode_tile<BN>(a, sc, first_tile, t1_routed, t1);
       first_issued = min(kStages, tl.kblocks);
       stage_tile[0] = first_tile;  // published by the full barrier's completion
@@ -524,6 +539,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         // GEMM2 needs every GEMM1 tile of its (expert, token block).
         const int need = (tl.e == a.E ? a.Is : a.I) / 64;
         bool ready = tl.gemm == 1 || sm90::ld_acquire_gpu(&done1[tl.unit]) >= need;
+        if (a.no_early_loads && !ready) {
+          while (sm90::ld_acquire_gpu(&done1[tl.unit]) < need) {
+          }
+          ready = true;
+        }
         int deferred = kb0;  // stages [it - deferred, it): weights issued, tokens not yet
         for (int kb = kb0;; ++kb) {
           // NOTE: at most kStages deferred stages: the next empty-wait must concern a stage
@@ -586,7 +606,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float* sg_row = wsc + size_t(tl.nblk / 2) * (a.H / 128);
       const float* su_row = wsc + size_t(I_e / 128 + tl.nblk / 2) * (a.H / 128);
       if constexpr (kSwapAB) {
-        mainloop_swap_ab<BN, 1>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lcol, sg_row, su_row);
+        mainloop_swap_ab<BN, 1>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lcol, sg_row, su_row,
+                                a.debug_skip);
         // ---- GEMM1 epilogue: SwiGLU x routing weight, 1x64 E4M3 quantization ----
         // Thread holds gate (row lrow) and up (row lrow + 8) of intermediate column
         // wg * 32 + wwarp * 8 + lane / 4 for tokens j * 8 + lcol + {0, 1}.
@@ -625,7 +646,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       } else {
-        mainloop_tokens_m<1>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lrow, sg_row, su_row);
+        mainloop_tokens_m<1>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lrow, sg_row, su_row,
+                             a.debug_skip);
         // ---- GEMM1 epilogue (tokens in M) ----
         // Thread holds tokens n0 = wg * 64 + lrow and n0 + 8; for i in 0..7 the gate
         // (acc[8i + c], j = 2i) and up (acc[8i + 4 + c], j = 2i + 1) values of
@@ -673,15 +695,20 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (lane % 4 == 0) a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + n1r] = s1;
         }
       }
+      // NOTE: one release for the tile: the CTA barrier orders every thread's stores
+      // before thread 0's fence and gpu-scope release (cumulative), so the GEMM2 tiles
+      // that acquire the counter see all of act2; the proxy fence lets their TMA read it.
       sm90::fence_proxy_async_global();
-      __threadfence();
       sm90::named_barrier(1, kConsumerThreads);  // also: red[] is free for the next tile
-      if (ctid == 0) sm90::red_release_gpu_add(&done1[tl.unit], 1);
+      if (ctid == 0) {
+        __threadfence();
+        sm90::red_release_gpu_add(&done1[tl.unit], 1);
+      }
     } else {
       const float* wsc = shared ? a.sw2_scale + size_t(tl.nblk) * (a.Is / 128)
                                 : a.w2_scale + (size_t(tl.e) * (a.H / 128) + tl.nblk) * (a.I / 128);
       if constexpr (kSwapAB) {
-        mainloop_swap_ab<BN, 2>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lcol, wsc, wsc);
+        mainloop_swap_ab<BN, 2>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lcol, wsc, wsc, a.debug_skip);
         // ---- GEMM2 epilogue: BF16 per-slot rows ----
         const int f = tl.nblk * 128 + wg * 64 + lrow;
 #pragma unroll
@@ -697,7 +724,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       } else {
-        mainloop_tokens_m<2>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lrow, wsc, wsc);
+        mainloop_tokens_m<2>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lrow, wsc, wsc, a.debug_skip);
         // ---- GEMM2 epilogue (tokens in M): BF16 pairs of hidden columns ----
         const int n0 = wg * 64 + lrow, n1r = n0 + 8;
         const int f0 = tl.nblk * 128 + lcol;
@@ -713,9 +740,11 @@ __global__ void __launch_bounds__(kThreads, 1)
                 uint32_t(bf16_encode(acc[4 * j + 2])) | (uint32_t(bf16_encode(acc[4 * j + 3])) << 16);
         }
       }
-      __threadfence();
-      sm90::named_barrier(1, kConsumerThreads);
-      if (ctid == 0) sm90::red_release_gpu_add(&a.counters[MoeWorkspaceLayout::kCounterDone2], 1);
+      sm90::named_barrier(1, kConsumerThreads);  // (one release for the tile, as above)
+      if (ctid == 0) {
+        __threadfence();
+        sm90::red_release_gpu_add(&a.counters[MoeWorkspaceLayout::kCounterDone2], 1);
+      }
     }
   }
 
@@ -853,6 +882,8 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
   MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&plan->num_sms, cudaDevAttrMultiProcessorCount, dev));
   if (cfg.num_sms > 0) plan->num_sms = std::min(plan->num_sms, cfg.num_sms);
+  // MEGAMOE_NUM_SMS: a smaller persistent grid (measurement: does the time scale with SMs?).
+  if (const char* env = std::getenv("MEGAMOE_NUM_SMS")) plan->num_sms = std::clamp(std::atoi(env), 1, plan->num_sms);
 
   const uint64_t H = s.hidden, I = s.inter, E = s.experts, Is = s.shared_inter(), R = ws.rows_cap;
   const uint64_t P = ws.inter_pitch;
@@ -962,6 +993,9 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
   maybe_print_config(p->shape, host_tokens_hint, cfg);
   KernelArgs a = p->args;
   if (const char* env = std::getenv("MEGAMOE_DEBUG_STOP")) a.debug_stop = std::atoi(env);
+  if (const char* env = std::getenv("MEGAMOE_DEBUG_SKIP")) a.debug_skip = std::atoi(env);
+  if (const char* env = std::getenv("MEGAMOE_SCHEDULE")) a.round_robin = std::string(env) == "rr";
+  if (const char* env = std::getenv("MEGAMOE_EARLY_WEIGHTS")) a.no_early_loads = std::string(env) == "0";
   a.num_tokens = t.num_tokens;
   a.x = t.x;
   a.y = t.y;

@@ -251,12 +251,27 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
   float* sel = sel_s[warp];
   for (int t = blockIdx.x * kTopkWarps + warp; t < T; t += gridDim.x * kTopkWarps) {
     // Logits: sum the split-K partials in split order.
+    // NOTE: all loads of a token first (unrolled, up to kMaxE / 32 experts a lane):
+    // one round trip instead of one per expert and slice (v6: ~30 us at T=1).
     float zmax = -FLT_MAX;
-    for (int e = lane; e < E; e += 32) {
-      float z = 0.0f;
-      for (int k = 0; k < a.ksplit; ++k) z += a.partial[(size_t(k) * a.max_tokens + t) * E + e];
-      score[e] = z;
-      zmax = fmaxf(zmax, z);
+    float part[kMaxE / 32][kRouterSlices];
+#pragma unroll
+    for (int i = 0; i < kMaxE / 32; ++i)
+#pragma unroll
+      for (int k = 0; k < kRouterSlices; ++k) {
+        const int e = lane + 32 * i;
+        part[i][k] = e < E ? __ldcg(a.partial + (size_t(k) * a.max_tokens + t) * E + e) : 0.0f;
+      }
+#pragma unroll
+    for (int i = 0; i < kMaxE / 32; ++i) {
+      const int e = lane + 32 * i;
+      if (e < E) {
+        float z = 0.0f;
+#pragma unroll
+        for (int k = 0; k < kRouterSlices; ++k) z += part[i][k];
+        score[e] = z;
+        zmax = fmaxf(zmax, z);
+      }
     }
     __syncwarp();
     float denom = 1.0f;

@@ -13,6 +13,7 @@ namespace {
 
 struct Case {
   int G, t1, t2, cost1, cost2;
+  bool balanced = true;
 };
 
 // Returns the max per-CTA cost over the mean.
@@ -21,7 +22,7 @@ double check_schedule(const Case& k) {
   std::vector<long> cost(k.G, 0);
   for (int c = 0; c < k.G; ++c) {
     kernels::TileSchedule s;
-    s.init(c, k.G, k.t1, k.t2, k.cost1, k.cost2);
+    s.init(c, k.G, k.t1, k.t2, k.cost1, k.cost2, k.balanced);
     int prev = -1;
     for (int t = s.next(); t < k.t1 + k.t2; t = s.next()) {
       EXPECT_GT(t, prev) << "CTA " << c << " takes tiles out of order";
@@ -48,7 +49,21 @@ TEST(TileSchedule, EveryTileOnceInOrder) {
       {132, 135, 3, 56, 16},      // fewer GEMM2 tiles than the light CTAs want
       {78, 4096 * 32, 4096 * 48, 48, 16},
   };
-  for (const Case& k : cases) check_schedule(k);
+  for (Case k : cases) {
+    check_schedule(k);
+    k.balanced = false;
+    check_schedule(k);
+  }
+}
+
+TEST(TileSchedule, RoundRobinIsOneRoundRobinOverAllTiles) {
+  const int G = 132, t1 = 288, t2 = 432;
+  for (int c = 0; c < G; ++c) {
+    kernels::TileSchedule s;
+    s.init(c, G, t1, t2, 48, 16, false);
+    for (int t = c; t < t1 + t2; t += G) EXPECT_EQ(s.next(), t) << "CTA " << c;
+    EXPECT_EQ(s.next(), t1 + t2);
+  }
 }
 
 TEST(TileSchedule, BalancesDecodeBytes) {

@@ -19,15 +19,19 @@
 namespace megamoe::kernels {
 
 struct TileSchedule {
-  int c, G, t1, t2, r1, light, extra, p1, phase, m;
+  int c, G, t1, t2, r1, light, extra, p1, j2, phase, m;
 
-  // cost1, cost2: weight stages of a GEMM1 and of a (routed) GEMM2 tile.
-  MEGAMOE_HD void init(int cta, int grid, int tiles1, int tiles2, int cost1, int cost2) {
+  // cost1, cost2: weight stages of a GEMM1 and of a (routed) GEMM2 tile;
+  // balanced = false: plain round-robin over all tiles (for comparison).
+  MEGAMOE_HD void init(int cta, int grid, int tiles1, int tiles2, int cost1, int cost2, bool balanced = true) {
     c = cta, G = grid, t1 = tiles1, t2 = tiles2;
     r1 = t1 % G;
     light = r1 ? G - r1 : 0;
-    extra = r1 ? (cost1 + cost2 / 2) / cost2 : 0;
+    extra = r1 && balanced ? (cost1 + cost2 / 2) / cost2 : 0;
     p1 = extra * light < t2 ? extra * light : t2;
+    // Phase 2 starts at GEMM2 tile j2: round-robin after phase 1, or (not balanced) where
+    // one round-robin over all t1 + t2 tiles reaches GEMM2 for this CTA.
+    j2 = balanced ? p1 + c : (c - r1 + G) % G;
     phase = 0, m = 0;
   }
 
@@ -43,7 +47,7 @@ struct TileSchedule {
       if (c >= r1 && m < extra && j < p1) return ++m, t1 + j;
       phase = 2, m = 0;
     }
-    const int j = p1 + c + m * G;
+    const int j = j2 + m * G;
     ++m;
     return j < t2 ? t1 + j : t1 + t2;
   }

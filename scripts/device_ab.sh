@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# A/B timing on the GPU machine: runs `megamoe bench` once per variant line of a
+# file and prints one table row per case, so several kernel switches (heuristics.h
+# and the MEGAMOE_* measurement variables in fused_moe.cu) compare in one call.
+# Usage: scripts/device_ab.sh BIN_DIR VARIANTS_FILE > $OUT/ab.log
+#   a variant line: LABEL | ENV=VAL ENV2=VAL2 | bench arguments   ('#' lines are skipped)
+set -uo pipefail
+bin=$1 file=$2
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+while IFS='|' read -r label envs args; do
+  label=$(echo "$label" | xargs)
+  [ -z "$label" ] || [ "${label:0:1}" = "#" ] && continue
+  # shellcheck disable=SC2086
+  env $envs timeout 150 "$bin/megamoe" bench $args 2>&1 | grep -E " T=" | sed "s/^/$label | /"
+done < "$file"
