@@ -102,7 +102,8 @@ struct KernelArgs {
   float swiglu_limit;
   int debug_stop;  // MEGAMOE_DEBUG_STOP: 0 = full kernel; 1/2/3 stop after tables / phase 0 / the mainloop
   // Measurement switches (wrong outputs when set; for timing the parts of the kernel):
-  int debug_skip;      // MEGAMOE_DEBUG_SKIP: bit 0 = no wgmma and no fold, bit 1 = no fold
+  int debug_skip;      // MEGAMOE_DEBUG_SKIP: bit 0 = no wgmma and no fold, bit 1 = no fold,
+                       //   bit 2 = no TMA loads (stages complete at once: the consumers' own speed)
   int round_robin;     // MEGAMOE_SCHEDULE=rr: plain round-robin instead of TileSchedule's balance
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
   const int* num_tokens;
@@ -427,10 +428,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   // A stage's weights and its tokens are issued separately: the weights never
   // depend on anything, the tokens on phase 0 (GEMM1) or on the tile's GEMM1
   // units (GEMM2), so weight loads start before those are done.
+  const bool no_loads = a.debug_skip & 4;
   auto stage_tx = [&](const Tile& tl) -> uint32_t {
-    return kWBytes + kXBytes + (tl.gemm == 1 ? 1 : 2) * BN * 4;
+    return no_loads ? 0 : kWBytes + kXBytes + (tl.gemm == 1 ? 1 : 2) * BN * 4;
   };
   auto issue_weights = [&](const Tile& tl, int kb, int stage) {
+    if (no_loads) return;
     uint8_t* w_s = smem + stage * kStageBytes;
     const bool shared = tl.e == a.E;
     if (tl.gemm == 1)
@@ -441,6 +444,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                         shared ? 0 : tl.e);
   };
   auto issue_tokens = [&](const Tile& tl, int kb, int stage) {
+    if (no_loads) return;
     uint8_t* x_s = smem + stage * kStageBytes + kWBytes;
     uint8_t* s_s = x_s + kXBytes;
     if (tl.gemm == 1) {
