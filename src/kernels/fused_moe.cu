@@ -227,8 +227,24 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
   constexpr int kStageBytes = stage_bytes(BN);
   constexpr int kWBytes = kBlockM * kBlockK;
   constexpr int kXBytes = BN * kBlockK;
-  float buf[BN / 2];
-  float p[BN / 8][4];  // per column pair: (c0, c1) x (lo, hi) scale products
+  float ba[BN / 2], bb[BN / 2];
+  // Scale products per column pair j: (c0, c1) x (lo, hi); pa for half 0, pb for half 1
+  // (GEMM1: the same x scale in both halves; GEMM2: lo == hi, one x scale per half).
+  float pa[BN / 8][4], pb[BN / 8][4];
+  auto issue = [&](float(&buf)[BN / 2], const uint8_t* st, int half) {
+    const uint8_t* w_s = st + wg * 64 * 128 + half * 64;
+    const uint8_t* x_s = st + kWBytes + half * 64;
+    sm90::wgmma_fence();
+    sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128(w_s), sm90::smem_desc_sw128(x_s), 0);
+    sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128(w_s + 32), sm90::smem_desc_sw128(x_s + 32), 1);
+    sm90::wgmma_commit();
+  };
+  auto fold = [&](const float(&buf)[BN / 2], const float(&p)[BN / 8][4]) {
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[j * 4 + q] = fmaf(buf[j * 4 + q], p[j][q], acc[j * 4 + q]);
+  };
   for (int kb = 0; kb < kblocks; ++kb, ++it) {
     const int stage = it % kStages;
     const float lo = __ldg(lo_scale + kb);
@@ -239,36 +255,28 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
       continue;
     }
     const uint8_t* st = smem + stage * kStageBytes;
-    const uint8_t* w_s = st + wg * 64 * 128;
-    const uint8_t* x_s = st + kWBytes;
     const float* s_s = reinterpret_cast<const float*>(st + kWBytes + kXBytes);
+    // NOTE: both halves are queued before either is folded (see mainloop_tokens_m).
+    issue(ba, st, 0);
+    issue(bb, st, 1);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      sm90::wgmma_fence();
-      sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128(w_s + half * 64),
-                           sm90::smem_desc_sw128(x_s + half * 64), 0);
-      sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128(w_s + half * 64 + 32),
-                           sm90::smem_desc_sw128(x_s + half * 64 + 32), 1);
-      sm90::wgmma_commit();
-      if (kGemm == 2 || half == 0) {
-        // GEMM1: once per stage (both halves share the 128-block x scale); GEMM2: per half.
-        const float* cs = s_s + (kGemm == 2 ? half * BN : 0);
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-          const float c0 = cs[j * 8 + lcol], c1 = cs[j * 8 + lcol + 1];
-          p[j][0] = c0 * lo, p[j][1] = c1 * lo;
-          p[j][2] = kGemm == 1 ? c0 * hi : p[j][0];
-          p[j][3] = kGemm == 1 ? c1 * hi : p[j][1];
-        }
-      }
-      sm90::wgmma_wait<0>();
-      if (skip & 2) continue;
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) acc[j * 4 + q] = fmaf(buf[j * 4 + q], p[j][q], acc[j * 4 + q]);
+    for (int j = 0; j < BN / 8; ++j) {
+      const float c0 = s_s[j * 8 + lcol], c1 = s_s[j * 8 + lcol + 1];
+      pa[j][0] = c0 * lo, pa[j][1] = c1 * lo;
+      pa[j][2] = kGemm == 1 ? c0 * hi : pa[j][0];
+      pa[j][3] = kGemm == 1 ? c1 * hi : pa[j][1];
+      const float d0 = kGemm == 2 ? s_s[BN + j * 8 + lcol] : c0;
+      const float d1 = kGemm == 2 ? s_s[BN + j * 8 + lcol + 1] : c1;
+      pb[j][0] = kGemm == 2 ? d0 * lo : pa[j][0];
+      pb[j][1] = kGemm == 2 ? d1 * lo : pa[j][1];
+      pb[j][2] = kGemm == 2 ? pb[j][0] : pa[j][2];
+      pb[j][3] = kGemm == 2 ? pb[j][1] : pa[j][3];
     }
+    sm90::wgmma_wait<1>();
+    fold(ba, pa);
+    sm90::wgmma_wait<0>();
     sm90::mbar_arrive(&empty_bar[stage]);
+    fold(bb, pb);
   }
 }
 
@@ -277,6 +285,10 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
 // rows 8j + lcol (+1): in GEMM1 j even = gate, j odd = its up partner (the 8-row
 // interleave). Only four scale products per thread and stage (two tokens x gate /
 // up), so the fold is one FFMA per accumulator.
+// Half 0 of a stage accumulates in `ba`, half 1 in `bb`; both chains are queued
+// before half 0 is folded, so the tensor cores work on half 1 during that fold (v6
+// waited for each 2-wgmma chain before folding it: tensor pipe 32 % busy at T =
+// 16384, ncu).
 template <int kGemm>
 __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks, int& it, uint8_t* smem,
                                                   uint64_t* full_bar, uint64_t* empty_bar, int wg, int lrow,
@@ -286,49 +298,68 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   constexpr int kStageBytes = stage_bytes(BN);
   constexpr int kWBytes = kBlockM * kBlockK;
   constexpr int kXBytes = BN * kBlockK;
+  if (skip & 1) {
+    for (int kb = 0; kb < kblocks; ++kb, ++it) {
+      sm90::mbar_wait(&full_bar[it % kStages], (it / kStages) & 1);
+      sm90::mbar_arrive(&empty_bar[it % kStages]);
+    }
+    return;
+  }
   const int r0 = wg * 64 + lrow, r1 = r0 + 8;
-  float buf[64];
-  for (int kb = 0; kb < kblocks; ++kb, ++it) {
-    const int stage = it % kStages;
-    const float sg = __ldg(gate_scale + kb);
-    const float su = kGemm == 1 ? __ldg(up_scale + kb) : sg;
-    sm90::mbar_wait(&full_bar[stage], (it / kStages) & 1);
-    if (skip & 1) {
-      sm90::mbar_arrive(&empty_bar[stage]);
-      continue;
+  float ba[64], bb[64];
+  auto stage_at = [&](int i) -> const uint8_t* { return smem + (i % kStages) * kStageBytes; };
+  auto issue = [&](float(&buf)[64], const uint8_t* st, int half) {
+    const uint8_t* x_s = st + kWBytes + wg * 64 * 128 + half * 64;
+    const uint8_t* w_s = st + half * 64;
+    sm90::wgmma_fence();
+    sm90::Wgmma<128>::mma(buf, sm90::smem_desc_sw128(x_s), sm90::smem_desc_sw128(w_s), 0);
+    sm90::Wgmma<128>::mma(buf, sm90::smem_desc_sw128(x_s + 32), sm90::smem_desc_sw128(w_s + 32), 1);
+    sm90::wgmma_commit();
+  };
+  // acc += buf * product; columns 8j..: j even = gate (pg), j odd = up (pu); rows r0 / r1.
+  auto fold = [&](const float(&buf)[64], float pg0, float pu0, float pg1, float pu1) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float q0 = (j % 2 == 0) ? pg0 : pu0, q1 = (j % 2 == 0) ? pg1 : pu1;
+      acc[j * 4 + 0] = fmaf(buf[j * 4 + 0], q0, acc[j * 4 + 0]);
+      acc[j * 4 + 1] = fmaf(buf[j * 4 + 1], q0, acc[j * 4 + 1]);
+      acc[j * 4 + 2] = fmaf(buf[j * 4 + 2], q1, acc[j * 4 + 2]);
+      acc[j * 4 + 3] = fmaf(buf[j * 4 + 3], q1, acc[j * 4 + 3]);
     }
-    const uint8_t* st = smem + stage * kStageBytes;
-    const uint8_t* w_s = st;
-    const uint8_t* x_s = st + kWBytes + wg * 64 * 128;
+  };
+
+  // This stage's products (GEMM1: one x scale per 128-block; GEMM2: one per half).
+  float p[8];  // half 0: g0 u0 g1 u1, half 1: g0 u0 g1 u1
+  auto products = [&](const uint8_t* st, float sg, float su) {
     const float* s_s = reinterpret_cast<const float*>(st + kWBytes + kXBytes);
-    float p0g = 0, p0u = 0, p1g = 0, p1u = 0;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      sm90::wgmma_fence();
-      sm90::Wgmma<128>::mma(buf, sm90::smem_desc_sw128(x_s + half * 64),
-                            sm90::smem_desc_sw128(w_s + half * 64), 0);
-      sm90::Wgmma<128>::mma(buf, sm90::smem_desc_sw128(x_s + half * 64 + 32),
-                            sm90::smem_desc_sw128(w_s + half * 64 + 32), 1);
-      sm90::wgmma_commit();
-      if (kGemm == 2 || half == 0) {
-        const float* cs = s_s + (kGemm == 2 ? half * BN : 0);
-        const float x0 = cs[r0], x1 = cs[r1];
-        p0g = x0 * sg, p1g = x1 * sg;
-        p0u = kGemm == 1 ? x0 * su : p0g;
-        p1u = kGemm == 1 ? x1 * su : p1g;
-      }
-      sm90::wgmma_wait<0>();
-      if (skip & 2) continue;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const float q0 = (j % 2 == 0) ? p0g : p0u, q1 = (j % 2 == 0) ? p1g : p1u;
-        acc[j * 4 + 0] = fmaf(buf[j * 4 + 0], q0, acc[j * 4 + 0]);
-        acc[j * 4 + 1] = fmaf(buf[j * 4 + 1], q0, acc[j * 4 + 1]);
-        acc[j * 4 + 2] = fmaf(buf[j * 4 + 2], q1, acc[j * 4 + 2]);
-        acc[j * 4 + 3] = fmaf(buf[j * 4 + 3], q1, acc[j * 4 + 3]);
-      }
-    }
-    sm90::mbar_arrive(&empty_bar[stage]);
+    const float xa0 = s_s[r0], xa1 = s_s[r1];
+    const float xb0 = kGemm == 2 ? s_s[BN + r0] : xa0, xb1 = kGemm == 2 ? s_s[BN + r1] : xa1;
+    p[0] = xa0 * sg, p[2] = xa1 * sg;
+    p[1] = kGemm == 1 ? xa0 * su : p[0], p[3] = kGemm == 1 ? xa1 * su : p[2];
+    p[4] = kGemm == 2 ? xb0 * sg : p[0], p[6] = kGemm == 2 ? xb1 * sg : p[2];
+    p[5] = kGemm == 2 ? p[4] : p[1], p[7] = kGemm == 2 ? p[6] : p[3];
+  };
+  auto w_scales = [&](int kb, float& sg, float& su) {
+    sg = __ldg(gate_scale + kb);
+    su = kGemm == 1 ? __ldg(up_scale + kb) : sg;
+  };
+
+  // NOTE: both halves are issued before either is folded, and nothing is in flight at
+  // the loop's back-edge: ptxas serializes the chains (C7514) when a group stays in
+  // flight across it, or (C7518) when a wgmma sits on a path it cannot prove uniform.
+  for (int kb = 0; kb < kblocks; ++kb, ++it) {
+    float sg, su;
+    w_scales(kb, sg, su);
+    sm90::mbar_wait(&full_bar[it % kStages], (it / kStages) & 1);
+    const uint8_t* st = stage_at(it);
+    issue(ba, st, 0);
+    issue(bb, st, 1);
+    products(st, sg, su);
+    sm90::wgmma_wait<1>();  // half 0 done, half 1 running
+    fold(ba, p[0], p[1], p[2], p[3]);
+    sm90::wgmma_wait<0>();
+    sm90::mbar_arrive(&empty_bar[it % kStages]);
+    fold(bb, p[4], p[5], p[6], p[7]);
   }
 }
 

@@ -21,9 +21,9 @@ namespace {
 // leave), which carry the full 24-bit significand; all three products go into
 // one float32 accumulator. For a BF16 router weight one term is exact.
 // NOTE: every logit is the same float computation whatever the tile configuration:
-// per K slice (kRouterSlices, fixed) one accumulator, per 16-column step in
-// ascending order mma(hi), mma(mid), mma(lo); the slices are summed in order by
-// route_topk. The tile shape (picked from the token hint) only changes which
+// per K slice (kRouterSlices, fixed) two accumulators (even / odd 16-column steps),
+// per step in ascending order mma(hi), mma(mid), mma(lo), the two added at the end;
+// the slices are summed in order by route_topk. The tile shape (picked from the token hint) only changes which
 // threads do the work, so a graph captured at a large hint replays bit-identically
 // at any smaller count.
 constexpr int kRouteStepK = 64;  // columns per pipeline stage
@@ -116,13 +116,17 @@ __global__ void __launch_bounds__(WM* WN * 32) route_logits_kernel(RouteArgs a, 
   const int warp = tid / 32, lane = tid % 32;
   const int wm = warp / WN, wn = warp % WN;
   const int g = lane / 4, tq = lane % 4;
-  float acc[MI][NI][4];
+  // Two accumulators per output: even and odd 16-column steps (halves the dependent
+  // mma chain of a decode warp), added once at the end.
+  float acc[2][MI][NI][4];
 #pragma unroll
-  for (int mi = 0; mi < MI; ++mi)
+  for (int par = 0; par < 2; ++par)
 #pragma unroll
-    for (int ni = 0; ni < NI; ++ni)
+    for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.0f;
+      for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[par][mi][ni][q] = 0.0f;
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -156,7 +160,7 @@ __global__ void __launch_bounds__(WM* WN * 32) route_logits_kernel(RouteArgs a, 
         for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
           for (int term = 0; term < kTerms; ++term)
-            sm90::mma_bf16_16816(acc[mi][ni], af[mi], bf[term][0], bf[term][1]);
+            sm90::mma_bf16_16816(acc[kk % 2][mi][ni], af[mi], bf[term][0], bf[term][1]);
       }
     }
   }
@@ -171,7 +175,7 @@ __global__ void __launch_bounds__(WM* WN * 32) route_logits_kernel(RouteArgs a, 
       for (int q = 0; q < 4; ++q) {
         const int t = t0 + wm * (BT / WM) + mi * 16 + g + (q / 2) * 8;
         const int e = e0 + wn * (BE / WN) + ni * 8 + 2 * tq + (q % 2);
-        if (t < T && e < E) out[size_t(t) * E + e] = acc[mi][ni][q];
+        if (t < T && e < E) out[size_t(t) * E + e] = acc[0][mi][ni][q] + acc[1][mi][ni][q];
       }
 }
 
@@ -328,14 +332,20 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
         if (!((keep_mask >> (e / gsize)) & 1u)) sel[e] = -FLT_MAX;
       __syncwarp();
     }
-    // Top-K by selection score, ties to the lower id.
+    // Top-K by selection score, ties to the lower id. The candidates stay in registers
+    // (a lane's experts lane, lane + 32, ...): no shared-memory round trip per pick.
+    float cand[kMaxE / 32];
+#pragma unroll
+    for (int i = 0; i < kMaxE / 32; ++i) cand[i] = lane + 32 * i < E ? sel[lane + 32 * i] : -INFINITY;
     float wsum = 0.0f;
     int my_id = -1;
     float my_w = 0.0f;
     for (int k = 0; k < K; ++k) {
       float v = -INFINITY;
       int id = 1 << 30;
-      for (int e = lane; e < E; e += 32) argmax_merge(v, id, sel[e], e);
+#pragma unroll
+      for (int i = 0; i < kMaxE / 32; ++i)
+        if (lane + 32 * i < E) argmax_merge(v, id, cand[i], lane + 32 * i);
       warp_argmax(v, id);
       const float w = score[id];
       wsum += w;
@@ -343,9 +353,9 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
         my_id = id;
         my_w = w;
       }
-      __syncwarp();
-      if (lane == 0) sel[id] = -INFINITY;
-      __syncwarp();
+#pragma unroll
+      for (int i = 0; i < kMaxE / 32; ++i)
+        if (lane + 32 * i == id) cand[i] = -INFINITY;
     }
     if (lane < K) {
       float w = my_w;
