@@ -202,6 +202,15 @@ __device__ __forceinline__ uint8_t to_e4m3(float v) {
   return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
 
+// A consumer warp hands a stage back to the producer: one arrival per warp, after
+// every lane is done with the stage (its wgmma retired, its scale reads done).
+// NOTE: v7 arrived with all 256 threads; 256 arrivals on one mbarrier per stage
+// cost as much as the stage's loads or its wgmma (ncu, bench/results/NOTES.md).
+__device__ __forceinline__ void release_stage(uint64_t* empty) {
+  __syncwarp();
+  if (threadIdx.x % 32 == 0) sm90::mbar_arrive(empty);
+}
+
 // ---------------------------------------------------------------------------
 // K loops of a consumer warpgroup. Per stage two 64-deep halves (num::kFoldK):
 // each is two wgmma into a register buffer (scale_d = 0 first), then folded
@@ -251,7 +260,7 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     const float hi = kGemm == 1 ? __ldg(hi_scale + kb) : lo;
     sm90::mbar_wait(&full_bar[stage], (it / kStages) & 1);
     if (skip & 1) {
-      sm90::mbar_arrive(&empty_bar[stage]);
+      release_stage(&empty_bar[stage]);
       continue;
     }
     const uint8_t* st = smem + stage * kStageBytes;
@@ -275,7 +284,7 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     sm90::wgmma_wait<1>();
     fold(ba, pa);
     sm90::wgmma_wait<0>();
-    sm90::mbar_arrive(&empty_bar[stage]);
+    release_stage(&empty_bar[stage]);
     fold(bb, pb);
   }
 }
@@ -301,7 +310,7 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   if (skip & 1) {
     for (int kb = 0; kb < kblocks; ++kb, ++it) {
       sm90::mbar_wait(&full_bar[it % kStages], (it / kStages) & 1);
-      sm90::mbar_arrive(&empty_bar[it % kStages]);
+      release_stage(&empty_bar[it % kStages]);
     }
     return;
   }
@@ -358,7 +367,7 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     sm90::wgmma_wait<1>();  // half 0 done, half 1 running
     fold(ba, p[0], p[1], p[2], p[3]);
     sm90::wgmma_wait<0>();
-    sm90::mbar_arrive(&empty_bar[it % kStages]);
+    release_stage(&empty_bar[it % kStages]);
     fold(bb, p[4], p[5], p[6], p[7]);
   }
 }
@@ -400,7 +409,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       sm90::mbar_init(&full_bar[s], 1);
-      sm90::mbar_init(&empty_bar[s], kConsumerThreads);
+      sm90::mbar_init(&empty_bar[s], kConsumerThreads / 32);  // one arrival per consumer warp
     }
     sm90::mbar_init_fence();
   }

@@ -4,6 +4,8 @@
 // and weights) are bit-identical from run to run and across tile configurations.
 #include <algorithm>
 #include <cfloat>
+#include <cstdlib>
+#include <string>
 
 #include "cuda_check.h"
 #include "heuristics.h"
@@ -209,6 +211,13 @@ using RouteLarge = RouteTile<WT, 128, 64, 2, 2, 3>;  // prefill: fewer re-reads
 
 template <typename WT>
 void launch_route_logits(const RouteArgs& a, const MoeShape& s, int hint, cudaStream_t stream) {
+  // MEGAMOE_ROUTE_TILE=small|medium|large forces a tile shape (same bits; for timing).
+  if (const char* env = std::getenv("MEGAMOE_ROUTE_TILE")) {
+    const std::string v = env;
+    if (v == "small") return RouteSmall<WT>::launch(a, s, hint, stream);
+    if (v == "medium") return RouteMedium<WT>::launch(a, s, hint, stream);
+    if (v == "large") return RouteLarge<WT>::launch(a, s, hint, stream);
+  }
   if (hint <= kRouteSmallTokens)
     RouteSmall<WT>::launch(a, s, hint, stream);
   else if (hint <= kRouteMediumTokens)
