@@ -395,7 +395,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* smem = smem_raw + ((1024 - (sm90::smem_u32(smem_raw) & 1023)) & 1023);
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
   uint64_t* empty_bar = full_bar + 16;
-  int* stage_tile = reinterpret_cast<int*>(empty_bar + 16);  // tile id a stage starts (-1: no more)
+  // A consumer tile's outputs are written (8 warp arrivals) -> the signal thread releases
+  // the tile's counter and frees the slot; kTileSlots tiles may wait for it.
+  uint64_t* done_bar = empty_bar + 16;
+  uint64_t* free_bar = done_bar + kTileSlots;
+  int* stage_tile = reinterpret_cast<int*>(free_bar + kTileSlots);  // tile id a stage starts (-1: no more)
   int* tables = stage_tile + 16;
   Sched sc{tables, tables + (kMaxExpertsTotal + 1), tables + 2 * (kMaxExpertsTotal + 1)};
   float* red = reinterpret_cast<float*>(tables + 3 * (kMaxExpertsTotal + 1));  // [8 warps][BN]
@@ -410,6 +414,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       sm90::mbar_init(&full_bar[s], 1);
       sm90::mbar_init(&empty_bar[s], kConsumerThreads / 32);  // one arrival per consumer warp
+    }
+    for (int s = 0; s < kTileSlots; ++s) {
+      sm90::mbar_init(&done_bar[s], kConsumerThreads / 32);
+      sm90::mbar_init(&free_bar[s], 1);
     }
     sm90::mbar_init_fence();
   }
@@ -618,6 +626,24 @@ __global__ void __launch_bounds__(kThreads, 1)
         kb0 = 0;
         tile = sched.next();
       }
+    } else if (tid == 32) {
+      // ---- Signal thread: publishes each finished tile to the other CTAs. ----
+      // NOTE: the release runs here, off the consumers' path: they arrive on done_bar
+      // and go on (a release waits for their stores; v7 had that on thread 0 of the
+      // consumers, ~1 us a tile). Cumulativity: the lanes' stores are ordered before
+      // their warp's mbarrier arrive (release.cta), observed by this thread's wait
+      // (acquire.cta), so its gpu-scope release covers them.
+      TileSchedule ss;
+      ss.init(blockIdx.x, gridDim.x, t1, t2, a.H / 128, a.I / 128, !a.round_robin);
+      int n = 0;
+      for (int tile = ss.next(); tile < tiles; tile = ss.next(), ++n) {
+        const int slot = n % kTileSlots;
+        sm90::mbar_wait(&done_bar[slot], (n / kTileSlots) & 1);
+        const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
+        sm90::red_release_gpu_add(
+            tl.gemm == 1 ? &done1[tl.unit] : &a.counters[MoeWorkspaceLayout::kCounterDone2], 1);
+        sm90::mbar_arrive(&free_bar[slot]);
+      }
     }
     return;
   }
@@ -633,6 +659,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   float acc[kAcc];
   int it = 0;
+  int ntile = 0;  // tiles this CTA finished (the done_bar / free_bar slot sequence)
+  // This warp's outputs of the tile are written: hand it to the signal thread.
+  auto tile_written = [&]() {
+    const int slot = ntile % kTileSlots, use = ntile / kTileSlots;
+    if (use > 0) sm90::mbar_wait(&free_bar[slot], (use - 1) & 1);  // the slot's last tile is published
+    __syncwarp();
+    if (lane == 0) sm90::mbar_arrive(&done_bar[slot]);
+    ++ntile;
+  };
   for (;;) {
     // The first stage of the next tile carries its id (the producer's schedule).
     const int first_stage = it % kStages;
@@ -650,6 +685,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float* sg_row = wsc + size_t(tl.nblk / 2) * (a.H / 128);
       const float* su_row = wsc + size_t(I_e / 128 + tl.nblk / 2) * (a.H / 128);
       if constexpr (kSwapAB) {
+        // Routing weights of this thread's tokens, loaded before the K loop hides the latency.
+        float rw[BN / 8][2];
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int n = j * 8 + lcol + c;
+            rw[j][c] = n < tl.rows ? __ldcg(a.row_weight + tl.row0 + n) : 0.0f;
+          }
         mainloop_swap_ab<BN, 1>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lcol, sg_row, su_row,
                                 a.debug_skip);
         // ---- GEMM1 epilogue: SwiGLU x routing weight, 1x64 E4M3 quantization ----
@@ -660,9 +704,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int n = j * 8 + lcol + c;
-            const float rw = n < tl.rows ? __ldcg(a.row_weight + tl.row0 + n) : 0.0f;
-            const float v =
-                n < tl.rows ? num::swiglu(acc[j * 4 + c], acc[j * 4 + 2 + c], a.swiglu_limit, rw) : 0.0f;
+            const float v = n < tl.rows
+                                ? num::swiglu(acc[j * 4 + c], acc[j * 4 + 2 + c], a.swiglu_limit, rw[j][c])
+                                : 0.0f;
             acc[j * 4 + c] = v;
             float m = fabsf(v);
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
@@ -690,15 +734,16 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       } else {
+        const int n0p = wg * 64 + lrow;
+        const float rw0 = n0p < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p) : 0.0f;
+        const float rw1 = n0p + 8 < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p + 8) : 0.0f;
         mainloop_tokens_m<1>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lrow, sg_row, su_row,
                              a.debug_skip);
         // ---- GEMM1 epilogue (tokens in M) ----
         // Thread holds tokens n0 = wg * 64 + lrow and n0 + 8; for i in 0..7 the gate
         // (acc[8i + c], j = 2i) and up (acc[8i + 4 + c], j = 2i + 1) values of
         // intermediate column 8i + lcol + c. A token's 64 columns sit in one lane quad.
-        const int n0 = wg * 64 + lrow, n1r = n0 + 8;
-        const float rw0 = n0 < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0) : 0.0f;
-        const float rw1 = n1r < tl.rows ? __ldcg(a.row_weight + tl.row0 + n1r) : 0.0f;
+        const int n0 = n0p, n1r = n0 + 8;
         float m0 = 0.0f, m1 = 0.0f;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -739,20 +784,17 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (lane % 4 == 0) a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + n1r] = s1;
         }
       }
-      // NOTE: one release for the tile: the CTA barrier orders every thread's stores
-      // before thread 0's fence and gpu-scope release (cumulative), so the GEMM2 tiles
-      // that acquire the counter see all of act2; the proxy fence lets their TMA read it.
+      // act2 is read next by other CTAs' TMA (async proxy): the proxy fence, then the
+      // signal thread's release of done1 (see tile_written).
       sm90::fence_proxy_async_global();
-      sm90::named_barrier(1, kConsumerThreads);  // also: red[] is free for the next tile
-      if (ctid == 0) {
-        __threadfence();
-        sm90::red_release_gpu_add(&done1[tl.unit], 1);
-      }
+      if constexpr (kSwapAB) sm90::named_barrier(1, kConsumerThreads);  // red[] is free for the next tile
+      tile_written();
     } else {
       const float* wsc = shared ? a.sw2_scale + size_t(tl.nblk) * (a.Is / 128)
                                 : a.w2_scale + (size_t(tl.e) * (a.H / 128) + tl.nblk) * (a.I / 128);
       if constexpr (kSwapAB) {
-        mainloop_swap_ab<BN, 2>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lcol, wsc, wsc, a.debug_skip);
+        mainloop_swap_ab<BN, 2>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lcol, wsc, wsc,
+                                a.debug_skip);
         // ---- GEMM2 epilogue: BF16 per-slot rows ----
         const int f = tl.nblk * 128 + wg * 64 + lrow;
 #pragma unroll
@@ -768,7 +810,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       } else {
-        mainloop_tokens_m<2>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lrow, wsc, wsc, a.debug_skip);
+        mainloop_tokens_m<2>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lrow, wsc, wsc,
+                             a.debug_skip);
         // ---- GEMM2 epilogue (tokens in M): BF16 pairs of hidden columns ----
         const int n0 = wg * 64 + lrow, n1r = n0 + 8;
         const int f0 = tl.nblk * 128 + lcol;
@@ -784,11 +827,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 uint32_t(bf16_encode(acc[4 * j + 2])) | (uint32_t(bf16_encode(acc[4 * j + 3])) << 16);
         }
       }
-      sm90::named_barrier(1, kConsumerThreads);  // (one release for the tile, as above)
-      if (ctid == 0) {
-        __threadfence();
-        sm90::red_release_gpu_add(&a.counters[MoeWorkspaceLayout::kCounterDone2], 1);
-      }
+      tile_written();
     }
   }
 
@@ -927,7 +966,8 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&plan->num_sms, cudaDevAttrMultiProcessorCount, dev));
   if (cfg.num_sms > 0) plan->num_sms = std::min(plan->num_sms, cfg.num_sms);
   // MEGAMOE_NUM_SMS: a smaller persistent grid (measurement: does the time scale with SMs?).
-  if (const char* env = std::getenv("MEGAMOE_NUM_SMS")) plan->num_sms = std::clamp(std::atoi(env), 1, plan->num_sms);
+  if (const char* env = std::getenv("MEGAMOE_NUM_SMS"))
+    plan->num_sms = std::clamp(std::atoi(env), 1, plan->num_sms);
 
   const uint64_t H = s.hidden, I = s.inter, E = s.experts, Is = s.shared_inter(), R = ws.rows_cap;
   const uint64_t P = ws.inter_pitch;

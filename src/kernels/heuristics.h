@@ -25,6 +25,9 @@ constexpr int kSmemBudget = 227 * 1024;
 // Expert row segments start on multiples of 8 rows: the scale tensor maps put the
 // row index innermost and a TMA box must start 16-byte aligned in global memory.
 constexpr int kRowAlign = 8;
+// Finished tiles that may wait for the signal thread's release (fused_moe.cu) before
+// a consumer warp blocks on it.
+constexpr int kTileSlots = 4;
 // Tile layout by token block: up to 64 tokens "swap AB" (weights in the wgmma M,
 // tokens in N: a decode tile wastes no rows), 128 tokens in M and weights in N
 // (prefill: the fold needs four scale products per thread, not one per token).
@@ -45,9 +48,9 @@ constexpr int stage_bytes(int block_n) {
   return ((kBlockM * kBlockK + block_n * kBlockK + 2 * block_n * 4) + 1023) / 1024 * 1024;
 }
 constexpr int fixed_smem_bytes(int block_n) {
-  // 1 KB alignment slack + barriers + tile id per stage + expert tables (3 x 513 ints)
-  // + amax table (8 warps x block_n)
-  return 1024 + 2 * 16 * 8 + 16 * 4 + 3 * (kMaxExpertsTotal + 1) * 4 + 8 * block_n * 4;
+  // 1 KB alignment slack + stage and tile barriers + tile id per stage + expert tables
+  // (3 x 513 ints) + amax table (8 warps x block_n)
+  return 1024 + (2 * 16 + 2 * kTileSlots) * 8 + 16 * 4 + 3 * (kMaxExpertsTotal + 1) * 4 + 8 * block_n * 4;
 }
 constexpr int stages_for(int block_n) {
   const int s = (kSmemBudget - fixed_smem_bytes(block_n)) / stage_bytes(block_n);

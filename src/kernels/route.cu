@@ -25,9 +25,9 @@ namespace {
 // NOTE: every logit is the same float computation whatever the tile configuration:
 // per K slice (kRouterSlices, fixed) two accumulators (even / odd 16-column steps),
 // per step in ascending order mma(hi), mma(mid), mma(lo), the two added at the end;
-// the slices are summed in order by route_topk. The tile shape (picked from the token hint) only changes which
-// threads do the work, so a graph captured at a large hint replays bit-identically
-// at any smaller count.
+// the slices are summed in order by route_topk. The tile shape (picked from the token hint) only changes
+// which threads do the work, so a graph captured at a large hint replays bit-identically at any smaller
+// count.
 constexpr int kRouteStepK = 64;  // columns per pipeline stage
 constexpr int kRoutePad = 8;     // row padding (elements): conflict-free fragment loads
 

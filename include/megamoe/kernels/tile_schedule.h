@@ -23,7 +23,8 @@ struct TileSchedule {
 
   // cost1, cost2: weight stages of a GEMM1 and of a (routed) GEMM2 tile;
   // balanced = false: plain round-robin over all tiles (for comparison).
-  MEGAMOE_HD void init(int cta, int grid, int tiles1, int tiles2, int cost1, int cost2, bool balanced = true) {
+  MEGAMOE_HD void init(int cta, int grid, int tiles1, int tiles2, int cost1, int cost2,
+                       bool balanced = true) {
     c = cta, G = grid, t1 = tiles1, t2 = tiles2;
     r1 = t1 % G;
     light = r1 ? G - r1 : 0;
