@@ -202,6 +202,17 @@ __device__ __forceinline__ uint8_t to_e4m3(float v) {
   return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
 
+// Position in the shared-memory ring: the stage and the parity of its current fill
+// (no division by the stage count, which is not a power of two).
+template <int kStages>
+struct RingPos {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) stage = 0, phase ^= 1;
+  }
+};
+
 // A consumer warp hands a stage back to the producer: one arrival per warp, after
 // every lane is done with the stage (its wgmma retired, its scale reads done).
 // NOTE: v7 arrived with all 256 threads; 256 arrivals on one mbarrier per stage
@@ -229,7 +240,8 @@ __device__ __forceinline__ void release_stage(uint64_t* empty) {
 // = gate (lo) / up (hi) block; GEMM2: scale_x per token and 64-group (per half),
 // one scale_w.
 template <int BN, int kGemm>
-__device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kblocks, int& it, uint8_t* smem,
+__device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kblocks,
+                                                 RingPos<stages_for(BN)>& rp, uint8_t* smem,
                                                  uint64_t* full_bar, uint64_t* empty_bar, int wg, int lcol,
                                                  const float* lo_scale, const float* hi_scale, int skip) {
   constexpr int kStages = stages_for(BN);
@@ -254,11 +266,11 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[j * 4 + q] = fmaf(buf[j * 4 + q], p[j][q], acc[j * 4 + q]);
   };
-  for (int kb = 0; kb < kblocks; ++kb, ++it) {
-    const int stage = it % kStages;
+  for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
+    const int stage = rp.stage;
     const float lo = __ldg(lo_scale + kb);
     const float hi = kGemm == 1 ? __ldg(hi_scale + kb) : lo;
-    sm90::mbar_wait(&full_bar[stage], (it / kStages) & 1);
+    sm90::mbar_wait(&full_bar[stage], rp.phase);
     if (skip & 1) {
       release_stage(&empty_bar[stage]);
       continue;
@@ -299,24 +311,23 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
 // waited for each 2-wgmma chain before folding it: tensor pipe 32 % busy at T =
 // 16384, ncu).
 template <int kGemm>
-__device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks, int& it, uint8_t* smem,
-                                                  uint64_t* full_bar, uint64_t* empty_bar, int wg, int lrow,
-                                                  const float* gate_scale, const float* up_scale, int skip) {
+__device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks, RingPos<stages_for(128)>& rp,
+                                                  uint8_t* smem, uint64_t* full_bar, uint64_t* empty_bar,
+                                                  int wg, int lrow, const float* gate_scale,
+                                                  const float* up_scale, int skip) {
   constexpr int BN = 128;
-  constexpr int kStages = stages_for(BN);
   constexpr int kStageBytes = stage_bytes(BN);
   constexpr int kWBytes = kBlockM * kBlockK;
   constexpr int kXBytes = BN * kBlockK;
   if (skip & 1) {
-    for (int kb = 0; kb < kblocks; ++kb, ++it) {
-      sm90::mbar_wait(&full_bar[it % kStages], (it / kStages) & 1);
-      release_stage(&empty_bar[it % kStages]);
+    for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
+      sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
+      release_stage(&empty_bar[rp.stage]);
     }
     return;
   }
   const int r0 = wg * 64 + lrow, r1 = r0 + 8;
   float ba[64], bb[64];
-  auto stage_at = [&](int i) -> const uint8_t* { return smem + (i % kStages) * kStageBytes; };
   auto issue = [&](float(&buf)[64], const uint8_t* st, int half) {
     const uint8_t* x_s = st + kWBytes + wg * 64 * 128 + half * 64;
     const uint8_t* w_s = st + half * 64;
@@ -356,18 +367,18 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   // NOTE: both halves are issued before either is folded, and nothing is in flight at
   // the loop's back-edge: ptxas serializes the chains (C7514) when a group stays in
   // flight across it, or (C7518) when a wgmma sits on a path it cannot prove uniform.
-  for (int kb = 0; kb < kblocks; ++kb, ++it) {
+  for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
     float sg, su;
     w_scales(kb, sg, su);
-    sm90::mbar_wait(&full_bar[it % kStages], (it / kStages) & 1);
-    const uint8_t* st = stage_at(it);
+    sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
+    const uint8_t* st = smem + rp.stage * kStageBytes;
     issue(ba, st, 0);
     issue(bb, st, 1);
     products(st, sg, su);
     sm90::wgmma_wait<1>();  // half 0 done, half 1 running
     fold(ba, p[0], p[1], p[2], p[3]);
     sm90::wgmma_wait<0>();
-    release_stage(&empty_bar[it % kStages]);
+    release_stage(&empty_bar[rp.stage]);
     fold(bb, p[4], p[5], p[6], p[7]);
   }
 }
@@ -575,16 +586,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::setmaxnreg_dec<kProducerRegs>();
     if (tid == 0) {
       sm90::fence_proxy_async_global();
-      int it = first_issued;  // stages filled so far (ring position)
-      int tile = first_tile;
+      RingPos<kStages> rp;  // the next stage to fill
+      for (int i = 0; i < first_issued; ++i) rp.advance();
       int kb0 = first_issued;  // weights already issued for kb < kb0 of the first tile
+      int tile = first_tile;
       for (;;) {
         if (tile >= tiles) {
           // Sentinel stage: tells the consumers there is no further tile.
-          const int stage = it % kStages;
-          sm90::mbar_wait(&empty_bar[stage], ((it / kStages) & 1) ^ 1);
-          stage_tile[stage] = -1;
-          sm90::mbar_arrive(&full_bar[stage]);
+          sm90::mbar_wait(&empty_bar[rp.stage], rp.phase ^ 1);
+          stage_tile[rp.stage] = -1;
+          sm90::mbar_arrive(&full_bar[rp.stage]);
           break;
         }
         const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
@@ -596,7 +607,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           ready = true;
         }
-        int deferred = kb0;  // stages [it - deferred, it): weights issued, tokens not yet
+        int deferred = kb0;  // the last `deferred` stages filled: weights issued, tokens not yet
         for (int kb = kb0;; ++kb) {
           // NOTE: at most kStages deferred stages: the next empty-wait must concern a stage
           // whose tokens were issued, or the consumers could never free it.
@@ -607,13 +618,16 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           if (ready && deferred > 0) {
             sm90::fence_proxy_async_global();
-            for (int d = 0; d < deferred; ++d)
-              issue_tokens(tl, kb - deferred + d, (it - deferred + d) % kStages);
+            for (int d = 0; d < deferred; ++d) {
+              int st = rp.stage - deferred + d;
+              if (st < 0) st += kStages;
+              issue_tokens(tl, kb - deferred + d, st);
+            }
             deferred = 0;
           }
           if (kb == tl.kblocks) break;
-          const int stage = it % kStages;
-          sm90::mbar_wait(&empty_bar[stage], ((it / kStages) & 1) ^ 1);
+          const int stage = rp.stage;
+          sm90::mbar_wait(&empty_bar[stage], rp.phase ^ 1);
           if (kb == 0) stage_tile[stage] = tile;  // published by the full barrier's completion
           sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx(tl));
           issue_weights(tl, kb, stage);
@@ -621,7 +635,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             issue_tokens(tl, kb, stage);
           else
             ++deferred;
-          ++it;
+          rp.advance();
         }
         kb0 = 0;
         tile = sched.next();
@@ -658,7 +672,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lcol = (lane % 4) * 2;         // fragment column (and + 1), plus 8 * j
 
   float acc[kAcc];
-  int it = 0;
+  RingPos<kStages> rp;
   int ntile = 0;  // tiles this CTA finished (the done_bar / free_bar slot sequence)
   // This warp's outputs of the tile are written: hand it to the signal thread.
   auto tile_written = [&]() {
@@ -670,9 +684,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   for (;;) {
     // The first stage of the next tile carries its id (the producer's schedule).
-    const int first_stage = it % kStages;
-    sm90::mbar_wait(&full_bar[first_stage], (it / kStages) & 1);
-    const int tile = stage_tile[first_stage];
+    sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
+    const int tile = stage_tile[rp.stage];
     if (tile < 0) break;
     const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
     const bool shared = tl.e == a.E;
@@ -694,7 +707,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int n = j * 8 + lcol + c;
             rw[j][c] = n < tl.rows ? __ldcg(a.row_weight + tl.row0 + n) : 0.0f;
           }
-        mainloop_swap_ab<BN, 1>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lcol, sg_row, su_row,
+        mainloop_swap_ab<BN, 1>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lcol, sg_row, su_row,
                                 a.debug_skip);
         // ---- GEMM1 epilogue: SwiGLU x routing weight, 1x64 E4M3 quantization ----
         // Thread holds gate (row lrow) and up (row lrow + 8) of intermediate column
@@ -737,7 +750,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int n0p = wg * 64 + lrow;
         const float rw0 = n0p < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p) : 0.0f;
         const float rw1 = n0p + 8 < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p + 8) : 0.0f;
-        mainloop_tokens_m<1>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lrow, sg_row, su_row,
+        mainloop_tokens_m<1>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, sg_row, su_row,
                              a.debug_skip);
         // ---- GEMM1 epilogue (tokens in M) ----
         // Thread holds tokens n0 = wg * 64 + lrow and n0 + 8; for i in 0..7 the gate
@@ -793,7 +806,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float* wsc = shared ? a.sw2_scale + size_t(tl.nblk) * (a.Is / 128)
                                 : a.w2_scale + (size_t(tl.e) * (a.H / 128) + tl.nblk) * (a.I / 128);
       if constexpr (kSwapAB) {
-        mainloop_swap_ab<BN, 2>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lcol, wsc, wsc,
+        mainloop_swap_ab<BN, 2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lcol, wsc, wsc,
                                 a.debug_skip);
         // ---- GEMM2 epilogue: BF16 per-slot rows ----
         const int f = tl.nblk * 128 + wg * 64 + lrow;
@@ -810,7 +823,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       } else {
-        mainloop_tokens_m<2>(acc, tl.kblocks, it, smem, full_bar, empty_bar, wg, lrow, wsc, wsc,
+        mainloop_tokens_m<2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, wsc, wsc,
                              a.debug_skip);
         // ---- GEMM2 epilogue (tokens in M): BF16 pairs of hidden columns ----
         const int n0 = wg * 64 + lrow, n1r = n0 + 8;
