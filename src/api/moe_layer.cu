@@ -58,7 +58,9 @@ void validate_shape(const MoeShape& s) {
   if (s.experts + (s.has_shared() ? 1 : 0) > kernels::kMaxExpertsTotal)
     throw std::invalid_argument(
         fmt::format("CUDA backend: at most {} experts (E = {})", kernels::kMaxExpertsTotal - 1, s.experts));
-  if (s.topk > 32) throw std::invalid_argument(fmt::format("CUDA backend: top-k <= 32 (K = {})", s.topk));
+  if (s.topk + (s.has_shared() ? 1 : 0) > 32)
+    throw std::invalid_argument(
+        fmt::format("CUDA backend: top-k plus the shared expert must be <= 32 slots (K = {})", s.topk));
 }
 
 }  // namespace

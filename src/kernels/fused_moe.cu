@@ -222,6 +222,26 @@ __device__ __forceinline__ void release_stage(uint64_t* empty) {
   if (threadIdx.x % 32 == 0) sm90::mbar_arrive(empty);
 }
 
+// Sorted row (or -1) and routing weight of token t's slot `lane` (routed 0..K-1,
+// then the shared expert); lanes past the slots get -1. One load round trip for a
+// whole token: phase 0 and the combine take the slots from the lanes by shuffle or
+// shared memory instead of walking them with dependent loads (v7: ~27 serialized
+// round trips per token and thread in the combine).
+__device__ __forceinline__ int slot_row(const KernelArgs& a, const Sched& sc, int t, int lane, float& w) {
+  w = 0.0f;
+  if (lane < a.K) {
+    const int id = a.topk_ids[t * a.K + lane];
+    if (id < 0) return -1;
+    w = a.topk_weights[t * a.K + lane];
+    return sc.row_off[id] + a.topk_pos[t * a.K + lane];
+  }
+  if (lane == a.K && a.has_shared) {
+    w = 1.0f;
+    return sc.row_off[a.E] + t;
+  }
+  return -1;
+}
+
 // ---------------------------------------------------------------------------
 // K loops of a consumer warpgroup. Per stage two 64-deep halves (num::kFoldK):
 // each is two wgmma into a register buffer (scale_d = 0 first), then folded
@@ -414,6 +434,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int* tables = stage_tile + 16;
   Sched sc{tables, tables + (kMaxExpertsTotal + 1), tables + 2 * (kMaxExpertsTotal + 1)};
   float* red = reinterpret_cast<float*>(tables + 3 * (kMaxExpertsTotal + 1));  // [8 warps][BN]
+  int* slot_rows = reinterpret_cast<int*>(red + 8 * BN);                       // [8 warps][32] (combine)
 
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
@@ -549,18 +570,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float s = num::act_scale(amax);
       const float inv = 1.0f / s;
       const uint32_t q = pack_e4m3x4(v0 * inv, v1 * inv, v2 * inv, v3 * inv);
-      for (int k = 0; k <= a.K; ++k) {
-        int r;
-        float w = 1.0f;
-        if (k < a.K) {
-          const int id = a.topk_ids[t * a.K + k];
-          if (id < 0) continue;
-          r = sc.row_off[id] + a.topk_pos[t * a.K + k];
-          w = a.topk_weights[t * a.K + k];
-        } else {
-          if (!a.has_shared) break;
-          r = sc.row_off[a.E] + t;
-        }
+      float my_w;
+      const int my_row = slot_row(a, sc, t, lane, my_w);
+      const int slots = a.K + a.has_shared;
+      for (int k = 0; k < slots; ++k) {
+        const int r = __shfl_sync(0xffffffffu, my_row, k);
+        const float w = __shfl_sync(0xffffffffu, my_w, k);
+        if (r < 0) continue;
         *reinterpret_cast<uint32_t*>(a.x_sorted + size_t(r) * a.H + g * 128 + lane * 4) = q;
         if (lane == 0) {
           a.x_sorted_scale[size_t(g) * a.rows_cap + r] = s;
@@ -685,7 +701,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (;;) {
     // The first stage of the next tile carries its id (the producer's schedule).
     sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
-    const int tile = stage_tile[rp.stage];
+    // NOTE: lane 0 reads the id and broadcasts it: lane 0 also hands the stage back
+    // (release_stage), so the read is ordered before the producer's next write to it in
+    // a way compute-sanitizer's racecheck follows too.
+    int tile = lane == 0 ? stage_tile[rp.stage] : 0;
+    tile = __shfl_sync(0xffffffffu, tile, 0);
     if (tile < 0) break;
     const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
     const bool shared = tl.e == a.E;
@@ -852,27 +872,35 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   sm90::named_barrier(1, kConsumerThreads);
   const int h8 = a.H / 8;
+  const int slots = a.K + a.has_shared;
+  int* my_rows = slot_rows + cwarp * 32;
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    float unused_w;
+    __syncwarp();  // the previous token's rows are read by every lane
+    my_rows[lane] = slot_row(a, sc, t, lane, unused_w);
+    __syncwarp();
     for (int c8 = ctid; c8 < h8; c8 += kConsumerThreads) {
       float sum[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) sum[i] = 0.0f;
-      for (int k = 0; k <= a.K; ++k) {
-        int r;
-        if (k < a.K) {
-          const int id = a.topk_ids[t * a.K + k];
-          if (id < 0) continue;
-          r = sc.row_off[id] + a.topk_pos[t * a.K + k];
-        } else {
-          if (!a.has_shared) break;
-          r = sc.row_off[a.E] + t;
-        }
-        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(a.y_rows + size_t(r) * a.H) + c8);
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      // Eight slots' loads in flight at once; the sum still runs in slot order.
+      for (int k0 = 0; k0 < slots; k0 += 8) {
+        uint4 v[8];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          sum[2 * i] += __uint_as_float(w[i] << 16);
-          sum[2 * i + 1] += __uint_as_float(w[i] & 0xFFFF0000u);
+        for (int i = 0; i < 8; ++i) {
+          const int r = k0 + i < slots ? my_rows[k0 + i] : -1;
+          v[i] = r >= 0 ? __ldcg(reinterpret_cast<const uint4*>(a.y_rows + size_t(r) * a.H) + c8)
+                        : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          if (k0 + i >= slots || my_rows[k0 + i] < 0) continue;
+          const uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            sum[2 * j] += __uint_as_float(w[j] << 16);
+            sum[2 * j + 1] += __uint_as_float(w[j] & 0xFFFF0000u);
+          }
         }
       }
       uint4 o;
@@ -969,6 +997,8 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   MEGAMOE_CHECK(s.inter % 128 == 0, "fused_moe needs I % 128 == 0");
   MEGAMOE_CHECK(s.experts + (s.has_shared() ? 1 : 0) <= kMaxExpertsTotal,
                 "fused_moe supports at most 511 experts");
+  MEGAMOE_CHECK(s.topk + (s.has_shared() ? 1 : 0) <= 32,
+                "fused_moe supports at most 32 slots (top-k + shared)");
   auto plan = std::make_unique<FusedMoePlan>();
   plan->shape = s;
   plan->ws = ws;

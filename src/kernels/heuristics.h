@@ -51,8 +51,9 @@ constexpr int stage_bytes(int block_n) {
 }
 constexpr int fixed_smem_bytes(int block_n) {
   // 1 KB alignment slack + stage and tile barriers + tile id per stage + expert tables
-  // (3 x 513 ints) + amax table (8 warps x block_n)
-  return 1024 + (2 * 16 + 2 * kTileSlots) * 8 + 16 * 4 + 3 * (kMaxExpertsTotal + 1) * 4 + 8 * block_n * 4;
+  // (3 x 513 ints) + amax table (8 warps x block_n) + slot rows (8 warps x 32)
+  return 1024 + (2 * 16 + 2 * kTileSlots) * 8 + 16 * 4 + 3 * (kMaxExpertsTotal + 1) * 4 + 8 * block_n * 4 +
+         8 * 32 * 4;
 }
 constexpr int stages_for(int block_n) {
   const int s = (kSmemBudget - fixed_smem_bytes(block_n)) / stage_bytes(block_n);
