@@ -1093,8 +1093,9 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
 
 void route_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint, cudaStream_t stream) {
   auto* base = static_cast<uint8_t*>(p->workspace);
-  MEGAMOE_CUDA_CHECK(cudaMemsetAsync(base + p->ws.counters.offset, 0, p->ws.counters.bytes, stream));
   RouteArgs r;
+  r.zero = reinterpret_cast<int*>(base + p->ws.counters.offset);
+  r.zero_words = p->ws.counter_count();
   r.x = t.x;
   r.router = p->w.router;
   r.bias = p->shape.correction_bias ? p->w.bias : nullptr;

@@ -83,6 +83,16 @@ __global__ void __launch_bounds__(WM* WN * 32) route_logits_kernel(RouteArgs a, 
   constexpr int kXChunks = kRouteStepK * 2 / 16, kWChunks = kRouteStepK * int(sizeof(WT)) / 16;
   static_assert(MI * WM * 16 == BT && NI * WN * 8 == BE, "warp tiling");
 
+  // The forward's counters (expert rows for route_topk's atomics, the fused kernel's
+  // barrier and completion counts) are zeroed here, a slice per block, before any
+  // block returns: one graph node fewer than a memset.
+  {
+    const int nblocks = gridDim.x * gridDim.y * gridDim.z;
+    const int b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const int per = (a.zero_words + nblocks - 1) / nblocks;
+    const int end = min(a.zero_words, (b + 1) * per);
+    for (int i = b * per + int(threadIdx.x); i < end; i += WM * WN * 32) a.zero[i] = 0;
+  }
   const int T = *a.num_tokens;
   const int t0 = blockIdx.y * BT;
   if (t0 >= T) return;

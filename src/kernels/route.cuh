@@ -24,7 +24,9 @@ struct RouteArgs {
   int32_t* ids = nullptr;        // [T][K]
   float* weights = nullptr;      // [T][K]
   int32_t* pos = nullptr;        // [T][K]
-  int* expert_counts = nullptr;  // [E], zeroed before
+  int* expert_counts = nullptr;  // [E], inside `zero` (zeroed by route_logits)
+  int* zero = nullptr;           // the forward's counters: route_logits zeroes them first
+  int zero_words = 0;
   int max_tokens = 0;
   int ksplit = 1;
 };

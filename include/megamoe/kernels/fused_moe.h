@@ -2,18 +2,18 @@
 // pointers only (no framework types, no files, no configs). The api layer
 // (src/api) owns allocation and validation and calls these launchers.
 //
-// One forward = 4 stream operations, all CUDA-graph capturable:
-//   1. memset of the workspace counters (epoch reset),
-//   2. route_logits: router GEMM on the tensor cores (BF16 x, the weight as
-//      three BF16 terms when it is F32), float32 sums over 4 fixed K slices
-//      (the same float computation whatever the tile shape, so routing is
-//      bit-stable),
-//   3. route_topk: scores, bias, grouped top-k, weights; per-expert row counts,
-//   4. fused_moe: ONE persistent kernel: quantize x (1x128 E4M3) and scatter
+// One forward = 3 kernels, all CUDA-graph capturable:
+//   1. route_logits: zeroes the workspace counters (epoch reset); router GEMM
+//      on the tensor cores (BF16 x, the weight as three BF16 terms when it is
+//      F32), float32 sums over 4 fixed K slices (the same float computation
+//      whatever the tile shape, so routing is bit-stable),
+//   2. route_topk: scores, bias, grouped top-k, weights; per-expert row counts,
+//   3. fused_moe: ONE persistent kernel: quantize x (1x128 E4M3) and scatter
 //      each token to its experts' row segments, grid barrier, then a
 //      static byte-balanced tile schedule of GEMM1 tiles (w13, SwiGLU, x
-//      routing weight, 1x64 E4M3) and GEMM2 tiles (w2 -> BF16 per slot) with per-(expert, token block)
-//      completion counters between them, then the ordered slot reduction.
+//      routing weight, 1x64 E4M3) and GEMM2 tiles (w2 -> BF16 per slot) with
+//      per-(expert, token block) completion counters between them, then the
+//      ordered slot reduction.
 // The token count is read from device memory, so one captured graph serves any
 // count up to max_tokens.
 #pragma once
@@ -84,14 +84,14 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& dev
                                     const MoeWorkspaceLayout& ws, void* workspace, const FusedMoeConfig& cfg);
 void fused_moe_plan_destroy(FusedMoePlan* plan);
 
-// Enqueues the whole forward (memset, route_logits, route_topk, fused_moe).
+// Enqueues the whole forward (route_logits, route_topk, fused_moe).
 // host_tokens_hint: an upper bound of the device token count (<= max_tokens);
 // it sizes the router grid and picks the tile configuration, so a graph
 // captured at a hint serves every count up to it.
 void fused_moe_forward(const FusedMoePlan* plan, const DeviceTensors& t, int host_tokens_hint,
                        cudaStream_t stream);
 
-// Only the routing part (memset + route_logits + route_topk), for tests/bench.
+// Only the routing part (route_logits + route_topk), for tests/bench.
 void route_forward(const FusedMoePlan* plan, const DeviceTensors& t, int host_tokens_hint,
                    cudaStream_t stream);
 
