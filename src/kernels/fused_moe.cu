@@ -4,9 +4,11 @@
 // ref::moe_layer(kKernelFaithful).
 //
 // Roles inside one CTA of 384 threads (one CTA per SM):
-//   warpgroup 0: one thread issues every TMA load (weights, tokens, scales)
+//   warpgroup 0: thread 0 issues every TMA load (weights, tokens, scales)
 //                into a ring of `kStages` shared-memory stages (full/empty
-//                mbarriers); the other 127 threads idle after phase 0.
+//                mbarriers); thread 32 publishes finished tiles to the other
+//                CTAs (gpu-scope releases of the completion counters, off the
+//                consumers' path); the other threads exit after phase 0.
 //   warpgroups 1, 2: wgmma consumers. A tile is 128 weight rows x block_n
 //                token rows. Up to 64 tokens the weights are the wgmma M (64
 //                rows per warpgroup) and the tokens N ("swap AB", so a decode
@@ -18,9 +20,9 @@
 // and up rows [64p, 64p+64), interleaved by 8 rows in shared memory by a 5-D
 // TMA box over the checkpoint layout, so each thread's accumulator holds a
 // gate value and its up partner (fragment rows r and r+8, or with tokens in M
-// columns 8j and 8j+8) and SwiGLU runs in registers. The epilogue multiplies the routing weight and
-// quantizes per token over the tile's 64 columns (num::kInterGroup, float32
-// scale) into act2.
+// columns 8j and 8j+8) and SwiGLU runs in registers. The epilogue multiplies
+// the routing weight and quantizes per token over the tile's 64 columns
+// (num::kInterGroup, float32 scale) into act2.
 // GEMM2 tile: 128 hidden outputs x block_n rows over K = I; BF16 results go to
 // per-slot rows y_rows. Both GEMMs fold the tensor-core partial sum every 64
 // columns (num::kFoldK) with scale_act * scale_w in float32. Finally every CTA
@@ -250,9 +252,13 @@ __device__ __forceinline__ int slot_row(const KernelArgs& a, const Sched& sc, in
 // NOTE: the products scale_x * scale_w are formed exactly as ref::moe_layer
 // forms them, and each fragment element sees the same sequence of folds in both
 // layouts below, so the bytes do not depend on which layout (or block_n) ran.
-// NOTE: folding one half while the next runs (two buffers, wait_group 1) made
-// ptxas serialize the wgmma chain (C7514) in nvcc 13.0; the two consumer
-// warpgroups overlap each other's folds instead.
+// Both halves of a stage are queued (two buffers) before half 0 is folded, so the
+// tensor cores run half 1 during that fold; the two consumer warpgroups overlap
+// each other's second fold.
+// NOTE: ptxas (nvcc 13.0) serializes the wgmma chains (C7514) when a group stays in
+// flight across a loop back-edge, so the next stage cannot be queued before this
+// stage's second fold; and (C7518) when a wgmma sits on a path it cannot prove
+// uniform. Check the build log for both after changing these loops.
 // ---------------------------------------------------------------------------
 
 // Swap AB (decode, BN <= 64 tokens): A = 64 weight rows of the warpgroup, B = the
@@ -298,7 +304,7 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     }
     const uint8_t* st = smem + stage * kStageBytes;
     const float* s_s = reinterpret_cast<const float*>(st + kWBytes + kXBytes);
-    // NOTE: both halves are queued before either is folded (see mainloop_tokens_m).
+    // Both halves queued before either is folded (see the NOTE above the K loops).
     issue(ba, st, 0);
     issue(bb, st, 1);
 #pragma unroll
@@ -385,9 +391,7 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     su = kGemm == 1 ? __ldg(up_scale + kb) : sg;
   };
 
-  // NOTE: both halves are issued before either is folded, and nothing is in flight at
-  // the loop's back-edge: ptxas serializes the chains (C7514) when a group stays in
-  // flight across it, or (C7518) when a wgmma sits on a path it cannot prove uniform.
+  // (Nothing is in flight at the back-edge: see the NOTE above the K loops.)
   for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
     float sg, su;
     w_scales(kb, sg, su);
