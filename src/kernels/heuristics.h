@@ -12,9 +12,9 @@ namespace megamoe::kernels {
 // per pipeline stage (= the 128-wide block of the checkpoint's scales).
 constexpr int kBlockM = 128;
 constexpr int kBlockK = 128;
-constexpr int kThreads = 384;  // warpgroup 0: TMA producer; 1-2: wgmma consumers
+constexpr int kThreads = 384;  // warpgroup 0: TMA producer + signal thread; 1-2: wgmma consumers
 constexpr int kConsumerThreads = 256;
-// setmaxnreg split of the 64K registers: the consumers' 128-token tiles hold the
+// setmaxnreg split of the registers: the consumers' 128-token tiles hold the
 // accumulator and both halves' wgmma buffers (3 x 64 floats: spills at 216), the
 // producer's schedule state spills at 48.
 constexpr int kProducerRegs = 56;
