@@ -108,7 +108,6 @@ struct KernelArgs {
                        //   bit 2 = no TMA loads (stages complete at once: the consumers' own speed)
   int round_robin;     // MEGAMOE_SCHEDULE=rr: plain round-robin instead of TileSchedule's balance
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
-  int producer_spin;   // MEGAMOE_PRODUCER_SPIN=1: the producer polls empty stages with test_wait
   const int* num_tokens;
   const uint16_t* x;
   uint16_t* y;
@@ -648,12 +647,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           if (kb == tl.kblocks) break;
           const int stage = rp.stage;
-          if (a.producer_spin) {
-            while (!sm90::mbar_test_wait(&empty_bar[stage], rp.phase ^ 1)) {
-            }
-          } else {
-            sm90::mbar_wait(&empty_bar[stage], rp.phase ^ 1);
-          }
+          sm90::mbar_wait(&empty_bar[stage], rp.phase ^ 1);
           if (kb == 0) stage_tile[stage] = tile;  // published by the full barrier's completion
           sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx(tl));
           issue_weights(tl, kb, stage);
@@ -1134,7 +1128,6 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
   if (const char* env = std::getenv("MEGAMOE_DEBUG_SKIP")) a.debug_skip = std::atoi(env);
   if (const char* env = std::getenv("MEGAMOE_SCHEDULE")) a.round_robin = std::string(env) == "rr";
   if (const char* env = std::getenv("MEGAMOE_EARLY_WEIGHTS")) a.no_early_loads = std::string(env) == "0";
-  if (const char* env = std::getenv("MEGAMOE_PRODUCER_SPIN")) a.producer_spin = std::string(env) == "1";
   a.num_tokens = t.num_tokens;
   a.x = t.x;
   a.y = t.y;
