@@ -428,17 +428,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   // NOTE: offset the __shared__ array itself (not a cast integer) so the compiler keeps
   // the shared address space and emits LDS for the scale reads.
   uint8_t* smem = smem_raw + ((1024 - (sm90::smem_u32(smem_raw) & 1023)) & 1023);
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
-  uint64_t* empty_bar = full_bar + 16;
-  // A consumer tile's outputs are written (8 warp arrivals) -> the signal thread releases
-  // the tile's counter and frees the slot; kTileSlots tiles may wait for it.
-  uint64_t* done_bar = empty_bar + 16;
-  uint64_t* free_bar = done_bar + kTileSlots;
-  int* stage_tile = reinterpret_cast<int*>(free_bar + kTileSlots);  // tile id a stage starts (-1: no more)
-  int* tables = stage_tile + 16;
+  static_assert(kStages <= 16, "SmemTail holds 16 stage barriers");
+  uint8_t* tail = smem + kStages * kStageBytes;
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(tail + SmemTail::kFullBar);
+  uint64_t* empty_bar = reinterpret_cast<uint64_t*>(tail + SmemTail::kEmptyBar);
+  // A consumer tile's outputs are written (8 warp arrivals, the counter to release in
+  // slot_counter) -> the signal thread releases it and frees the slot.
+  uint64_t* done_bar = reinterpret_cast<uint64_t*>(tail + SmemTail::kDoneBar);
+  uint64_t* free_bar = reinterpret_cast<uint64_t*>(tail + SmemTail::kFreeBar);
+  int* slot_counter = reinterpret_cast<int*>(tail + SmemTail::kSlotCounter);
+  int* stage_tile = reinterpret_cast<int*>(tail + SmemTail::kStageTile);  // -1: no more tiles
+  int* tables = reinterpret_cast<int*>(tail + SmemTail::kTables);
   Sched sc{tables, tables + (kMaxExpertsTotal + 1), tables + 2 * (kMaxExpertsTotal + 1)};
-  float* red = reinterpret_cast<float*>(tables + 3 * (kMaxExpertsTotal + 1));  // [8 warps][BN]
-  int* slot_rows = reinterpret_cast<int*>(red + 8 * BN);                       // [8 warps][32] (combine)
+  float* red = reinterpret_cast<float*>(tail + SmemTail::kRed);             // [8 warps][BN]
+  int* slot_rows = reinterpret_cast<int*>(tail + SmemTail::slot_rows(BN));  // [8 warps][32] (combine)
 
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
@@ -667,15 +670,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       // consumers, ~1 us a tile). Cumulativity: the lanes' stores are ordered before
       // their warp's mbarrier arrive (release.cta), observed by this thread's wait
       // (acquire.cta), so its gpu-scope release covers them.
-      TileSchedule ss;
-      ss.init(blockIdx.x, gridDim.x, t1, t2, a.H / 128, a.I / 128, !a.round_robin);
-      int n = 0;
-      for (int tile = ss.next(); tile < tiles; tile = ss.next(), ++n) {
+      for (int n = 0;; ++n) {
         const int slot = n % kTileSlots;
         sm90::mbar_wait(&done_bar[slot], (n / kTileSlots) & 1);
-        const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
-        sm90::red_release_gpu_add(
-            tl.gemm == 1 ? &done1[tl.unit] : &a.counters[MoeWorkspaceLayout::kCounterDone2], 1);
+        const int counter = slot_counter[slot];
+        if (counter < 0) break;  // the consumers saw the last tile
+        sm90::red_release_gpu_add(&a.counters[counter], 1);
         sm90::mbar_arrive(&free_bar[slot]);
       }
     }
@@ -694,10 +694,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[kAcc];
   RingPos<kStages> rp;
   int ntile = 0;  // tiles this CTA finished (the done_bar / free_bar slot sequence)
-  // This warp's outputs of the tile are written: hand it to the signal thread.
-  auto tile_written = [&]() {
+  // This warp's outputs of the tile are written: hand the counter to release (index in
+  // a.counters; -1 = no more tiles) to the signal thread.
+  auto tile_written = [&](int counter) {
     const int slot = ntile % kTileSlots, use = ntile / kTileSlots;
     if (use > 0) sm90::mbar_wait(&free_bar[slot], (use - 1) & 1);  // the slot's last tile is published
+    if (cwarp == 0 && lane == 0) slot_counter[slot] = counter;
     __syncwarp();
     if (lane == 0) sm90::mbar_arrive(&done_bar[slot]);
     ++ntile;
@@ -710,7 +712,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // a way compute-sanitizer's racecheck follows too.
     int tile = lane == 0 ? stage_tile[rp.stage] : 0;
     tile = __shfl_sync(0xffffffffu, tile, 0);
-    if (tile < 0) break;
+    if (tile < 0) {
+      tile_written(-1);
+      break;
+    }
     const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
     const bool shared = tl.e == a.E;
 #pragma unroll
@@ -825,7 +830,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // signal thread's release of done1 (see tile_written).
       sm90::fence_proxy_async_global();
       if constexpr (kSwapAB) sm90::named_barrier(1, kConsumerThreads);  // red[] is free for the next tile
-      tile_written();
+      tile_written(MoeWorkspaceLayout::kCounterExperts + E_total + tl.unit);  // done1[unit]
     } else {
       const float* wsc = shared ? a.sw2_scale + size_t(tl.nblk) * (a.Is / 128)
                                 : a.w2_scale + (size_t(tl.e) * (a.H / 128) + tl.nblk) * (a.I / 128);
@@ -864,7 +869,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 uint32_t(bf16_encode(acc[4 * j + 2])) | (uint32_t(bf16_encode(acc[4 * j + 3])) << 16);
         }
       }
-      tile_written();
+      tile_written(MoeWorkspaceLayout::kCounterDone2);
     }
   }
 
@@ -890,15 +895,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Eight slots' loads in flight at once; the sum still runs in slot order.
       for (int k0 = 0; k0 < slots; k0 += 8) {
         uint4 v[8];
+        int r[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          const int r = k0 + i < slots ? my_rows[k0 + i] : -1;
-          v[i] = r >= 0 ? __ldcg(reinterpret_cast<const uint4*>(a.y_rows + size_t(r) * a.H) + c8)
-                        : make_uint4(0, 0, 0, 0);
+          r[i] = k0 + i < slots ? my_rows[k0 + i] : -1;
+          v[i] = r[i] >= 0 ? __ldcg(reinterpret_cast<const uint4*>(a.y_rows + size_t(r[i]) * a.H) + c8)
+                           : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          if (k0 + i >= slots || my_rows[k0 + i] < 0) continue;
+          if (r[i] < 0) continue;
           const uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
@@ -1061,6 +1067,11 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   a.has_shared = s.has_shared() ? 1 : 0;
   a.rows_cap = ws.rows_cap, a.inter_pitch = ws.inter_pitch;
   a.swiglu_limit = s.swiglu_limit;
+  // Debug and measurement switches (read once per layer, not per forward).
+  if (const char* env = std::getenv("MEGAMOE_DEBUG_STOP")) a.debug_stop = std::atoi(env);
+  if (const char* env = std::getenv("MEGAMOE_DEBUG_SKIP")) a.debug_skip = std::atoi(env);
+  if (const char* env = std::getenv("MEGAMOE_SCHEDULE")) a.round_robin = std::string(env) == "rr";
+  if (const char* env = std::getenv("MEGAMOE_EARLY_WEIGHTS")) a.no_early_loads = std::string(env) == "0";
   a.counters = reinterpret_cast<int*>(base + ws.counters.offset);
   a.topk_ids = reinterpret_cast<const int*>(base + ws.topk_ids.offset);
   a.topk_weights = reinterpret_cast<const float*>(base + ws.topk_weights.offset);
@@ -1111,7 +1122,6 @@ void route_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_token
   r.expert_counts =
       reinterpret_cast<int*>(base + p->ws.counters.offset) + MoeWorkspaceLayout::kCounterExperts;
   r.max_tokens = p->ws.max_tokens;
-  r.ksplit = kRouterSlices;
   launch_route(p->shape, r, host_tokens_hint, p->num_sms, stream);
 }
 
@@ -1124,10 +1134,6 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
   const FusedMoeConfig cfg = fused_moe_config(p, host_tokens_hint);
   maybe_print_config(p->shape, host_tokens_hint, cfg);
   KernelArgs a = p->args;
-  if (const char* env = std::getenv("MEGAMOE_DEBUG_STOP")) a.debug_stop = std::atoi(env);
-  if (const char* env = std::getenv("MEGAMOE_DEBUG_SKIP")) a.debug_skip = std::atoi(env);
-  if (const char* env = std::getenv("MEGAMOE_SCHEDULE")) a.round_robin = std::string(env) == "rr";
-  if (const char* env = std::getenv("MEGAMOE_EARLY_WEIGHTS")) a.no_early_loads = std::string(env) == "0";
   a.num_tokens = t.num_tokens;
   a.x = t.x;
   a.y = t.y;

@@ -49,12 +49,21 @@ constexpr int kRouteMediumTokens = 1024;
 constexpr int stage_bytes(int block_n) {
   return ((kBlockM * kBlockK + block_n * kBlockK + 2 * block_n * 4) + 1023) / 1024 * 1024;
 }
-constexpr int fixed_smem_bytes(int block_n) {
-  // 1 KB alignment slack + stage and tile barriers + tile id per stage + expert tables
-  // (3 x 513 ints) + amax table (8 warps x block_n) + slot rows (8 warps x 32)
-  return 1024 + (2 * 16 + 2 * kTileSlots) * 8 + 16 * 4 + 3 * (kMaxExpertsTotal + 1) * 4 + 8 * block_n * 4 +
-         8 * 32 * 4;
-}
+// Shared memory after the stage ring (byte offsets; fused_moe.cu places its regions
+// by these, so the size below and the kernel cannot drift apart).
+struct SmemTail {
+  static constexpr int kFullBar = 0;                                // uint64 [16]
+  static constexpr int kEmptyBar = kFullBar + 16 * 8;               // uint64 [16]
+  static constexpr int kDoneBar = kEmptyBar + 16 * 8;               // uint64 [kTileSlots]
+  static constexpr int kFreeBar = kDoneBar + kTileSlots * 8;        // uint64 [kTileSlots]
+  static constexpr int kSlotCounter = kFreeBar + kTileSlots * 8;    // int [kTileSlots]: counter to release
+  static constexpr int kStageTile = kSlotCounter + kTileSlots * 4;  // int [16]: tile id a stage starts
+  static constexpr int kTables = kStageTile + 16 * 4;  // int [3][kMaxExpertsTotal + 1]: schedule tables
+  static constexpr int kRed = kTables + 3 * (kMaxExpertsTotal + 1) * 4;           // float [8 warps][block_n]
+  static constexpr int slot_rows(int block_n) { return kRed + 8 * block_n * 4; }  // int [8 warps][32]
+  static constexpr int bytes(int block_n) { return slot_rows(block_n) + 8 * 32 * 4; }
+};
+constexpr int fixed_smem_bytes(int block_n) { return 1024 + SmemTail::bytes(block_n); }  // + alignment slack
 constexpr int stages_for(int block_n) {
   const int s = (kSmemBudget - fixed_smem_bytes(block_n)) / stage_bytes(block_n);
   return s > 12 ? 12 : s;

@@ -46,23 +46,16 @@ struct RouterTerms<uint16_t> {
 __device__ __forceinline__ void router_b_frags(const float* w, uint32_t (&b)[3][2]) {
   const float2 p0 = *reinterpret_cast<const float2*>(w);
   const float2 p1 = *reinterpret_cast<const float2*>(w + 8);
-  const float v[4] = {p0.x, p0.y, p1.x, p1.y};
-  float r[4];
-  uint32_t t[2];
+  float rest[4] = {p0.x, p0.y, p1.x, p1.y};  // what the terms so far leave of the weights
 #pragma unroll
   for (int term = 0; term < 3; ++term) {
-    t[0] = sm90::pack_bf16x2(term == 0 ? v[0] : r[0], term == 0 ? v[1] : r[1]);
-    t[1] = sm90::pack_bf16x2(term == 0 ? v[2] : r[2], term == 0 ? v[3] : r[3]);
-    b[term][0] = t[0];
-    b[term][1] = t[1];
-    if (term < 2) {
+    b[term][0] = sm90::pack_bf16x2(rest[0], rest[1]);
+    b[term][1] = sm90::pack_bf16x2(rest[2], rest[3]);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float src = term == 0 ? v[i] : r[i];
-        const uint32_t packed = t[i / 2];
-        const float taken = __uint_as_float(i % 2 == 0 ? packed << 16 : packed & 0xFFFF0000u);
-        r[i] = src - taken;  // exact: the residual of a nearest-BF16 rounding
-      }
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t packed = b[term][i / 2];
+      // exact: the residual of a nearest-BF16 rounding
+      rest[i] -= __uint_as_float(i % 2 == 0 ? packed << 16 : packed & 0xFFFF0000u);
     }
   }
 }
@@ -97,7 +90,7 @@ __global__ void __launch_bounds__(WM* WN * 32) route_logits_kernel(RouteArgs a, 
   const int t0 = blockIdx.y * BT;
   if (t0 >= T) return;
   const int e0 = blockIdx.x * BE;
-  const int hs = H / a.ksplit;
+  const int hs = H / kRouterSlices;
   const int h_begin = blockIdx.z * hs;
   const int steps = (hs + kRouteStepK - 1) / kRouteStepK;
   const WT* W = static_cast<const WT*>(a.router);
@@ -205,7 +198,7 @@ struct RouteTile {
     auto kernel = route_logits_kernel<WT, BT, BE, WM, WN, kStages>;
     // NOTE: the grid covers the host hint, an upper bound of the device token count: blocks
     // past the device count exit at once, so a graph captured at a hint serves any count below it.
-    const dim3 grid((s.experts + BE - 1) / BE, std::max(1, (hint + BT - 1) / BT), a.ksplit);
+    const dim3 grid((s.experts + BE - 1) / BE, std::max(1, (hint + BT - 1) / BT), kRouterSlices);
     kernel<<<grid, WM * WN * 32, smem(), stream>>>(a, s.hidden, s.experts);
     MEGAMOE_CUDA_CHECK_LAUNCH();
   }
@@ -221,13 +214,15 @@ using RouteLarge = RouteTile<WT, 128, 64, 2, 2, 3>;  // prefill: fewer re-reads
 
 template <typename WT>
 void launch_route_logits(const RouteArgs& a, const MoeShape& s, int hint, cudaStream_t stream) {
-  // MEGAMOE_ROUTE_TILE=small|medium|large forces a tile shape (same bits; for timing).
-  if (const char* env = std::getenv("MEGAMOE_ROUTE_TILE")) {
-    const std::string v = env;
-    if (v == "small") return RouteSmall<WT>::launch(a, s, hint, stream);
-    if (v == "medium") return RouteMedium<WT>::launch(a, s, hint, stream);
-    if (v == "large") return RouteLarge<WT>::launch(a, s, hint, stream);
-  }
+  // MEGAMOE_ROUTE_TILE=small|medium|large forces a tile shape (same bits; for timing),
+  // read once per process.
+  static const std::string forced = [] {
+    const char* env = std::getenv("MEGAMOE_ROUTE_TILE");
+    return std::string(env ? env : "");
+  }();
+  if (forced == "small") return RouteSmall<WT>::launch(a, s, hint, stream);
+  if (forced == "medium") return RouteMedium<WT>::launch(a, s, hint, stream);
+  if (forced == "large") return RouteLarge<WT>::launch(a, s, hint, stream);
   if (hint <= kRouteSmallTokens)
     RouteSmall<WT>::launch(a, s, hint, stream);
   else if (hint <= kRouteMediumTokens)
@@ -404,7 +399,7 @@ void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, i
   MEGAMOE_CHECK(s.topk <= 32, "route_topk supports top-k <= 32");
   MEGAMOE_CHECK(s.n_group <= 32, "route_topk supports n_group <= 32");
   MEGAMOE_CHECK(host_tokens_hint >= 0 && host_tokens_hint <= a.max_tokens, "token hint out of range");
-  MEGAMOE_CHECK(a.ksplit == kRouterSlices && s.hidden % (kRouterSlices * 32) == 0,
+  MEGAMOE_CHECK(s.hidden % (kRouterSlices * 32) == 0,
                 "the router splits H into 4 slices of a multiple of 32 columns");
   if (s.router_dtype == RouterDtype::kBF16)
     launch_route_logits<uint16_t>(a, s, host_tokens_hint, stream);

@@ -20,7 +20,7 @@ struct RouteArgs {
   const void* router = nullptr;  // bf16 or f32 [E][H]
   const float* bias = nullptr;   // [E] or null
   const int* num_tokens = nullptr;
-  float* partial = nullptr;      // [ksplit][max_tokens][E]
+  float* partial = nullptr;      // [kRouterSlices][max_tokens][E]
   int32_t* ids = nullptr;        // [T][K]
   float* weights = nullptr;      // [T][K]
   int32_t* pos = nullptr;        // [T][K]
@@ -28,7 +28,6 @@ struct RouteArgs {
   int* zero = nullptr;           // the forward's counters: route_logits zeroes them first
   int zero_words = 0;
   int max_tokens = 0;
-  int ksplit = 1;
 };
 
 // Raises the router kernels' shared-memory limits (once per device, before launches).
