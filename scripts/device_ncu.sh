@@ -11,7 +11,7 @@ out=${OUT:-/tmp/out}
 mkdir -p "$out"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 rep=/tmp/ncu_$label
-timeout 400 ncu --clock-control none -k "regex:$kre" -c 1 --import-source no \
+timeout 400 ncu --clock-control none -k "regex:$kre" -c "${NCU_COUNT:-1}" --import-source no \
   --section SpeedOfLight --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis \
   --section ComputeWorkloadAnalysis --section SchedulerStats -f -o "$rep" \
   "$bin/megamoe" bench --no-baseline --no-ep --iters 1 "$@" > "/tmp/${label}_run.log" 2>&1

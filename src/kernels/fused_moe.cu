@@ -260,6 +260,15 @@ __device__ __forceinline__ int slot_row(const KernelArgs& a, const Sched& sc, in
 // uniform. Check the build log for both after changing these loops.
 // ---------------------------------------------------------------------------
 
+// K block kb's value of a per-tile scale row held one K block a lane (see mainloop_swap_ab).
+__device__ __forceinline__ float scale_of(const float (&r)[kScaleRegs], int kb) {
+  float v = r[0];
+#pragma unroll
+  for (int i = 1; i < kScaleRegs; ++i)
+    if (kb >= 32 * i) v = r[i];
+  return __shfl_sync(0xffffffffu, v, kb & 31);
+}
+
 // Swap AB (decode, BN <= 64 tokens): A = 64 weight rows of the warpgroup, B = the
 // BN tokens. Fragment rows lrow / lrow + 8 (gate / up in GEMM1), columns =
 // tokens. GEMM1: scale_x per token and 128-block (same in both halves), scale_w
@@ -292,10 +301,22 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[j * 4 + q] = fmaf(buf[j * 4 + q], p[j][q], acc[j * 4 + q]);
   };
+  // The tile's weight scales, loaded before its first stage: K block kb is lane kb % 32's
+  // register kb / 32 (kMaxScaleKBlocks), shuffled out per stage. NOTE: loaded per stage
+  // (v8), the scale was the largest stall of the decode tiles (ncu, T = 1 and 256: its
+  // first touch of a 128-byte line goes to HBM queued behind the weight stream).
+  float lo_r[kScaleRegs], hi_r[kScaleRegs];
+  {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int i = 0; i < kScaleRegs; ++i) {
+      const int kb = lane + 32 * i;
+      lo_r[i] = kb < kblocks ? __ldg(lo_scale + kb) : 0.0f;
+      hi_r[i] = kGemm == 1 && kb < kblocks ? __ldg(hi_scale + kb) : lo_r[i];
+    }
+  }
   for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
     const int stage = rp.stage;
-    const float lo = __ldg(lo_scale + kb);
-    const float hi = kGemm == 1 ? __ldg(hi_scale + kb) : lo;
     sm90::mbar_wait(&full_bar[stage], rp.phase);
     if (skip & 1) {
       release_stage(&empty_bar[stage]);
@@ -306,6 +327,7 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     // Both halves queued before either is folded (see the NOTE above the K loops).
     issue(ba, st, 0);
     issue(bb, st, 1);
+    const float lo = scale_of(lo_r, kb), hi = kGemm == 1 ? scale_of(hi_r, kb) : lo;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
       const float c0 = s_s[j * 8 + lcol], c1 = s_s[j * 8 + lcol + 1];
@@ -391,6 +413,8 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   };
 
   // (Nothing is in flight at the back-edge: see the NOTE above the K loops.)
+  // NOTE: loading the weight scales a stage ahead (as mainloop_swap_ab does) spills at
+  // kConsumerRegs here; the profile puts their latency under 1 % of the samples.
   for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
     float sg, su;
     w_scales(kb, sg, su);
@@ -440,8 +464,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int* stage_tile = reinterpret_cast<int*>(tail + SmemTail::kStageTile);  // -1: no more tiles
   int* tables = reinterpret_cast<int*>(tail + SmemTail::kTables);
   Sched sc{tables, tables + (kMaxExpertsTotal + 1), tables + 2 * (kMaxExpertsTotal + 1)};
-  float* red = reinterpret_cast<float*>(tail + SmemTail::kRed);             // [8 warps][BN]
-  int* slot_rows = reinterpret_cast<int*>(tail + SmemTail::slot_rows(BN));  // [8 warps][32] (combine)
+  float* red = reinterpret_cast<float*>(tail + SmemTail::kRed);  // [8 warps][BN]
 
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
@@ -563,33 +586,54 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ---- Phase 0: quantize x (1x128 E4M3) and scatter each token to its rows. ----
+  // A warp task is one token's 128-column group. The next task's loads (its x group
+  // and its slot rows) are issued before this task is quantized and stored, so a warp
+  // keeps one load round trip in flight instead of two dependent ones per task.
   {
     const int hb = a.H / 128;
+    const int tasks = T * hb;
     const int warps_total = gridDim.x * (kThreads / 32);
-    for (int task = blockIdx.x * (kThreads / 32) + warp; task < T * hb; task += warps_total) {
-      const int t = task / hb, g = task - t * hb;
-      const uint2 raw = *reinterpret_cast<const uint2*>(a.x + size_t(t) * a.H + g * 128 + lane * 4);
-      const float v0 = __uint_as_float(raw.x << 16), v1 = __uint_as_float(raw.x & 0xFFFF0000u);
-      const float v2 = __uint_as_float(raw.y << 16), v3 = __uint_as_float(raw.y & 0xFFFF0000u);
+    const int slots = a.K + a.has_shared;
+    struct Task {
+      int g;
+      uint2 raw;
+      int row;  // this lane's slot row (-1: none)
+      float w;  // its routing weight
+    };
+    auto load_task = [&](int task) {
+      Task k;
+      const int t = task / hb;
+      k.g = task - t * hb;
+      k.raw = *reinterpret_cast<const uint2*>(a.x + size_t(t) * a.H + k.g * 128 + lane * 4);
+      k.row = slot_row(a, sc, t, lane, k.w);
+      return k;
+    };
+    int task = blockIdx.x * (kThreads / 32) + warp;
+    Task cur{};
+    if (task < tasks) cur = load_task(task);
+    for (; task < tasks; task += warps_total) {
+      const int next = task + warps_total;
+      Task nxt{};
+      if (next < tasks) nxt = load_task(next);
+      const float v0 = __uint_as_float(cur.raw.x << 16), v1 = __uint_as_float(cur.raw.x & 0xFFFF0000u);
+      const float v2 = __uint_as_float(cur.raw.y << 16), v3 = __uint_as_float(cur.raw.y & 0xFFFF0000u);
       float amax = fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3)));
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
       const float s = num::act_scale(amax);
       const float inv = 1.0f / s;
       const uint32_t q = pack_e4m3x4(v0 * inv, v1 * inv, v2 * inv, v3 * inv);
-      float my_w;
-      const int my_row = slot_row(a, sc, t, lane, my_w);
-      const int slots = a.K + a.has_shared;
       for (int k = 0; k < slots; ++k) {
-        const int r = __shfl_sync(0xffffffffu, my_row, k);
-        const float w = __shfl_sync(0xffffffffu, my_w, k);
+        const int r = __shfl_sync(0xffffffffu, cur.row, k);
+        const float w = __shfl_sync(0xffffffffu, cur.w, k);
         if (r < 0) continue;
-        *reinterpret_cast<uint32_t*>(a.x_sorted + size_t(r) * a.H + g * 128 + lane * 4) = q;
+        *reinterpret_cast<uint32_t*>(a.x_sorted + size_t(r) * a.H + cur.g * 128 + lane * 4) = q;
         if (lane == 0) {
-          a.x_sorted_scale[size_t(g) * a.rows_cap + r] = s;
-          if (g == 0) a.row_weight[r] = w;
+          a.x_sorted_scale[size_t(cur.g) * a.rows_cap + r] = s;
+          if (cur.g == 0) a.row_weight[r] = w;
         }
       }
+      cur = nxt;
     }
   }
   // Grid barrier: every sorted row is written before any TMA reads one.
@@ -598,8 +642,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   if (tid == 0) {
     atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterBarrier], 1);
-    while (sm90::ld_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterBarrier]) < int(gridDim.x)) {
-    }
+    sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterBarrier], int(gridDim.x));
   }
   __syncthreads();
   if (a.debug_stop == 2) return;  // (no early weight loads in this mode: see above)
@@ -624,10 +667,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
         // GEMM2 needs every GEMM1 tile of its (expert, token block).
         const int need = (tl.e == a.E ? a.Is : a.I) / 64;
-        bool ready = tl.gemm == 1 || sm90::ld_acquire_gpu(&done1[tl.unit]) >= need;
+        bool ready = tl.gemm == 1 || sm90::reached_acquire_gpu(&done1[tl.unit], need);
         if (a.no_early_loads && !ready) {
-          while (sm90::ld_acquire_gpu(&done1[tl.unit]) < need) {
-          }
+          sm90::wait_geq_acquire_gpu(&done1[tl.unit], need);
           ready = true;
         }
         int deferred = kb0;  // the last `deferred` stages filled: weights issued, tokens not yet
@@ -635,8 +677,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           // NOTE: at most kStages deferred stages: the next empty-wait must concern a stage
           // whose tokens were issued, or the consumers could never free it.
           if (!ready && (deferred == kStages || kb == tl.kblocks)) {
-            while (sm90::ld_acquire_gpu(&done1[tl.unit]) < need) {
-            }
+            sm90::wait_geq_acquire_gpu(&done1[tl.unit], need);
             ready = true;
           }
           if (ready && deferred > 0) {
@@ -875,44 +916,53 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (a.debug_stop == 3) return;
   // ---- Combine: y[t] = bf16(sum over slots, ascending, of the BF16 slot rows) ----
-  if (ctid == 0) {
-    while (sm90::ld_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2]) < t2) {
-    }
-  }
+  if (ctid == 0) sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2], t2);
   sm90::named_barrier(1, kConsumerThreads);
-  const int h8 = a.H / 8;
+  // Work unit: one token's 256-column slab (a lane: 8 columns), over every consumer warp
+  // of the grid, so a few tokens still spread over many SMs. A lane holds one slot's row
+  // (shuffled to the others); all slots' loads are in flight at once and the next unit's
+  // slot rows are loaded before this unit is summed: about one load round trip a unit.
   const int slots = a.K + a.has_shared;
-  int* my_rows = slot_rows + cwarp * 32;
-  for (int t = blockIdx.x; t < T; t += gridDim.x) {
-    float unused_w;
-    __syncwarp();  // the previous token's rows are read by every lane
-    my_rows[lane] = slot_row(a, sc, t, lane, unused_w);
-    __syncwarp();
-    for (int c8 = ctid; c8 < h8; c8 += kConsumerThreads) {
-      float sum[8];
+  const int slabs = (a.H + 255) / 256;
+  const int units = T * slabs;
+  const int warps_total = gridDim.x * (kConsumerThreads / 32);
+  int u = blockIdx.x * (kConsumerThreads / 32) + cwarp;
+  float unused_w;
+  int row = u < units ? slot_row(a, sc, u / slabs, lane, unused_w) : -1;
+  for (; u < units; u += warps_total) {
+    const int t = u / slabs;
+    const int c8 = (u - t * slabs) * 32 + lane;  // uint4 (8 columns) of the row
+    const bool col_ok = c8 * 8 < a.H;
+    float sum[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) sum[i] = 0.0f;
-      // Eight slots' loads in flight at once; the sum still runs in slot order.
-      for (int k0 = 0; k0 < slots; k0 += 8) {
-        uint4 v[8];
-        int r[8];
+    for (int i = 0; i < 8; ++i) sum[i] = 0.0f;
+    for (int k0 = 0; k0 < slots; k0 += kCombineBatch) {
+      uint4 v[kCombineBatch];
+      int r[kCombineBatch];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          r[i] = k0 + i < slots ? my_rows[k0 + i] : -1;
-          v[i] = r[i] >= 0 ? __ldcg(reinterpret_cast<const uint4*>(a.y_rows + size_t(r[i]) * a.H) + c8)
-                           : make_uint4(0, 0, 0, 0);
-        }
+      for (int i = 0; i < kCombineBatch; ++i) {
+        r[i] = __shfl_sync(0xffffffffu, row, (k0 + i) & 31);
+        if (k0 + i >= slots || !col_ok) r[i] = -1;
+        v[i] = r[i] >= 0 ? __ldcg(reinterpret_cast<const uint4*>(a.y_rows + size_t(r[i]) * a.H) + c8)
+                         : make_uint4(0, 0, 0, 0);
+      }
+      if (k0 + kCombineBatch >= slots) {  // the last batch: the next unit's rows load meanwhile
+        const int un = u + warps_total;
+        row = un < units ? slot_row(a, sc, un / slabs, lane, unused_w) : -1;
+      }
+      // Sum in slot order (routed 0..K-1, then shared): the bytes do not depend on the split.
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          if (r[i] < 0) continue;
-          const uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+      for (int i = 0; i < kCombineBatch; ++i) {
+        if (r[i] < 0) continue;
+        const uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            sum[2 * j] += __uint_as_float(w[j] << 16);
-            sum[2 * j + 1] += __uint_as_float(w[j] & 0xFFFF0000u);
-          }
+        for (int j = 0; j < 4; ++j) {
+          sum[2 * j] += __uint_as_float(w[j] << 16);
+          sum[2 * j + 1] += __uint_as_float(w[j] & 0xFFFF0000u);
         }
       }
+    }
+    if (col_ok) {
       uint4 o;
       o.x = uint32_t(bf16_encode(sum[0])) | (uint32_t(bf16_encode(sum[1])) << 16);
       o.y = uint32_t(bf16_encode(sum[2])) | (uint32_t(bf16_encode(sum[3])) << 16);
@@ -1005,6 +1055,10 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   s.validate();
   MEGAMOE_CHECK(s.hidden % 128 == 0, "fused_moe needs H % 128 == 0");
   MEGAMOE_CHECK(s.inter % 128 == 0, "fused_moe needs I % 128 == 0");
+  MEGAMOE_CHECK(
+      s.hidden / 128 <= kMaxScaleKBlocks && std::max(s.inter, s.shared_inter()) / 128 <= kMaxScaleKBlocks,
+      "fused_moe supports H and I up to " + std::to_string(kMaxScaleKBlocks * 128) +
+          " (the decode tiles hold a weight-scale row in registers)");
   MEGAMOE_CHECK(s.experts + (s.has_shared() ? 1 : 0) <= kMaxExpertsTotal,
                 "fused_moe supports at most 511 experts");
   MEGAMOE_CHECK(s.topk + (s.has_shared() ? 1 : 0) <= 32,

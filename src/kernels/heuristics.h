@@ -30,6 +30,13 @@ constexpr int kRowAlign = 8;
 // Finished tiles that may wait for the signal thread's release (fused_moe.cu) before
 // a consumer warp blocks on it.
 constexpr int kTileSlots = 4;
+// A decode tile holds its weight-scale rows in registers, one K block a lane: at most
+// 32 * kScaleRegs K blocks of 128 (H and I up to 8192; fused_moe_plan_create checks).
+constexpr int kScaleRegs = 2;
+constexpr int kMaxScaleKBlocks = 32 * kScaleRegs;
+// Slots whose rows a combine lane loads at once (16 x 16 bytes in registers): every
+// slot of the presets (top-8 + shared) in one batch.
+constexpr int kCombineBatch = 16;
 // Tile layout by token block: up to 64 tokens "swap AB" (weights in the wgmma M,
 // tokens in N: a decode tile wastes no rows), 128 tokens in M and weights in N
 // (prefill: the fold needs four scale products per thread, not one per token).
@@ -59,9 +66,8 @@ struct SmemTail {
   static constexpr int kSlotCounter = kFreeBar + kTileSlots * 8;    // int [kTileSlots]: counter to release
   static constexpr int kStageTile = kSlotCounter + kTileSlots * 4;  // int [16]: tile id a stage starts
   static constexpr int kTables = kStageTile + 16 * 4;  // int [3][kMaxExpertsTotal + 1]: schedule tables
-  static constexpr int kRed = kTables + 3 * (kMaxExpertsTotal + 1) * 4;           // float [8 warps][block_n]
-  static constexpr int slot_rows(int block_n) { return kRed + 8 * block_n * 4; }  // int [8 warps][32]
-  static constexpr int bytes(int block_n) { return slot_rows(block_n) + 8 * 32 * 4; }
+  static constexpr int kRed = kTables + 3 * (kMaxExpertsTotal + 1) * 4;  // float [8 warps][block_n]
+  static constexpr int bytes(int block_n) { return kRed + 8 * block_n * 4; }
 };
 constexpr int fixed_smem_bytes(int block_n) { return 1024 + SmemTail::bytes(block_n); }  // + alignment slack
 constexpr int stages_for(int block_n) {

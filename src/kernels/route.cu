@@ -133,7 +133,10 @@ __global__ void __launch_bounds__(WM* WN * 32) route_logits_kernel(RouteArgs a, 
 #pragma unroll
         for (int q = 0; q < 4; ++q) acc[par][mi][ni][q] = 0.0f;
 
-#pragma unroll
+          // NOTE: not unrolled: unrolled, the 12-stage decode tile's prologue made the kernel
+          // 6200 instructions, and a cold instruction cache (the fused kernel runs between two
+          // routings) was a third of its stall samples at T = 1 (ncu).
+#pragma unroll 1
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < steps) load_stage(s, s);
     sm90::cp_async_commit();
@@ -273,13 +276,15 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
     // one round trip instead of one per expert and slice (v6: ~30 us at T=1).
     float zmax = -FLT_MAX;
     float part[kMaxE / 32][kRouterSlices];
+    float bias[kMaxE / 32];  // with the partials: one round trip (v8 loaded it per expert below)
 #pragma unroll
-    for (int i = 0; i < kMaxE / 32; ++i)
+    for (int i = 0; i < kMaxE / 32; ++i) {
+      const int e = lane + 32 * i;
 #pragma unroll
-      for (int k = 0; k < kRouterSlices; ++k) {
-        const int e = lane + 32 * i;
+      for (int k = 0; k < kRouterSlices; ++k)
         part[i][k] = e < E ? __ldcg(a.partial + (size_t(k) * a.max_tokens + t) * E + e) : 0.0f;
-      }
+      bias[i] = e < E && a.bias ? __ldg(a.bias + e) : 0.0f;
+    }
 #pragma unroll
     for (int i = 0; i < kMaxE / 32; ++i) {
       const int e = lane + 32 * i;
@@ -288,6 +293,7 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
 #pragma unroll
         for (int k = 0; k < kRouterSlices; ++k) z += part[i][k];
         score[e] = z;
+        sel[e] = bias[i];
         zmax = fmaxf(zmax, z);
       }
     }
@@ -312,7 +318,7 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
         p = sqrtf(sp);
       }
       score[e] = p;
-      sel[e] = p + (a.bias ? a.bias[e] : 0.0f);
+      sel[e] += p;  // sel holds the bias (stored with the logits above)
     }
     __syncwarp();
     if (s.n_group > 1) {

@@ -94,6 +94,25 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
   return v;
 }
 
+__device__ __forceinline__ int ld_relaxed_gpu(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// *p >= v yet? A relaxed look, then (only when it says yes) the acquiring load.
+// NOTE: ld.acquire.gpu compiles to LDG.STRONG.GPU + CCTL.IVALL, which drops the SM's
+// whole L1 (the consumers' cached scale rows with it); polling with acquires did that
+// on every spin. This way a satisfied wait costs one invalidation.
+__device__ __forceinline__ bool reached_acquire_gpu(const int* p, int v) {
+  return ld_relaxed_gpu(p) >= v && ld_acquire_gpu(p) >= v;
+}
+__device__ __forceinline__ void wait_geq_acquire_gpu(const int* p, int v) {
+  while (ld_relaxed_gpu(p) < v) {
+  }
+  (void)ld_acquire_gpu(p);  // the value is >= v (monotonic counter); this orders what follows
+}
+
 __device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
