@@ -667,7 +667,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
         // GEMM2 needs every GEMM1 tile of its (expert, token block).
         const int need = (tl.e == a.E ? a.Is : a.I) / 64;
-        bool ready = tl.gemm == 1 || sm90::reached_acquire_gpu(&done1[tl.unit], need);
+        bool ready = tl.gemm == 1 || sm90::ld_acquire_gpu(&done1[tl.unit]) >= need;
         if (a.no_early_loads && !ready) {
           sm90::wait_geq_acquire_gpu(&done1[tl.unit], need);
           ready = true;

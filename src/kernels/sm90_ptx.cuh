@@ -100,13 +100,11 @@ __device__ __forceinline__ int ld_relaxed_gpu(const int* p) {
   return v;
 }
 
-// *p >= v yet? A relaxed look, then (only when it says yes) the acquiring load.
+// Waits for *p >= v: spins on relaxed loads, then one acquiring load.
 // NOTE: ld.acquire.gpu compiles to LDG.STRONG.GPU + CCTL.IVALL, which drops the SM's
-// whole L1 (the consumers' cached scale rows with it); polling with acquires did that
-// on every spin. This way a satisfied wait costs one invalidation.
-__device__ __forceinline__ bool reached_acquire_gpu(const int* p, int v) {
-  return ld_relaxed_gpu(p) >= v && ld_acquire_gpu(p) >= v;
-}
+// whole L1; spinning with acquires did that on every try. A single check stays one
+// acquire (a relaxed look first put a second L2 round trip on the producer's path at
+// every GEMM2 tile: T = 256 +2.6 %, bench/results/NOTES.md v9).
 __device__ __forceinline__ void wait_geq_acquire_gpu(const int* p, int v) {
   while (ld_relaxed_gpu(p) < v) {
   }
