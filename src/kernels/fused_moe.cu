@@ -260,15 +260,6 @@ __device__ __forceinline__ int slot_row(const KernelArgs& a, const Sched& sc, in
 // uniform. Check the build log for both after changing these loops.
 // ---------------------------------------------------------------------------
 
-// K block kb's value of a per-tile scale row held one K block a lane (see mainloop_swap_ab).
-__device__ __forceinline__ float scale_of(const float (&r)[kScaleRegs], int kb) {
-  float v = r[0];
-#pragma unroll
-  for (int i = 1; i < kScaleRegs; ++i)
-    if (kb >= 32 * i) v = r[i];
-  return __shfl_sync(0xffffffffu, v, kb & 31);
-}
-
 // Swap AB (decode, BN <= 64 tokens): A = 64 weight rows of the warpgroup, B = the
 // BN tokens. Fragment rows lrow / lrow + 8 (gate / up in GEMM1), columns =
 // tokens. GEMM1: scale_x per token and 128-block (same in both halves), scale_w
@@ -301,22 +292,13 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[j * 4 + q] = fmaf(buf[j * 4 + q], p[j][q], acc[j * 4 + q]);
   };
-  // The tile's weight scales, loaded before its first stage: K block kb is lane kb % 32's
-  // register kb / 32 (kMaxScaleKBlocks), shuffled out per stage. NOTE: loaded per stage
-  // (v8), the scale was the largest stall of the decode tiles (ncu, T = 1 and 256: its
-  // first touch of a 128-byte line goes to HBM queued behind the weight stream).
-  float lo_r[kScaleRegs], hi_r[kScaleRegs];
-  {
-    const int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int i = 0; i < kScaleRegs; ++i) {
-      const int kb = lane + 32 * i;
-      lo_r[i] = kb < kblocks ? __ldg(lo_scale + kb) : 0.0f;
-      hi_r[i] = kGemm == 1 && kb < kblocks ? __ldg(hi_scale + kb) : lo_r[i];
-    }
-  }
   for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
     const int stage = rp.stage;
+    // NOTE: ncu shows this load as the decode tiles' largest stall, but the wait overlaps
+    // the weight stream: holding the tile's scale rows in registers (v9) made T=256 1.4 %
+    // slower and T=16384 2.7 % (bench/results/NOTES.md).
+    const float lo = __ldg(lo_scale + kb);
+    const float hi = kGemm == 1 ? __ldg(hi_scale + kb) : lo;
     sm90::mbar_wait(&full_bar[stage], rp.phase);
     if (skip & 1) {
       release_stage(&empty_bar[stage]);
@@ -327,7 +309,6 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     // Both halves queued before either is folded (see the NOTE above the K loops).
     issue(ba, st, 0);
     issue(bb, st, 1);
-    const float lo = scale_of(lo_r, kb), hi = kGemm == 1 ? scale_of(hi_r, kb) : lo;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
       const float c0 = s_s[j * 8 + lcol], c1 = s_s[j * 8 + lcol + 1];
@@ -1055,10 +1036,6 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   s.validate();
   MEGAMOE_CHECK(s.hidden % 128 == 0, "fused_moe needs H % 128 == 0");
   MEGAMOE_CHECK(s.inter % 128 == 0, "fused_moe needs I % 128 == 0");
-  MEGAMOE_CHECK(
-      s.hidden / 128 <= kMaxScaleKBlocks && std::max(s.inter, s.shared_inter()) / 128 <= kMaxScaleKBlocks,
-      "fused_moe supports H and I up to " + std::to_string(kMaxScaleKBlocks * 128) +
-          " (the decode tiles hold a weight-scale row in registers)");
   MEGAMOE_CHECK(s.experts + (s.has_shared() ? 1 : 0) <= kMaxExpertsTotal,
                 "fused_moe supports at most 511 experts");
   MEGAMOE_CHECK(s.topk + (s.has_shared() ? 1 : 0) <= 32,

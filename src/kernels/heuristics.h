@@ -30,10 +30,6 @@ constexpr int kRowAlign = 8;
 // Finished tiles that may wait for the signal thread's release (fused_moe.cu) before
 // a consumer warp blocks on it.
 constexpr int kTileSlots = 4;
-// A decode tile holds its weight-scale rows in registers, one K block a lane: at most
-// 32 * kScaleRegs K blocks of 128 (H and I up to 8192; fused_moe_plan_create checks).
-constexpr int kScaleRegs = 2;
-constexpr int kMaxScaleKBlocks = 32 * kScaleRegs;
 // Slots whose rows a combine lane loads at once (16 x 16 bytes in registers): every
 // slot of the presets (top-8 + shared) in one batch.
 constexpr int kCombineBatch = 16;
