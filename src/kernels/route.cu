@@ -133,11 +133,11 @@ __global__ void __launch_bounds__(WM* WN * 32) route_logits_kernel(RouteArgs a, 
 #pragma unroll
         for (int q = 0; q < 4; ++q) acc[par][mi][ni][q] = 0.0f;
 
-          // NOTE: not unrolled: unrolled, the 12-stage decode tile's prologue made the kernel
-          // 6200 instructions, and a cold instruction cache (the fused kernel runs between two
-          // routings) was a third of its stall samples at T = 1 (ncu).
 #pragma unroll 1
   for (int s = 0; s < kStages - 1; ++s) {
+    // NOTE: not unrolled: unrolled, the 12-stage decode tile's prologue made the kernel
+    // 6200 instructions, and a cold instruction cache (the fused kernel runs between two
+    // routings) was a third of its stall samples at T = 1 (ncu).
     if (s < steps) load_stage(s, s);
     sm90::cp_async_commit();
   }
