@@ -1,0 +1,132 @@
+// The expert-parallel symmetric buffer layout (include/megamoe/kernels/ep_layout.h):
+// regions disjoint and aligned, the receive capacity holds the worst routing, the
+// packed row sources round-trip, and every limit is a clear error.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "megamoe/kernels/ep_layout.h"
+
+namespace megamoe {
+namespace {
+
+using kernels::EpLayout;
+
+std::vector<Region> regions(const EpLayout& l) {
+  return {l.x_q,        l.x_scale,     l.topk_ids, l.topk_weights, l.counts, l.recv_x,
+          l.recv_scale, l.recv_weight, l.recv_src, l.combine,      l.signals};
+}
+
+TEST(EpLayout, RegionsAreDisjointAlignedAndSized) {
+  for (const char* name : {"glm-5", "glm-5.3-flash", "deepseek-v3"}) {
+    const MoeShape& s = find_preset(name).shape;
+    for (int R : {1, 2, 4, 8}) {
+      for (int T : {1, 37, 256, 4096}) {
+        const EpLayout l = EpLayout::compute(s, R, T);
+        std::vector<Region> r = regions(l);
+        std::sort(r.begin(), r.end(), [](const Region& a, const Region& b) { return a.offset < b.offset; });
+        for (size_t i = 0; i < r.size(); ++i) {
+          EXPECT_EQ(r[i].offset % 1024, 0u) << name << " R=" << R << " region " << i;
+          EXPECT_GT(r[i].bytes, 0u);
+          if (i + 1 < r.size()) {
+            EXPECT_LE(r[i].offset + r[i].bytes, r[i + 1].offset) << "regions overlap";
+          }
+        }
+        EXPECT_LE(r.back().offset + r.back().bytes, l.total_bytes);
+        // Sizes from the definitions.
+        const size_t H = s.hidden, K = s.topk;
+        EXPECT_EQ(l.x_q.bytes, size_t(T) * H);
+        EXPECT_EQ(l.combine.bytes, size_t(T) * K * H * 2);
+        EXPECT_EQ(l.counts.bytes, size_t(R) * (s.experts / R) * 4);
+        EXPECT_EQ(l.recv_x.bytes, size_t(l.recv_rows_cap) * H);
+        EXPECT_EQ(l.recv_scale.bytes, size_t(l.recv_rows_cap) * (H / 128) * 4);
+        EXPECT_EQ(l.signals.bytes, size_t(EpLayout::kSignalKinds) * R * 8);
+        EXPECT_EQ(l.recv_rows_cap % 128, 0);
+      }
+    }
+  }
+}
+
+// Rows each owner receives for random routings, including the worst case (every
+// token of every rank sends min(K, E/R) slots to one owner), against the capacity.
+TEST(EpLayout, ReceiveCapacityHoldsTheWorstRouting) {
+  const MoeShape& s = find_preset("glm-5").shape;
+  std::mt19937 rng(7);
+  for (int R : {1, 2, 8, 16}) {
+    const int T = 300;
+    const EpLayout l = EpLayout::compute(s, R, T);
+    const int El = l.local_experts;
+    for (int trial = 0; trial < 3; ++trial) {
+      std::vector<int64_t> rows(R, 0), per_expert(s.experts, 0);
+      for (int src = 0; src < R; ++src)
+        for (int t = 0; t < T; ++t) {
+          std::vector<int> ids(s.experts);
+          std::iota(ids.begin(), ids.end(), 0);
+          if (trial == 0) {
+            // all slots on rank 0's experts (as many distinct ones as there are)
+            std::shuffle(ids.begin(), ids.begin() + El, rng);
+          } else {
+            std::shuffle(ids.begin(), ids.end(), rng);
+          }
+          for (int k = 0; k < s.topk; ++k) ++per_expert[ids[k]];
+        }
+      for (int e = 0; e < s.experts; ++e) {
+        const int64_t padded =
+            (per_expert[e] + EpLayout::kRowAlign - 1) / EpLayout::kRowAlign * EpLayout::kRowAlign;
+        rows[l.owner(e)] += padded;
+      }
+      for (int q = 0; q < R; ++q) EXPECT_LE(rows[q], l.recv_rows_cap) << "R=" << R << " owner " << q;
+    }
+  }
+}
+
+TEST(EpLayout, OwnersAndPackedSourcesRoundTrip) {
+  const MoeShape& s = find_preset("glm-5").shape;  // 256 experts
+  const EpLayout l = EpLayout::compute(s, 8, 1000);
+  EXPECT_EQ(l.owner(0), 0);
+  EXPECT_EQ(l.owner(31), 0);
+  EXPECT_EQ(l.owner(32), 1);
+  EXPECT_EQ(l.owner(255), 7);
+  const int max_token = (1 << (31 - EpLayout::kSlotBits - EpLayout::kRankBits)) - 1;
+  for (int rank : {0, 5, 15})
+    for (int token : {0, 1, 999, max_token})
+      for (int slot : {0, 7, 31}) {
+        const int32_t v = EpLayout::pack_src(rank, token, slot);
+        EXPECT_GE(v, 0);
+        EXPECT_EQ(EpLayout::src_rank(v), rank);
+        EXPECT_EQ(EpLayout::src_token(v), token);
+        EXPECT_EQ(EpLayout::src_slot(v), slot);
+      }
+}
+
+TEST(EpLayout, LimitsAreClearErrors) {
+  const MoeShape& s = find_preset("glm-5").shape;
+  auto message = [&](int R, int T) {
+    try {
+      EpLayout::compute(s, R, T);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(message(3, 64).find("do not split evenly over 3 ranks"), std::string::npos);
+  EXPECT_NE(message(0, 64).find("ranks must be >= 1"), std::string::npos);
+  EXPECT_NE(message(32, 64).find("at most 16 ranks"), std::string::npos);
+  EXPECT_NE(message(8, 0).find("max tokens per rank must be >= 1"), std::string::npos);
+  EXPECT_NE(message(8, 1 << 23).find("max tokens per rank above"), std::string::npos);
+  const EpLayout l = EpLayout::compute(s, 8, 64);
+  EXPECT_NO_THROW(l.check_tokens(3, 0));
+  EXPECT_NO_THROW(l.check_tokens(3, 64));
+  try {
+    l.check_tokens(3, 65);
+    ADD_FAILURE() << "65 tokens over a capacity of 64 must throw";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 3: 65 tokens exceed"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace megamoe
