@@ -16,8 +16,8 @@ namespace {
 using kernels::EpLayout;
 
 std::vector<Region> regions(const EpLayout& l) {
-  return {l.x_q,        l.x_scale,     l.topk_ids, l.topk_weights, l.counts, l.recv_x,
-          l.recv_scale, l.recv_weight, l.recv_src, l.combine,      l.signals};
+  return {l.x_q,    l.x_scale,    l.topk_ids,    l.topk_weights, l.send_list, l.counts,
+          l.recv_x, l.recv_scale, l.recv_weight, l.recv_src,     l.combine,   l.signals};
 }
 
 TEST(EpLayout, RegionsAreDisjointAlignedAndSized) {
@@ -40,6 +40,7 @@ TEST(EpLayout, RegionsAreDisjointAlignedAndSized) {
         const size_t H = s.hidden, K = s.topk;
         EXPECT_EQ(l.x_q.bytes, size_t(T) * H);
         EXPECT_EQ(l.combine.bytes, size_t(T) * K * H * 2);
+        EXPECT_EQ(l.send_list.bytes, size_t(T) * K * 4);
         EXPECT_EQ(l.counts.bytes, size_t(R) * (s.experts / R) * 4);
         EXPECT_EQ(l.recv_x.bytes, size_t(l.recv_rows_cap) * H);
         EXPECT_EQ(l.recv_scale.bytes, size_t(l.recv_rows_cap) * (H / 128) * 4);

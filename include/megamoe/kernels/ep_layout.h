@@ -5,12 +5,16 @@
 //
 // Flow of one forward on rank r (R ranks, E/R local experts each):
 //   1. r quantizes its T_r tokens into x_q / x_scale and routes them (topk_*);
-//   2. r writes, into every owner q's `counts[r][*]`, how many of its token slots
+//   2. r sorts its token slots by (owner, local expert) into its own `send_list`
+//      (packed token and slot), writes into every owner q's `counts[r][*]` how many
 //      go to each of q's local experts, then raises q's `signals[kCounts][r]`;
 //   3. owner q, once every source has signalled, lays the received rows out per
-//      local expert (source-major inside an expert, so the order does not depend
-//      on timing) and pulls each row's FP8 data and scales from the source's x_q /
-//      x_scale into recv_x / recv_scale; recv_src remembers (source, token, slot);
+//      local expert (source-major inside an expert; the counts give every offset,
+//      in the owner's segments and in each source's send_list) and pulls each
+//      row's FP8 data and scales from the source's x_q / x_scale into recv_x /
+//      recv_scale; recv_src remembers (source, token, slot). Row order inside a
+//      segment changes no output byte: rows are independent in both GEMMs and
+//      step 5 reduces by (token, slot);
 //   4. q runs its experts over recv_* and pushes each BF16 result row into the
 //      source's `combine[token][slot]`, then raises the source's
 //      `signals[kCombine][q]`;
@@ -49,6 +53,7 @@ struct EpLayout {
   Region x_scale;       // f32  [Tmax][H/128]
   Region topk_ids;      // i32  [Tmax][K]               global expert ids
   Region topk_weights;  // f32  [Tmax][K]
+  Region send_list;     // i32  [Tmax * K]              own slots by (owner, local expert), pack_src
   Region counts;        // i32  [R source][E/R]         written by each source
   Region recv_x;        // e4m3 [recv_rows_cap][H]      expert-sorted received rows
   Region recv_scale;    // f32  [H/128][recv_rows_cap]  (K-block-major, as TMA reads it)
@@ -104,6 +109,7 @@ struct EpLayout {
     plan.place(l.x_scale, T * (H / 128) * 4);
     plan.place(l.topk_ids, T * K * 4);
     plan.place(l.topk_weights, T * K * 4);
+    plan.place(l.send_list, T * K * 4);
     plan.place(l.counts, size_t(R) * l.local_experts * 4);
     plan.place(l.recv_x, Rc * H);
     plan.place(l.recv_scale, (H / 128) * Rc * 4);
