@@ -41,7 +41,7 @@ TEST(EpLayout, RegionsAreDisjointAlignedAndSized) {
         EXPECT_EQ(l.x_q.bytes, size_t(T) * H);
         EXPECT_EQ(l.combine.bytes, size_t(T) * K * H * 2);
         EXPECT_EQ(l.send_list.bytes, size_t(T) * K * 4);
-        EXPECT_EQ(l.counts.bytes, size_t(R) * (s.experts / R) * 4);
+        EXPECT_EQ(l.counts.bytes, size_t(R) * (s.experts / R + 1) * 4);
         EXPECT_EQ(l.recv_x.bytes, size_t(l.recv_rows_cap) * H);
         EXPECT_EQ(l.recv_scale.bytes, size_t(l.recv_rows_cap) * (H / 128) * 4);
         EXPECT_EQ(l.signals.bytes, size_t(EpLayout::kSignalKinds) * R * 8);

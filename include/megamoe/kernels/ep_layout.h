@@ -7,7 +7,8 @@
 //   1. r quantizes its T_r tokens into x_q / x_scale and routes them (topk_*);
 //   2. r sorts its token slots by (owner, local expert) into its own `send_list`
 //      (packed token and slot), writes into every owner q's `counts[r][*]` how many
-//      go to each of q's local experts, then raises q's `signals[kCounts][r]`;
+//      go to each of q's local experts and where q's part of its send_list starts,
+//      then raises q's `signals[kCounts][r]`;
 //   3. owner q, once every source has signalled, lays the received rows out per
 //      local expert (source-major inside an expert; the counts give every offset,
 //      in the owner's segments and in each source's send_list) and pulls each
@@ -54,7 +55,7 @@ struct EpLayout {
   Region topk_ids;      // i32  [Tmax][K]               global expert ids
   Region topk_weights;  // f32  [Tmax][K]
   Region send_list;     // i32  [Tmax * K]              own slots by (owner, local expert), pack_src
-  Region counts;        // i32  [R source][E/R]         written by each source
+  Region counts;        // i32  [R source][E/R + 1]     per local expert, then the send_list start
   Region recv_x;        // e4m3 [recv_rows_cap][H]      expert-sorted received rows
   Region recv_scale;    // f32  [H/128][recv_rows_cap]  (K-block-major, as TMA reads it)
   Region recv_weight;   // f32  [recv_rows_cap]         routing weight of each received row
@@ -110,7 +111,7 @@ struct EpLayout {
     plan.place(l.topk_ids, T * K * 4);
     plan.place(l.topk_weights, T * K * 4);
     plan.place(l.send_list, T * K * 4);
-    plan.place(l.counts, size_t(R) * l.local_experts * 4);
+    plan.place(l.counts, size_t(R) * (l.local_experts + 1) * 4);
     plan.place(l.recv_x, Rc * H);
     plan.place(l.recv_scale, (H / 128) * Rc * 4);
     plan.place(l.recv_weight, Rc * 4);
