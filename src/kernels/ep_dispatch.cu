@@ -23,20 +23,6 @@ __device__ __forceinline__ T* region(uint8_t* base, const Region& r) {
   return reinterpret_cast<T*>(base + r.offset);
 }
 
-__device__ __forceinline__ void st_release_gpu(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ uint64_t ld_relaxed_gpu_u64(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint64_t ld_acquire_gpu_u64(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
 __global__ void __launch_bounds__(kDispatchThreads)
     ep_dispatch_kernel(const __grid_constant__ EpLayout l, const __grid_constant__ Tables tables,
                        const int* num_tokens, uint64_t epoch) {
@@ -74,13 +60,14 @@ __global__ void __launch_bounds__(kDispatchThreads)
   }
   __threadfence();
   __syncthreads();
-  if (tid < R) st_release_gpu(region<uint64_t>(pt.base[tid], l.signals) + EpLayout::kCounts * R + r, epoch);
+  if (tid < R)
+    sm90::st_release_gpu(region<uint64_t>(pt.base[tid], l.signals) + EpLayout::kCounts * R + r, epoch);
   // ---- 3. wait for every source's counts ----
   if (tid < R) {
     const uint64_t* sig = region<uint64_t>(me, l.signals) + EpLayout::kCounts * R + tid;
-    while (ld_relaxed_gpu_u64(sig) < epoch) {
+    while (sm90::ld_relaxed_gpu(sig) < epoch) {
     }
-    (void)ld_acquire_gpu_u64(sig);
+    (void)sm90::ld_acquire_gpu(sig);
   }
   __syncthreads();
   const int32_t* counts = region<int32_t>(me, l.counts);  // [R][El + 1]

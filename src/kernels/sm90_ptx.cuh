@@ -100,6 +100,21 @@ __device__ __forceinline__ int ld_relaxed_gpu(const int* p) {
   return v;
 }
 
+// 64-bit forms (epoch-tagged signals of expert parallelism).
+__device__ __forceinline__ uint64_t ld_relaxed_gpu(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 // Waits for *p >= v: spins on relaxed loads, then one acquiring load.
 // NOTE: ld.acquire.gpu compiles to LDG.STRONG.GPU + CCTL.IVALL, which drops the SM's
 // whole L1; spinning with acquires did that on every try. A single check stays one
