@@ -63,23 +63,11 @@ __global__ void __launch_bounds__(kDispatchThreads)
   if (tid < R)
     sm90::st_release_gpu(region<uint64_t>(pt.base[tid], l.signals) + EpLayout::kCounts * R + r, epoch);
   // ---- 3. wait for every source's counts ----
-  if (tid < R) {
-    const uint64_t* sig = region<uint64_t>(me, l.signals) + EpLayout::kCounts * R + tid;
-    while (sm90::ld_relaxed_gpu(sig) < epoch) {
-    }
-    (void)sm90::ld_acquire_gpu(sig);
-  }
+  if (tid < R)
+    sm90::wait_geq_acquire_gpu(region<uint64_t>(me, l.signals) + EpLayout::kCounts * R + tid, epoch);
   __syncthreads();
   const int32_t* counts = region<int32_t>(me, l.counts);  // [R][El + 1]
-  if (tid == 0) {
-    int row = 0;
-    for (int el = 0; el < El; ++el) {
-      seg[el] = row;
-      int n = 0;
-      for (int src = 0; src < R; ++src) n += counts[src * (El + 1) + el];
-      row += (n + EpLayout::kRowAlign - 1) / EpLayout::kRowAlign * EpLayout::kRowAlign;
-    }
-  }
+  for (int el = tid; el < El; el += kDispatchThreads) seg[el] = ep_segment_start(l, counts, el);
   __syncthreads();
   // ---- 4. pull: warp w takes (source, local expert) pairs; a lane copies 16 bytes ----
   const int warp = tid / 32, lane = tid % 32, H = l.hidden, hb = H / 128;

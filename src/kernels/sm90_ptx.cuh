@@ -120,7 +120,8 @@ __device__ __forceinline__ void st_release_gpu(uint64_t* p, uint64_t v) {
 // whole L1; spinning with acquires did that on every try. A single check stays one
 // acquire (a relaxed look first put a second L2 round trip on the producer's path at
 // every GEMM2 tile: T = 256 +2.6 %, bench/results/NOTES.md v9).
-__device__ __forceinline__ void wait_geq_acquire_gpu(const int* p, int v) {
+template <typename T>  // int (counters) or uint64_t (epoch signals)
+__device__ __forceinline__ void wait_geq_acquire_gpu(const T* p, T v) {
   while (ld_relaxed_gpu(p) < v) {
   }
   (void)ld_acquire_gpu(p);  // the value is >= v (monotonic counter); this orders what follows

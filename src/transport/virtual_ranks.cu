@@ -32,7 +32,6 @@ class VirtualRanks final : public Transport {
     }
   }
   ~VirtualRanks() override { release(); }
-  const char* name() const override { return "virtual"; }
   int ranks() const override { return layout_.ranks; }
   const kernels::EpLayout& layout() const override { return layout_; }
   PeerTable peers(int rank) const override {

@@ -31,7 +31,7 @@ MEGAMOE_HD int ep_segment_start(const EpLayout& l, const int32_t* counts, int el
   for (int e = 0; e < el; ++e) {
     int n = 0;
     for (int src = 0; src < l.ranks; ++src) n += counts[src * (l.local_experts + 1) + e];
-    row += (n + EpLayout::kRowAlign - 1) / EpLayout::kRowAlign * EpLayout::kRowAlign;
+    row += EpLayout::pad_rows(n);
   }
   return row;
 }

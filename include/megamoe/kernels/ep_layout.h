@@ -64,6 +64,9 @@ struct EpLayout {
   Region signals;       // u64  [kSignalKinds][R]       epoch-tagged, one per peer
   size_t total_bytes = 0;
 
+  // Rows an expert segment of n rows takes in a receive ring.
+  MEGAMOE_HD static int pad_rows(int n) { return (n + kRowAlign - 1) / kRowAlign * kRowAlign; }
+
   // Owner rank of global expert e.
   MEGAMOE_HD int owner(int e) const { return e / local_experts; }
 

@@ -28,7 +28,6 @@ struct PeerTable {
 class Transport {
  public:
   virtual ~Transport() = default;
-  virtual const char* name() const = 0;
   virtual int ranks() const = 0;
   virtual const kernels::EpLayout& layout() const = 0;
   // The table of `rank` (a rank this process drives).
