@@ -62,16 +62,26 @@ using num::bf16_encode;
 // ============================================================================
 // Workspace layout
 // ============================================================================
-MoeWorkspaceLayout MoeWorkspaceLayout::compute(const MoeShape& s, int max_tokens) {
+MoeWorkspaceLayout MoeWorkspaceLayout::compute(const MoeShape& s, int max_tokens, int ep_ranks) {
   s.validate();
+  MEGAMOE_CHECK(ep_ranks >= 0 && (ep_ranks == 0 || s.experts % ep_ranks == 0),
+                "workspace: " + std::to_string(s.experts) + " experts do not split over " +
+                    std::to_string(ep_ranks) + " ranks");
   MoeWorkspaceLayout w;
   w.max_tokens = max_tokens;
-  w.experts_total = s.experts + (s.has_shared() ? 1 : 0);
-  // Every expert segment is padded to kRowAlign rows (see the schedule tables).
-  const int64_t rows = int64_t(max_tokens) * s.slots() + int64_t(kRowAlign) * w.experts_total;
+  w.ep_ranks = ep_ranks;
+  const int shared = s.has_shared() ? 1 : 0;
+  w.experts_total = s.experts + shared;
+  w.local_experts = ep_ranks ? s.experts / ep_ranks : s.experts;
+  // Rows of every expert segment, each padded to kRowAlign rows (see the schedule tables):
+  // all slots of max_tokens tokens, or under expert parallelism what R sources can send
+  // to this rank's experts plus the shared expert's rows of its own tokens.
+  const int64_t routed =
+      ep_ranks ? EpLayout::max_recv_rows(s, ep_ranks, max_tokens) : int64_t(max_tokens) * s.topk;
+  const int64_t rows = routed + int64_t(max_tokens) * shared + int64_t(kRowAlign) * (w.local_experts + shared);
   w.rows_cap = int((rows + 127) / 128 * 128);
   if (w.rows_cap == 0) w.rows_cap = 128;
-  w.units_cap = w.experts_total + int(int64_t(max_tokens) * s.slots() / 8);
+  w.units_cap = w.local_experts + shared + int(rows / 8);
   w.inter_pitch = std::max(s.inter, s.shared_inter());
   w.max_ksplit = kRouterSlices;
   RegionPlanner plan(1024);
@@ -88,8 +98,20 @@ MoeWorkspaceLayout MoeWorkspaceLayout::compute(const MoeShape& s, int max_tokens
   place(w.act2, R * size_t(w.inter_pitch));
   place(w.act2_scale, size_t(w.inter_pitch / num::kInterGroup) * R * 4);
   place(w.y_rows, R * H * 2);
+  place(w.row_src, ep_ranks ? R * 4 : 4);
+  place(w.ep_state, 16);
   w.total_bytes = plan.total();
   return w;
+}
+
+std::string EpStatus::message() const {
+  if (phase == kNone) return "ok";
+  const char* what = phase == kCounts    ? "the dispatch counts"
+                     : phase == kCombine ? "the combine results"
+                                         : "its own CTAs at a grid barrier";
+  return "expert-parallel timeout: rank " + std::to_string(rank) + " waited for " + what +
+         (phase == kBarrier ? std::string() : " of rank " + std::to_string(peer)) +
+         " (a peer that never launched or failed; the group was reset)";
 }
 
 namespace {
@@ -97,8 +119,19 @@ namespace {
 // ============================================================================
 // Device side
 // ============================================================================
+// Expert parallelism (ep_layout.h's flow); ranks = 0 on a single device.
+struct EpArgs {
+  int ranks, rank;
+  int E_route;  // experts of the routing ids: every rank's (E); KernelArgs::E is this rank's E/R
+  uint64_t timeout_ns;
+  EpLayout l;
+  uint8_t* peer[1 << EpLayout::kRankBits];  // symmetric buffers (peer[rank]: this rank's)
+  int32_t* row_src;                         // [rows_cap] packed (source, token, slot) of a ring row
+  uint64_t* state;                          // [0] epoch (bumped by route_logits), [1] status
+};
+
 struct KernelArgs {
-  int H, I, Is, E, K;
+  int H, I, Is, E, K;  // E: the experts this kernel computes (E/R under expert parallelism)
   int has_shared;
   int rows_cap, inter_pitch;
   float swiglu_limit;
@@ -125,6 +158,8 @@ struct KernelArgs {
   const float* w2_scale;
   const float* sw13_scale;
   const float* sw2_scale;
+  int units_base;  // index in counters of the first GEMM1-done counter (after the routing counts)
+  EpArgs ep;
 };
 
 struct TensorMaps {
@@ -229,11 +264,15 @@ __device__ __forceinline__ void release_stage(uint64_t* empty) {
 // whole token: phase 0 and the combine take the slots from the lanes by shuffle or
 // shared memory instead of walking them with dependent loads (v7: ~27 serialized
 // round trips per token and thread in the combine).
+// Under expert parallelism (combine only) a routed slot's row is t * K + lane of the
+// combine region, where its owner stored it.
+template <bool kEp>
 __device__ __forceinline__ int slot_row(const KernelArgs& a, const Sched& sc, int t, int lane, float& w) {
   w = 0.0f;
   if (lane < a.K) {
     const int id = a.topk_ids[t * a.K + lane];
     if (id < 0) return -1;
+    if (kEp) return t * a.K + lane;
     w = a.topk_weights[t * a.K + lane];
     return sc.row_off[id] + a.topk_pos[t * a.K + lane];
   }
@@ -242,6 +281,275 @@ __device__ __forceinline__ int slot_row(const KernelArgs& a, const Sched& sc, in
     return sc.row_off[a.E] + t;
   }
   return -1;
+}
+
+// Exclusive prefix sums of n values by one warp: store(i, sum of val(j) for j < i)
+// for i < n; returns the total (in every lane).
+template <typename Val, typename Store>
+__device__ __forceinline__ int warp_scan_exclusive(int n, int lane, Val val, Store store) {
+  int carry = 0;
+  for (int base = 0; base < n; base += 32) {
+    const int i = base + lane;
+    const int v = i < n ? val(i) : 0;
+    int incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int u = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += u;
+    }
+    if (i < n) store(i, carry + incl - v);
+    carry += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  return carry;
+}
+
+// Schedule tables (one warp): rows and token blocks per expert e < E_total (the last
+// is the shared expert if there is one). count(e): the expert's rows. Segments are
+// padded to kRowAlign rows: the scale tensor maps put the row index innermost, and a
+// TMA box must start 16-byte aligned in global memory. shared_first: the shared
+// expert's rows are rows [0, T) of the ring (expert parallelism writes them before
+// the received counts are known) and the routed segments start at row0.
+template <typename Count>
+__device__ __forceinline__ void build_sched(const Sched& sc, int E_total, int BN, int lane, Count count,
+                                            int row0, bool shared_first) {
+  int rows_carry = row0, units_carry = 0;
+  for (int base = 0; base < E_total; base += 32) {
+    const int e = base + lane;
+    const int c = e < E_total ? count(e) : 0;
+    const bool own_rows = !(shared_first && e == E_total - 1);
+    const int nb = (c + BN - 1) / BN;
+    const int cpad = own_rows ? (c + kRowAlign - 1) / kRowAlign * kRowAlign : 0;
+    int rc = cpad, uc = nb;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int r2 = __shfl_up_sync(0xffffffffu, rc, o), u2 = __shfl_up_sync(0xffffffffu, uc, o);
+      if (lane >= o) rc += r2, uc += u2;
+    }
+    if (e < E_total) {
+      sc.cnt[e] = c;
+      sc.row_off[e] = own_rows ? rows_carry + rc - cpad : 0;
+      sc.unit_off[e] = units_carry + uc - nb;
+    }
+    rows_carry += __shfl_sync(0xffffffffu, rc, 31);
+    units_carry += __shfl_sync(0xffffffffu, uc, 31);
+  }
+  if (lane == 0) {
+    sc.row_off[E_total] = rows_carry;
+    sc.unit_off[E_total] = units_carry;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Expert parallelism (ep_layout.h's flow, steps 1-3 in phase 0, 4 in the GEMM2
+// epilogue, 5 in the combine).
+// ---------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ T* ep_region(uint8_t* base, const Region& r) {
+  return reinterpret_cast<T*>(base + r.offset);
+}
+// Signal `kind` that rank `from` raises in rank `at`'s buffer.
+__device__ __forceinline__ uint64_t* ep_signal(const EpArgs& ep, int at, int kind, int from) {
+  return ep_region<uint64_t>(ep.peer[at], ep.l.signals) + kind * ep.ranks + from;
+}
+
+// Spins until probe() >= v. Gives up (false) when the rank's timeout passes, setting
+// the status word to (phase, rank, peer) for the host, or when another CTA of the
+// rank already gave up: a peer that never arrives is an error, never a hang.
+template <typename Probe>
+__device__ __forceinline__ bool ep_wait(const EpArgs& ep, Probe probe, uint64_t v, int phase, int peer) {
+  if (probe() >= v) return true;
+  const uint64_t t0 = sm90::globaltimer_ns();
+  for (uint32_t i = 1;; ++i) {
+    if (probe() >= v) return true;
+    if ((i & 63) == 0) {
+      if (sm90::ld_relaxed_gpu(&ep.state[1]) != 0) return false;
+      if (sm90::globaltimer_ns() - t0 > ep.timeout_ns) {
+        const uint64_t code = (uint64_t(1) << 48) | (uint64_t(phase) << 32) | (uint64_t(ep.rank) << 16) |
+                              uint64_t(uint16_t(peer));
+        atomicCAS(reinterpret_cast<unsigned long long*>(&ep.state[1]), 0ull, code);
+        return false;
+      }
+    }
+  }
+}
+__device__ __forceinline__ bool ep_wait_signal(const EpArgs& ep, int kind, int from, uint64_t epoch,
+                                               int phase) {
+  const uint64_t* sig = ep_signal(ep, ep.rank, kind, from);
+  if (!ep_wait(ep, [&] { return sm90::ld_relaxed_sys(sig); }, epoch, phase, from)) return false;
+  (void)sm90::ld_acquire_sys(sig);
+  return true;
+}
+// Grid barrier of this rank's CTAs (the caller fenced and synchronized its CTA).
+__device__ __forceinline__ bool ep_grid_barrier(const EpArgs& ep, int* ctr, int target) {
+  atomicAdd(ctr, 1);
+  if (!ep_wait(ep, [&] { return uint64_t(sm90::ld_relaxed_gpu(ctr)); }, uint64_t(target),
+               EpStatus::kBarrier, ep.rank))
+    return false;
+  (void)sm90::ld_acquire_gpu(ctr);
+  return true;
+}
+
+// Phase-0 scratch tables under expert parallelism, in the last ring stage (no TMA
+// load targets it before the grid barrier that ends phase 0). Pair p = el * R + src.
+struct EpTables {
+  int* gprefix;      // [E_route + 1] own slots before global expert e (the send_list order)
+  int* counts;       // [R][El + 1]   the received counts
+  int* pair_prefix;  // [E_route + 1] received rows before pair p
+  int* pair_send;    // [E_route]     pair p's first entry in source src's send_list
+  int* pair_ring;    // [E_route]     pair p's first row in this rank's ring
+  static constexpr int kInts = 5 * (kMaxExpertsTotal + 1);
+  __device__ explicit EpTables(int* b)
+      : gprefix(b),
+        counts(b + (kMaxExpertsTotal + 1)),
+        pair_prefix(b + 2 * (kMaxExpertsTotal + 1)),
+        pair_send(b + 3 * (kMaxExpertsTotal + 1)),
+        pair_ring(b + 4 * (kMaxExpertsTotal + 1)) {}
+};
+static_assert(EpTables::kInts * 4 <= stage_bytes(8), "the EP tables fit one ring stage");
+
+// Steps 1-3 up to the pull: quantize this rank's tokens into its x_q / x_scale (and
+// the shared expert's ring rows), its slots into send_list, a barrier of its CTAs,
+// counts to the owners, every source's counts, then the schedule and pair tables.
+// All threads of the CTA; false (the status word set) if a peer did not arrive.
+__device__ __forceinline__ bool ep_exchange(const KernelArgs& a, const Sched& sc, const EpTables& et, int T,
+                                         uint64_t epoch, int BN) {
+  const EpArgs& ep = a.ep;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int R = ep.ranks, r = ep.rank, El = a.E, Er = ep.E_route, K = a.K, H = a.H, hb = H / 128;
+  uint8_t* me = ep.peer[r];
+  if (warp == 0) {
+    const int total = warp_scan_exclusive(
+        Er, lane, [&](int e) { return a.counters[MoeWorkspaceLayout::kCounterExperts + e]; },
+        [&](int i, int v) { et.gprefix[i] = v; });
+    if (lane == 0) et.gprefix[Er] = total;
+  }
+  __syncthreads();
+  // ---- 1. tokens to x_q (and the shared expert's rows), slots to send_list ----
+  {
+    uint8_t* xq = ep_region<uint8_t>(me, ep.l.x_q);
+    float* xs = ep_region<float>(me, ep.l.x_scale);
+    auto* send = ep_region<EpLayout::SendEntry>(me, ep.l.send_list);
+    const int tasks = T * hb, warps_total = gridDim.x * (kThreads / 32);
+    for (int task = blockIdx.x * (kThreads / 32) + warp; task < tasks; task += warps_total) {
+      const int t = task / hb, g = task - t * hb;
+      const uint2 raw = *reinterpret_cast<const uint2*>(a.x + size_t(t) * H + g * 128 + lane * 4);
+      const float v0 = __uint_as_float(raw.x << 16), v1 = __uint_as_float(raw.x & 0xFFFF0000u);
+      const float v2 = __uint_as_float(raw.y << 16), v3 = __uint_as_float(raw.y & 0xFFFF0000u);
+      float amax = fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3)));
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      const float sc_x = num::act_scale(amax);
+      const float inv = 1.0f / sc_x;
+      const uint32_t q = pack_e4m3x4(v0 * inv, v1 * inv, v2 * inv, v3 * inv);
+      *reinterpret_cast<uint32_t*>(xq + size_t(t) * H + g * 128 + lane * 4) = q;
+      if (lane == 0) xs[t * hb + g] = sc_x;
+      if (a.has_shared) {
+        *reinterpret_cast<uint32_t*>(a.x_sorted + size_t(t) * H + g * 128 + lane * 4) = q;
+        if (lane == 0) {
+          a.x_sorted_scale[size_t(g) * a.rows_cap + t] = sc_x;
+          if (g == 0) a.row_weight[t] = 1.0f, ep.row_src[t] = -1;
+        }
+      }
+      if (g == 0 && lane < K) {
+        const int id = a.topk_ids[t * K + lane];
+        if (id >= 0)
+          send[et.gprefix[id] + a.topk_pos[t * K + lane]] =
+              EpLayout::SendEntry{EpLayout::pack_src(r, t, lane), a.topk_weights[t * K + lane]};
+      }
+    }
+  }
+  // ---- 2. barrier of this rank's CTAs, then counts and the counts signal to every owner ----
+  __threadfence();
+  __syncthreads();
+  bool ok = true;
+  if (tid == 0) ok = ep_grid_barrier(ep, &a.counters[MoeWorkspaceLayout::kCounterBarrier], gridDim.x);
+  if (__syncthreads_or(!ok)) return false;
+  if (blockIdx.x == 0) {
+    for (int i = tid; i < R * (El + 1); i += kThreads) {
+      const int q = i / (El + 1), j = i - q * (El + 1);
+      const int* gp = et.gprefix + q * El;
+      ep_region<int>(ep.peer[q], ep.l.counts)[r * (El + 1) + j] = j < El ? gp[j + 1] - gp[j] : gp[0];
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (tid < R) sm90::st_release_sys(ep_signal(ep, tid, EpLayout::kCounts, r), epoch);
+  }
+  // ---- 3. every source's counts; the schedule and pair tables ----
+  ok = tid >= R || ep_wait_signal(ep, EpLayout::kCounts, tid, epoch, EpStatus::kCounts);
+  if (__syncthreads_or(!ok)) return false;
+  const int* rc = ep_region<int>(me, ep.l.counts);
+  for (int i = tid; i < R * (El + 1); i += kThreads) et.counts[i] = __ldcg(rc + i);
+  __syncthreads();
+  const int* cn = et.counts;
+  if (warp == 0) {
+    const int row0 = a.has_shared ? (T + kRowAlign - 1) / kRowAlign * kRowAlign : 0;
+    build_sched(
+        sc, El + a.has_shared, BN, lane,
+        [&](int e) {
+          if (e == El) return T;  // the shared expert: every own token
+          int c = 0;
+          for (int src = 0; src < R; ++src) c += cn[src * (El + 1) + e];
+          return c;
+        },
+        row0, a.has_shared != 0);
+  } else if (warp == 1) {
+    const int total = warp_scan_exclusive(
+        Er, lane, [&](int p) { return cn[(p % R) * (El + 1) + p / R]; },
+        [&](int p, int v) { et.pair_prefix[p] = v; });
+    if (lane == 0) et.pair_prefix[Er] = total;
+  } else {
+    for (int src = warp - 2; src < R; src += kThreads / 32 - 2)
+      warp_scan_exclusive(
+          El, lane, [&](int el) { return cn[src * (El + 1) + el]; },
+          [&](int el, int v) { et.pair_send[el * R + src] = cn[src * (El + 1) + El] + v; });
+  }
+  __syncthreads();
+  for (int el = tid; el < El; el += kThreads) {
+    int row = sc.row_off[el];
+    for (int src = 0; src < R; ++src) {
+      et.pair_ring[el * R + src] = row;
+      row += cn[src * (El + 1) + el];
+    }
+  }
+  __syncthreads();
+  return true;
+}
+
+// Step 3, the pull: a warp copies one received row (FP8 data, scales, weight, source)
+// from its source's buffer into this rank's ring.
+__device__ __forceinline__ void ep_pull(const KernelArgs& a, const EpTables& et) {
+  const EpArgs& ep = a.ep;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int R = ep.ranks, Er = ep.E_route, H = a.H, hb = H / 128;
+  const int n = et.pair_prefix[Er], warps_total = gridDim.x * (kThreads / 32);
+  for (int i = blockIdx.x * (kThreads / 32) + warp; i < n; i += warps_total) {
+    const int p = largest_le(et.pair_prefix, 0, Er - 1, 1, i);
+    const int src = p % R, j = i - et.pair_prefix[p], ring = et.pair_ring[p] + j;
+    uint8_t* sb = ep.peer[src];
+    const int2 e = __ldcg(reinterpret_cast<const int2*>(ep_region<EpLayout::SendEntry>(sb, ep.l.send_list) +
+                                                        et.pair_send[p] + j));
+    const int token = EpLayout::src_token(e.x);
+    const uint4* from = reinterpret_cast<const uint4*>(ep_region<uint8_t>(sb, ep.l.x_q) + size_t(token) * H);
+    uint4* to = reinterpret_cast<uint4*>(a.x_sorted + size_t(ring) * H);
+#pragma unroll 4
+    for (int c = lane; c < H / 16; c += 32) to[c] = __ldcg(from + c);
+    const float* fs = ep_region<float>(sb, ep.l.x_scale) + size_t(token) * hb;
+    for (int g = lane; g < hb; g += 32) a.x_sorted_scale[size_t(g) * a.rows_cap + ring] = __ldcg(fs + g);
+    if (lane == 0) {
+      a.row_weight[ring] = __int_as_float(e.y);
+      ep.row_src[ring] = e.x;
+    }
+  }
+}
+
+// Where a GEMM2 row goes: this rank's y_rows (single device, the shared expert), or
+// the source rank's combine[token][slot] (expert parallelism).
+template <bool kEp>
+__device__ __forceinline__ uint16_t* out_row(const KernelArgs& a, const Tile& tl, int row) {
+  if (!kEp || tl.e == a.E) return a.y_rows + size_t(row) * a.H;
+  const int32_t v = __ldcg(a.ep.row_src + row);
+  return ep_region<uint16_t>(a.ep.peer[EpLayout::src_rank(v)], a.ep.l.combine) +
+         (size_t(EpLayout::src_token(v)) * a.K + EpLayout::src_slot(v)) * a.H;
 }
 
 // ---------------------------------------------------------------------------
@@ -417,7 +725,9 @@ __device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
   return uint16_t(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
 }
 
-template <int BN>
+// kEp: expert parallelism (a separate instantiation, so the single-device kernel keeps
+// its registers: the EP paths' extra live values spill a few per-tile ints at BN = 128).
+template <int BN, bool kEp>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
   constexpr int kStages = stages_for(BN);
@@ -451,7 +761,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = tid / 32, lane = tid % 32;
   const int T = *a.num_tokens;
   const int E_total = a.E + a.has_shared;
-  int* done1 = a.counters + MoeWorkspaceLayout::kCounterExperts + E_total;
+  int* done1 = a.counters + a.units_base;
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -472,39 +782,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ---- Schedule tables: rows and token blocks per expert (one warp scans). ----
-  if (warp == 0) {
-    int rows_carry = 0, units_carry = 0;
-    for (int base = 0; base < E_total; base += 32) {
-      const int e = base + lane;
-      int c = 0;
-      if (e < a.E)
-        c = a.counters[MoeWorkspaceLayout::kCounterExperts + e];
-      else if (e < E_total)
-        c = T;  // the shared expert takes every token
-      int nb = (c + BN - 1) / BN;
-      // NOTE: segments start on a multiple of kRowAlign rows: the scale tensor maps put the row
-      // index innermost, and a TMA box must start 16-byte aligned in global memory.
-      const int cpad = (c + kRowAlign - 1) / kRowAlign * kRowAlign;
-      int rc = cpad, uc = nb;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int r2 = __shfl_up_sync(0xffffffffu, rc, o), u2 = __shfl_up_sync(0xffffffffu, uc, o);
-        if (lane >= o) rc += r2, uc += u2;
-      }
-      if (e < E_total) {
-        sc.cnt[e] = c;
-        sc.row_off[e] = rows_carry + rc - cpad;
-        sc.unit_off[e] = units_carry + uc - nb;
-      }
-      rows_carry += __shfl_sync(0xffffffffu, rc, 31);
-      units_carry += __shfl_sync(0xffffffffu, uc, 31);
-    }
-    if (lane == 0) {
-      sc.row_off[E_total] = rows_carry;
-      sc.unit_off[E_total] = units_carry;
-    }
+  // Expert parallelism: this rank's local experts, from the counts its sources send
+  // (ep_exchange: steps 1-3 of ep_layout.h up to the pull).
+  constexpr bool ep = kEp;
+  EpTables et(reinterpret_cast<int*>(smem + (kStages - 1) * kStageBytes));
+  if (!ep) {
+    if (warp == 0)
+      build_sched(
+          sc, E_total, BN, lane,
+          [&](int e) { return e < a.E ? a.counters[MoeWorkspaceLayout::kCounterExperts + e] : T; }, 0, false);
+    __syncthreads();
+  } else if (!ep_exchange(a, sc, et, T, a.ep.state[0], BN)) {
+    return;  // a peer did not arrive (status set); nothing is in flight yet
   }
-  __syncthreads();
   if (a.debug_stop == 1) return;
 
   // ---- Tile schedule (identical in every role) ----
@@ -557,7 +847,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // NOTE: MEGAMOE_DEBUG_STOP=2 exits after phase 0, so it must leave no copy in flight.
     if (first_tile < tiles && a.debug_stop != 2 && !a.no_early_loads) {
       const Tile tl = decode_tile<BN>(a, sc, first_tile, t1_routed, t1);
-      first_issued = min(kStages, tl.kblocks);
+      // (expert parallelism: the last stage holds the phase-0 tables until the barrier)
+      first_issued = min(kStages - (ep ? 1 : 0), tl.kblocks);
       stage_tile[0] = first_tile;  // published by the full barrier's completion
       for (int kb = 0; kb < first_issued; ++kb) {
         sm90::mbar_arrive_expect_tx(&full_bar[kb], stage_tx(tl));
@@ -570,7 +861,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // A warp task is one token's 128-column group. The next task's loads (its x group
   // and its slot rows) are issued before this task is quantized and stored, so a warp
   // keeps one load round trip in flight instead of two dependent ones per task.
-  {
+  if (!ep) {
     const int hb = a.H / 128;
     const int tasks = T * hb;
     const int warps_total = gridDim.x * (kThreads / 32);
@@ -586,7 +877,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int t = task / hb;
       k.g = task - t * hb;
       k.raw = *reinterpret_cast<const uint2*>(a.x + size_t(t) * a.H + k.g * 128 + lane * 4);
-      k.row = slot_row(a, sc, t, lane, k.w);
+      k.row = slot_row<kEp>(a, sc, t, lane, k.w);
       return k;
     };
     int task = blockIdx.x * (kThreads / 32) + warp;
@@ -616,16 +907,29 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       cur = nxt;
     }
+  } else {
+    ep_pull(a, et);  // step 3: the rows of the local experts into the ring
   }
   // Grid barrier: every sorted row is written before any TMA reads one.
   sm90::fence_proxy_async_global();
   __threadfence();
   __syncthreads();
-  if (tid == 0) {
-    atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterBarrier], 1);
-    sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterBarrier], int(gridDim.x));
+  if (!ep) {
+    if (tid == 0) {
+      atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterBarrier], 1);
+      sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterBarrier], int(gridDim.x));
+    }
+    __syncthreads();
+  } else {
+    // (the second barrier of the rank's CTAs: ep_exchange met at gridDim.x)
+    const bool ok =
+        tid != 0 || ep_grid_barrier(a.ep, &a.counters[MoeWorkspaceLayout::kCounterBarrier], 2 * gridDim.x);
+    if (__syncthreads_or(!ok)) {
+      if (tid == 0)  // the early weight loads land before the CTA leaves
+        for (int kb = 0; kb < first_issued; ++kb) sm90::mbar_wait(&full_bar[kb], 0);
+      return;
+    }
   }
-  __syncthreads();
   if (a.debug_stop == 2) return;  // (no early weight loads in this mode: see above)
 
   if (warp < 4) {
@@ -633,6 +937,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::setmaxnreg_dec<kProducerRegs>();
     if (tid == 0) {
       sm90::fence_proxy_async_global();
+      sm90::fence_proxy_async_shared();  // the phase-0 tables (generic writes) before TMA fills the stage
       RingPos<kStages> rp;  // the next stage to fill
       for (int i = 0; i < first_issued; ++i) rp.advance();
       int kb0 = first_issued;  // weights already issued for kb < kb0 of the first tile
@@ -852,7 +1157,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // signal thread's release of done1 (see tile_written).
       sm90::fence_proxy_async_global();
       if constexpr (kSwapAB) sm90::named_barrier(1, kConsumerThreads);  // red[] is free for the next tile
-      tile_written(MoeWorkspaceLayout::kCounterExperts + E_total + tl.unit);  // done1[unit]
+      tile_written(a.units_base + tl.unit);  // done1[unit]
     } else {
       const float* wsc = shared ? a.sw2_scale + size_t(tl.nblk) * (a.Is / 128)
                                 : a.w2_scale + (size_t(tl.e) * (a.H / 128) + tl.nblk) * (a.I / 128);
@@ -867,7 +1172,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int c = 0; c < 2; ++c) {
             const int n = j * 8 + lcol + c;
             if (n < tl.rows) {
-              uint16_t* yr = a.y_rows + size_t(tl.row0 + n) * a.H;
+              uint16_t* yr = out_row<kEp>(a, tl, tl.row0 + n);
               yr[f] = bf16_encode(acc[j * 4 + c]);
               yr[f + 8] = bf16_encode(acc[j * 4 + 2 + c]);
             }
@@ -881,6 +1186,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int f0 = tl.nblk * 128 + lcol;
         uint16_t* y0 = a.y_rows + size_t(tl.row0 + n0) * a.H + f0;
         uint16_t* y1 = a.y_rows + size_t(tl.row0 + n1r) * a.H + f0;
+        static_assert(!kEp, "expert parallelism runs swap-AB tiles only (kEpMaxBlockN)");
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
           if (n0 < tl.rows)
@@ -899,6 +1205,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   // ---- Combine: y[t] = bf16(sum over slots, ascending, of the BF16 slot rows) ----
   if (ctid == 0) sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2], t2);
   sm90::named_barrier(1, kConsumerThreads);
+  const uint16_t* ep_combine = nullptr;  // expert parallelism: routed slot rows, [T][K][H]
+  if (ep) {
+    // Step 4's end: every GEMM2 tile of this rank is done (its rows are in the sources'
+    // combine slots), so CTA 0 tells every source; step 5: wait for every owner.
+    const int R = a.ep.ranks;
+    const uint64_t epoch = a.ep.state[0];  // (re-read here: nothing kept live across the K loops)
+    if (blockIdx.x == 0 && ctid < R) {
+      __threadfence_system();
+      sm90::st_release_sys(ep_signal(a.ep, ctid, EpLayout::kCombine, a.ep.rank), epoch);
+    }
+    const bool ok = ctid >= R || ep_wait_signal(a.ep, EpLayout::kCombine, ctid, epoch, EpStatus::kCombine);
+    if (sm90::named_barrier_or(1, kConsumerThreads, !ok)) return;
+    ep_combine = ep_region<uint16_t>(a.ep.peer[a.ep.rank], a.ep.l.combine);
+  }
   // Work unit: one token's 256-column slab (a lane: 8 columns), over every consumer warp
   // of the grid, so a few tokens still spread over many SMs. A lane holds one slot's row
   // (shuffled to the others); all slots' loads are in flight at once and the next unit's
@@ -909,7 +1229,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warps_total = gridDim.x * (kConsumerThreads / 32);
   int u = blockIdx.x * (kConsumerThreads / 32) + cwarp;
   float unused_w;
-  int row = u < units ? slot_row(a, sc, u / slabs, lane, unused_w) : -1;
+  int row = u < units ? slot_row<kEp>(a, sc, u / slabs, lane, unused_w) : -1;
   for (; u < units; u += warps_total) {
     const int t = u / slabs;
     const int c8 = (u - t * slabs) * 32 + lane;  // uint4 (8 columns) of the row
@@ -924,12 +1244,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = 0; i < kCombineBatch; ++i) {
         r[i] = __shfl_sync(0xffffffffu, row, (k0 + i) & 31);
         if (k0 + i >= slots || !col_ok) r[i] = -1;
-        v[i] = r[i] >= 0 ? __ldcg(reinterpret_cast<const uint4*>(a.y_rows + size_t(r[i]) * a.H) + c8)
+        const uint16_t* rows = ep && k0 + i < a.K ? ep_combine : a.y_rows;  // (slot k0 + i's rows)
+        v[i] = r[i] >= 0 ? __ldcg(reinterpret_cast<const uint4*>(rows + size_t(r[i]) * a.H) + c8)
                          : make_uint4(0, 0, 0, 0);
       }
       if (k0 + kCombineBatch >= slots) {  // the last batch: the next unit's rows load meanwhile
         const int un = u + warps_total;
-        row = un < units ? slot_row(a, sc, un / slabs, lane, unused_w) : -1;
+        row = un < units ? slot_row<kEp>(a, sc, un / slabs, lane, unused_w) : -1;
       }
       // Sum in slot order (routed 0..K-1, then shared): the bytes do not depend on the split.
 #pragma unroll
@@ -1009,13 +1330,24 @@ __global__ void set_int_kernel(int* p, int v) { *p = v; }
 
 template <int BN>
 void set_smem_attr() {
-  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          smem_bytes(BN)));
+  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<BN, false>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(BN)));
+  if constexpr (kEpMaxBlockN >= BN)
+    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<BN, true>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(BN)));
 }
 
 template <int BN>
 void launch_fused(const KernelArgs& args, const TensorMaps& maps, int grid, cudaStream_t stream) {
-  fused_moe_kernel<BN><<<grid, kThreads, smem_bytes(BN), stream>>>(args, maps);
+  if constexpr (kEpMaxBlockN >= BN) {
+    if (args.ep.ranks) {
+      fused_moe_kernel<BN, true><<<grid, kThreads, smem_bytes(BN), stream>>>(args, maps);
+      MEGAMOE_CUDA_CHECK_LAUNCH();
+      return;
+    }
+  }
+  MEGAMOE_CHECK(!args.ep.ranks, "fused_moe: no expert-parallel kernel for this block_n");
+  fused_moe_kernel<BN, false><<<grid, kThreads, smem_bytes(BN), stream>>>(args, maps);
   MEGAMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -1031,8 +1363,8 @@ struct FusedMoePlan {
   KernelArgs args{};
 };
 
-FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, const MoeWorkspaceLayout& ws,
-                                    void* workspace, const FusedMoeConfig& cfg) {
+FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_all, const MoeWorkspaceLayout& ws,
+                                    void* workspace, const FusedMoeConfig& cfg, const EpRank* ep) {
   s.validate();
   MEGAMOE_CHECK(s.hidden % 128 == 0, "fused_moe needs H % 128 == 0");
   MEGAMOE_CHECK(s.inter % 128 == 0, "fused_moe needs I % 128 == 0");
@@ -1040,10 +1372,32 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
                 "fused_moe supports at most 511 experts");
   MEGAMOE_CHECK(s.topk + (s.has_shared() ? 1 : 0) <= 32,
                 "fused_moe supports at most 32 slots (top-k + shared)");
+  MEGAMOE_CHECK((ep != nullptr) == (ws.ep_ranks > 0),
+                "fused_moe: the workspace was sized for " + std::to_string(ws.ep_ranks) +
+                    " expert-parallel ranks but the plan is " + (ep ? "" : "not ") + "expert parallel");
+  // The experts this plan computes: all, or under expert parallelism the rank's E/R,
+  // found at view_expert0 in the view (the tensor maps and scales start there).
+  MoeWeightsView w = w_all;
+  if (ep) {
+    const EpLayout& l = ep->layout;
+    MEGAMOE_CHECK(l.ranks == ws.ep_ranks && l.local_experts == ws.local_experts && l.topk == s.topk &&
+                      l.hidden == s.hidden && l.max_tokens == ws.max_tokens,
+                  "fused_moe: the expert-parallel layout does not match the shape and workspace");
+    MEGAMOE_CHECK(ep->rank >= 0 && ep->rank < l.ranks, "fused_moe: rank out of range");
+    MEGAMOE_CHECK(ep->view_expert0 >= 0, "fused_moe: negative view_expert0");
+    MEGAMOE_CHECK(ep->timeout_s > 0, "fused_moe: the expert-parallel timeout must be > 0");
+    for (int q = 0; q < l.ranks; ++q)
+      MEGAMOE_CHECK(ep->peer_base[q] != nullptr, "fused_moe: no buffer for peer rank " + std::to_string(q));
+    const size_t e0 = size_t(ep->view_expert0), I = s.inter, H = s.hidden;
+    w.w13 += e0 * 2 * I * H;
+    w.w13_scale += e0 * size_t(MoeWeightLayout::w13_scale_rows(s.inter)) * MoeWeightLayout::hidden_blocks(s.hidden);
+    w.w2 += e0 * H * I;
+    w.w2_scale += e0 * size_t(MoeWeightLayout::hidden_blocks(s.hidden)) * MoeWeightLayout::inter_blocks(s.inter);
+  }
   auto plan = std::make_unique<FusedMoePlan>();
   plan->shape = s;
   plan->ws = ws;
-  plan->w = w;
+  plan->w = w_all;  // routing reads the router of every expert
   plan->workspace = workspace;
   int dev = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
@@ -1053,7 +1407,7 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   if (const char* env = std::getenv("MEGAMOE_NUM_SMS"))
     plan->num_sms = std::clamp(std::atoi(env), 1, plan->num_sms);
 
-  const uint64_t H = s.hidden, I = s.inter, E = s.experts, Is = s.shared_inter(), R = ws.rows_cap;
+  const uint64_t H = s.hidden, I = s.inter, E = ws.local_experts, Is = s.shared_inter(), R = ws.rows_cap;
   const uint64_t P = ws.inter_pitch;
   auto* base = static_cast<uint8_t*>(workspace);
   TensorMaps wm{};
@@ -1094,7 +1448,8 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   set_smem_attr<128>();
 
   KernelArgs& a = plan->args;
-  a.H = s.hidden, a.I = s.inter, a.Is = s.shared_inter(), a.E = s.experts, a.K = s.topk;
+  a.H = s.hidden, a.I = s.inter, a.Is = s.shared_inter(), a.E = ws.local_experts, a.K = s.topk;
+  a.units_base = MoeWorkspaceLayout::kCounterExperts + ws.experts_total;
   a.has_shared = s.has_shared() ? 1 : 0;
   a.rows_cap = ws.rows_cap, a.inter_pitch = ws.inter_pitch;
   a.swiglu_limit = s.swiglu_limit;
@@ -1115,6 +1470,18 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   a.y_rows = reinterpret_cast<uint16_t*>(base + ws.y_rows.offset);
   a.w13_scale = w.w13_scale, a.w2_scale = w.w2_scale;
   a.sw13_scale = w.shared_w13_scale, a.sw2_scale = w.shared_w2_scale;
+  if (ep) {
+    EpArgs& e = a.ep;
+    e.ranks = ep->layout.ranks;
+    e.rank = ep->rank;
+    e.E_route = s.experts;
+    e.timeout_ns = uint64_t(ep->timeout_s * 1e9);
+    e.l = ep->layout;
+    for (int q = 0; q < e.ranks; ++q) e.peer[q] = ep->peer_base[q];
+    e.row_src = reinterpret_cast<int32_t*>(base + ws.row_src.offset);
+    e.state = reinterpret_cast<uint64_t*>(base + ws.ep_state.offset);
+    MEGAMOE_CUDA_CHECK(cudaMemset(e.state, 0, ws.ep_state.bytes));  // epoch 0, status fine
+  }
   return plan.release();
 }
 
@@ -1125,6 +1492,27 @@ void set_device_int(int* p, int v, cudaStream_t stream) {
   MEGAMOE_CUDA_CHECK_LAUNCH();
 }
 
+EpStatus ep_status(const FusedMoePlan* p) {
+  EpStatus st;
+  if (!p->args.ep.ranks) return st;
+  uint64_t code = 0;
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(&code, p->args.ep.state + 1, sizeof(code), cudaMemcpyDeviceToHost));
+  if (code == 0) return st;
+  st.phase = EpStatus::Phase((code >> 32) & 0xFFFF);
+  st.rank = int((code >> 16) & 0xFFFF);
+  st.peer = int(code & 0xFFFF);
+  return st;
+}
+
+void ep_reset(const FusedMoePlan* p) {
+  const EpArgs& e = p->args.ep;
+  if (!e.ranks) return;
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  MEGAMOE_CUDA_CHECK(cudaMemset(e.state, 0, 2 * sizeof(uint64_t)));
+  MEGAMOE_CUDA_CHECK(cudaMemset(e.peer[e.rank] + e.l.signals.offset, 0, e.l.signals.bytes));
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
 RoutingOutputs routing_outputs(const FusedMoePlan* p) {
   auto* base = static_cast<const uint8_t*>(p->workspace);
   return {reinterpret_cast<const int32_t*>(base + p->ws.topk_ids.offset),
@@ -1132,7 +1520,11 @@ RoutingOutputs routing_outputs(const FusedMoePlan* p) {
 }
 
 FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
-  FusedMoeConfig cfg = choose_config(p->shape, tokens, p->num_sms);
+  // Expert parallelism: a local expert receives from every rank, as many rows as one
+  // device holding all experts would see for R times the tokens.
+  const int R = std::max(1, p->args.ep.ranks);
+  FusedMoeConfig cfg = choose_config(p->shape, int(std::min<int64_t>(int64_t(tokens) * R, 1 << 30)), p->num_sms);
+  if (p->args.ep.ranks) cfg.block_n = std::min(cfg.block_n, kEpMaxBlockN);
   cfg.router_ksplit = kRouterSlices;
   return cfg;
 }
@@ -1153,6 +1545,7 @@ void route_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_token
   r.expert_counts =
       reinterpret_cast<int*>(base + p->ws.counters.offset) + MoeWorkspaceLayout::kCounterExperts;
   r.max_tokens = p->ws.max_tokens;
+  r.epoch = p->args.ep.state;  // expert parallelism: one epoch per forward (null otherwise)
   launch_route(p->shape, r, host_tokens_hint, p->num_sms, stream);
 }
 

@@ -1,5 +1,5 @@
 // The expert-parallel symmetric buffer layout (include/megamoe/kernels/ep_layout.h):
-// regions disjoint and aligned, the receive capacity holds the worst routing, the
+// regions disjoint and aligned, the receive-ring bound holds the worst routing, the
 // packed row sources round-trip, and every limit is a clear error.
 #include <gtest/gtest.h>
 
@@ -16,8 +16,7 @@ namespace {
 using kernels::EpLayout;
 
 std::vector<Region> regions(const EpLayout& l) {
-  return {l.x_q,    l.x_scale,    l.topk_ids,    l.topk_weights, l.send_list, l.counts,
-          l.recv_x, l.recv_scale, l.recv_weight, l.recv_src,     l.combine,   l.signals};
+  return {l.x_q, l.x_scale, l.send_list, l.counts, l.combine, l.signals};
 }
 
 TEST(EpLayout, RegionsAreDisjointAlignedAndSized) {
@@ -40,20 +39,19 @@ TEST(EpLayout, RegionsAreDisjointAlignedAndSized) {
         const size_t H = s.hidden, K = s.topk;
         EXPECT_EQ(l.x_q.bytes, size_t(T) * H);
         EXPECT_EQ(l.combine.bytes, size_t(T) * K * H * 2);
-        EXPECT_EQ(l.send_list.bytes, size_t(T) * K * 4);
+        EXPECT_EQ(l.x_scale.bytes, size_t(T) * (H / 128) * 4);
+        EXPECT_EQ(l.send_list.bytes, size_t(T) * K * 8);
         EXPECT_EQ(l.counts.bytes, size_t(R) * (s.experts / R + 1) * 4);
-        EXPECT_EQ(l.recv_x.bytes, size_t(l.recv_rows_cap) * H);
-        EXPECT_EQ(l.recv_scale.bytes, size_t(l.recv_rows_cap) * (H / 128) * 4);
         EXPECT_EQ(l.signals.bytes, size_t(EpLayout::kSignalKinds) * R * 8);
-        EXPECT_EQ(l.recv_rows_cap % 128, 0);
       }
     }
   }
 }
 
 // Rows each owner receives for random routings, including the worst case (every
-// token of every rank sends min(K, E/R) slots to one owner), against the capacity.
-TEST(EpLayout, ReceiveCapacityHoldsTheWorstRouting) {
+// token of every rank sends min(K, E/R) slots to one owner), against the bound the
+// owner's receive ring is sized by (MoeWorkspaceLayout with ep_ranks = R).
+TEST(EpLayout, ReceiveBoundHoldsTheWorstRouting) {
   const MoeShape& s = find_preset("glm-5").shape;
   std::mt19937 rng(7);
   for (int R : {1, 2, 8, 16}) {
@@ -74,12 +72,12 @@ TEST(EpLayout, ReceiveCapacityHoldsTheWorstRouting) {
           }
           for (int k = 0; k < s.topk; ++k) ++per_expert[ids[k]];
         }
-      for (int e = 0; e < s.experts; ++e) {
-        const int64_t padded =
-            (per_expert[e] + EpLayout::kRowAlign - 1) / EpLayout::kRowAlign * EpLayout::kRowAlign;
-        rows[l.owner(e)] += padded;
+      for (int e = 0; e < s.experts; ++e) rows[l.owner(e)] += per_expert[e];
+      const int64_t bound = EpLayout::max_recv_rows(s, R, T);
+      for (int q = 0; q < R; ++q) EXPECT_LE(rows[q], bound) << "R=" << R << " owner " << q;
+      if (trial == 0) {
+        EXPECT_EQ(rows[0], bound) << "the worst routing reaches the bound";
       }
-      for (int q = 0; q < R; ++q) EXPECT_LE(rows[q], l.recv_rows_cap) << "R=" << R << " owner " << q;
     }
   }
 }

@@ -1,28 +1,36 @@
 // The symmetric buffer of expert parallelism (SPEC §8, issue 5): one layout that
 // every rank allocates identically, so a peer reaches rank q's region X at
 // base[q] + X.offset with plain NVLink loads and stores (the transport hands out
-// the base table). Plain C++ (host and device) so the CPU tests check it.
+// the base table). It holds only what peers touch; each rank's receive ring is
+// private (the fused kernel's workspace: MoeWorkspaceLayout with ep_ranks = R).
+// Plain C++ (host and device) so the CPU tests check it.
 //
-// Flow of one forward on rank r (R ranks, E/R local experts each):
-//   1. r quantizes its T_r tokens into x_q / x_scale and routes them (topk_*);
-//   2. r sorts its token slots by (owner, local expert) into its own `send_list`
-//      (packed token and slot), writes into every owner q's `counts[r][*]` how many
-//      go to each of q's local experts and where q's part of its send_list starts,
-//      then raises q's `signals[kCounts][r]`;
+// Flow of one forward on rank r (R ranks, E/R local experts each), all inside
+// the fused kernel (fused_moe.cu, phase 0 and the combine):
+//   1. r routes its T_r tokens (route kernels, global expert ids), quantizes them
+//      into its x_q / x_scale and sorts its token slots by global expert (so by
+//      owner, then local expert) into its `send_list` ((token, slot) packed, and
+//      the routing weight);
+//   2. after a barrier of r's CTAs, r writes into every owner q's `counts[r][*]`
+//      how many slots go to each of q's local experts and where q's part of its
+//      send_list starts, then raises q's `signals[kCounts][r]`;
 //   3. owner q, once every source has signalled, lays the received rows out per
 //      local expert (source-major inside an expert; the counts give every offset,
-//      in the owner's segments and in each source's send_list) and pulls each
-//      row's FP8 data and scales from the source's x_q / x_scale into recv_x /
-//      recv_scale; recv_src remembers (source, token, slot). Row order inside a
-//      segment changes no output byte: rows are independent in both GEMMs and
-//      step 5 reduces by (token, slot);
-//   4. q runs its experts over recv_* and pushes each BF16 result row into the
-//      source's `combine[token][slot]`, then raises the source's
-//      `signals[kCombine][q]`;
+//      in q's ring and in each source's send_list) and pulls each row's FP8 data
+//      and scales from the source's x_q / x_scale into its private ring. Row order
+//      inside a segment changes no output byte: rows are independent in both GEMMs
+//      and step 5 reduces by (token, slot);
+//   4. q runs its experts (and the shared expert on its own tokens); each GEMM2
+//      epilogue stores its BF16 rows straight into the source's
+//      `combine[token][slot]` (overlapped with the other tiles); when all of q's
+//      tiles are done q raises every source's `signals[kCombine][q]`;
 //   5. r, once every owner has signalled, reduces combine[t][0..K-1] and its own
 //      shared-expert row in slot order (the bytes of R = 1).
-// Signals carry the forward's epoch (a counter the host bumps per launch) rather
-// than a flag, so a replayed CUDA graph never mistakes an old signal for a new one.
+// Signals carry the forward's epoch (a counter in device memory that the routing
+// kernel bumps per forward) rather than a flag, so a replayed CUDA graph never
+// mistakes an old signal for a new one. Reuse is safe without more barriers: r
+// rewrites x_q / send_list / counts at forward n + 1 only after it saw every
+// owner's forward-n combine signal, which each owner raises after all its pulls.
 #pragma once
 
 #include <cstddef>
@@ -41,31 +49,20 @@ struct EpLayout {
   static constexpr int kCounts = 0;   // the source's counts for this rank are written
   static constexpr int kCombine = 1;  // the owner's results for this rank are written
   static constexpr int kSignalKinds = 2;
-  static constexpr int kRowAlign = 8;  // expert segments of recv_* start on 8 rows (TMA boxes)
 
   int ranks = 0;          // R
   int local_experts = 0;  // E / R
   int max_tokens = 0;     // Tmax per rank
   int topk = 0;           // K
   int hidden = 0;         // H
-  int recv_rows_cap = 0;  // rows a rank can receive: R * Tmax * min(K, E/R), padded per expert
 
-  Region x_q;           // e4m3 [Tmax][H]               this rank's tokens (peers pull them)
-  Region x_scale;       // f32  [Tmax][H/128]
-  Region topk_ids;      // i32  [Tmax][K]               global expert ids
-  Region topk_weights;  // f32  [Tmax][K]
-  Region send_list;     // i32  [Tmax * K]              own slots by (owner, local expert), pack_src
-  Region counts;        // i32  [R source][E/R + 1]     per local expert, then the send_list start
-  Region recv_x;        // e4m3 [recv_rows_cap][H]      expert-sorted received rows
-  Region recv_scale;    // f32  [H/128][recv_rows_cap]  (K-block-major, as TMA reads it)
-  Region recv_weight;   // f32  [recv_rows_cap]         routing weight of each received row
-  Region recv_src;      // i32  [recv_rows_cap]         (source rank, token, slot) packed
-  Region combine;       // bf16 [Tmax][K][H]            results pushed back by the owners
-  Region signals;       // u64  [kSignalKinds][R]       epoch-tagged, one per peer
+  Region x_q;        // e4m3 [Tmax][H]          this rank's tokens (owners pull them)
+  Region x_scale;    // f32  [Tmax][H/128]
+  Region send_list;  // SendEntry [Tmax * K]   own slots by global expert
+  Region counts;     // i32  [R source][E/R + 1] per local expert, then the send_list start
+  Region combine;    // bf16 [Tmax][K][H]       results stored by the owners
+  Region signals;    // u64  [kSignalKinds][R]  epoch-tagged, one per peer
   size_t total_bytes = 0;
-
-  // Rows an expert segment of n rows takes in a receive ring.
-  MEGAMOE_HD static int pad_rows(int n) { return (n + kRowAlign - 1) / kRowAlign * kRowAlign; }
 
   // Owner rank of global expert e.
   MEGAMOE_HD int owner(int e) const { return e / local_experts; }
@@ -79,6 +76,20 @@ struct EpLayout {
   MEGAMOE_HD static int src_slot(int32_t v) { return v & ((1 << kSlotBits) - 1); }
   MEGAMOE_HD static int src_rank(int32_t v) { return (v >> kSlotBits) & ((1 << kRankBits) - 1); }
   MEGAMOE_HD static int src_token(int32_t v) { return v >> (kSlotBits + kRankBits); }
+
+  // One send_list entry: the packed (rank, token, slot) and the slot's routing
+  // weight, read by the owner in one 8-byte load.
+  struct SendEntry {
+    int32_t src;
+    float weight;
+  };
+
+  // Rows an owner can receive from R sources of at most Tmax tokens: a token sends
+  // at most min(K, E/R) of its slots to one owner (its experts are distinct).
+  static int64_t max_recv_rows(const MoeShape& s, int R, int max_tokens) {
+    const int64_t el = s.experts / R, per_token = s.topk < el ? s.topk : el;
+    return int64_t(R) * max_tokens * per_token;
+  }
 
   // The layout for R ranks of shape `s` (all experts, E) with at most `max_tokens`
   // tokens per rank. Errors name the limit that does not hold.
@@ -101,24 +112,13 @@ struct EpLayout {
     l.max_tokens = max_tokens;
     l.topk = s.topk;
     l.hidden = s.hidden;
-    // A token sends at most min(K, E/R) of its slots to one owner (distinct experts).
-    const int64_t per_token = s.topk < l.local_experts ? s.topk : l.local_experts;
-    const int64_t rows = int64_t(R) * max_tokens * per_token + int64_t(kRowAlign) * l.local_experts;
-    if (rows > (int64_t(1) << 30)) fail("receive buffer of " + std::to_string(rows) + " rows is too large");
-    l.recv_rows_cap = int((rows + 127) / 128 * 128);
-    const size_t T = size_t(max_tokens), K = size_t(s.topk), H = size_t(s.hidden),
-                 Rc = size_t(l.recv_rows_cap);
-    RegionPlanner plan(1024);  // TMA boxes and 128-byte swizzled rows start 1024-byte aligned
+    if (max_recv_rows(s, R, max_tokens) > (int64_t(1) << 30)) fail("receive ring too large");
+    const size_t T = size_t(max_tokens), K = size_t(s.topk), H = size_t(s.hidden);
+    RegionPlanner plan(1024);
     plan.place(l.x_q, T * H);
     plan.place(l.x_scale, T * (H / 128) * 4);
-    plan.place(l.topk_ids, T * K * 4);
-    plan.place(l.topk_weights, T * K * 4);
-    plan.place(l.send_list, T * K * 4);
+    plan.place(l.send_list, T * K * sizeof(SendEntry));
     plan.place(l.counts, size_t(R) * (l.local_experts + 1) * 4);
-    plan.place(l.recv_x, Rc * H);
-    plan.place(l.recv_scale, (H / 128) * Rc * 4);
-    plan.place(l.recv_weight, Rc * 4);
-    plan.place(l.recv_src, Rc * 4);
     plan.place(l.combine, T * K * H * 2);
     plan.place(l.signals, size_t(kSignalKinds) * R * 8);
     l.total_bytes = plan.total();

@@ -16,13 +16,20 @@
 //      ordered slot reduction.
 // The token count is read from device memory, so one captured graph serves any
 // count up to max_tokens.
+// Expert parallelism (EpRank below, ep_layout.h's flow): the same kernels; the
+// fused kernel's phase 0 also exchanges counts with the peers and pulls the rows
+// of its local experts into its private ring, its GEMM2 epilogue stores routed
+// rows into the source ranks' combine slots, and the combine waits for every
+// owner before it reduces.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
+#include "megamoe/kernels/ep_layout.h"
 #include "megamoe/model/shape.h"
 #include "megamoe/weights/layout.h"
 
@@ -38,8 +45,10 @@ struct MoeWorkspaceLayout {
   static constexpr int kCounterDone2 = 1;
   static constexpr int kCounterExperts = 3;
 
-  int max_tokens = 0;
-  int experts_total = 0;  // routed + (1 if shared)
+  int max_tokens = 0;      // per rank under expert parallelism
+  int ep_ranks = 0;        // 0: all experts here; R >= 1: this rank owns E/R experts
+  int experts_total = 0;   // routed (all E: routing counts every expert) + (1 if shared)
+  int local_experts = 0;   // experts this rank computes (E, or E/R)
   int rows_cap = 0;       // sorted rows: max_tokens * slots, rounded up to 128
   int units_cap = 0;      // (expert, token block) units at the smallest block
   int inter_pitch = 0;    // max(I, Is): row pitch of the intermediate
@@ -56,10 +65,14 @@ struct MoeWorkspaceLayout {
   Region act2;            // e4m3 [rows_cap][inter_pitch]  SwiGLU output
   Region act2_scale;      // f32 [inter_pitch/64][rows_cap]
   Region y_rows;          // bf16 [rows_cap][H]    per-slot outputs
+  Region row_src;         // i32 [rows_cap]        expert parallelism: (source, token, slot) of a row
+  Region ep_state;        // u64 [2]               expert parallelism: epoch, status (EpStatus)
   size_t total_bytes = 0;
 
   int counter_count() const { return kCounterExperts + experts_total + units_cap; }
-  static MoeWorkspaceLayout compute(const MoeShape& s, int max_tokens);
+  // ep_ranks = 0: every expert on this device. ep_ranks = R: the rows of a rank
+  // owning E/R experts that receives from R sources of max_tokens each.
+  static MoeWorkspaceLayout compute(const MoeShape& s, int max_tokens, int ep_ranks = 0);
 };
 
 // Tile configuration of the fused kernel (chosen in heuristics, one place).
@@ -77,11 +90,32 @@ struct DeviceTensors {
   void* workspace = nullptr;        // MoeWorkspaceLayout::total_bytes
 };
 
+// One rank of an expert-parallel layer. The weights view handed to the plan holds
+// this rank's experts at [view_expert0, view_expert0 + E/R) (virtual ranks share
+// one copy of all experts; a rank-local load holds only its own: view_expert0 = 0).
+struct EpRank {
+  EpLayout layout;                               // the symmetric buffer every rank holds
+  int rank = 0;
+  uint8_t* peer_base[1 << EpLayout::kRankBits] = {};  // rank q's buffer as this rank addresses it
+  int view_expert0 = 0;
+  double timeout_s = 5.0;  // a peer that does not arrive within this is an error, not a hang
+};
+
+// What a rank's kernel reports (ep_state[1]); 0 = fine.
+struct EpStatus {
+  enum Phase { kNone = 0, kCounts = 1, kCombine = 2, kBarrier = 3 };
+  Phase phase = kNone;
+  int rank = -1;  // the rank that reported
+  int peer = -1;  // the peer it waited for
+  std::string message() const;
+};
+
 // Opaque per-layer launch plan: tensor maps etc. (built once per layer object).
 struct FusedMoePlan;
 
 FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& device_weights,
-                                    const MoeWorkspaceLayout& ws, void* workspace, const FusedMoeConfig& cfg);
+                                    const MoeWorkspaceLayout& ws, void* workspace, const FusedMoeConfig& cfg,
+                                    const EpRank* ep = nullptr);
 void fused_moe_plan_destroy(FusedMoePlan* plan);
 
 // Enqueues the whole forward (route_logits, route_topk, fused_moe).
@@ -101,6 +135,12 @@ struct RoutingOutputs {
   const float* weights;
 };
 RoutingOutputs routing_outputs(const FusedMoePlan* plan);
+
+// Expert parallelism: the rank's status after its forwards completed (reads device
+// memory: synchronizes the device), and a reset of its epoch, status and signals
+// (every rank of the group resets before the next forward after an error).
+EpStatus ep_status(const FusedMoePlan* plan);
+void ep_reset(const FusedMoePlan* plan);
 
 // *p = v on the stream (a one-thread kernel, so it can be captured in a graph).
 void set_device_int(int* p, int v, cudaStream_t stream);

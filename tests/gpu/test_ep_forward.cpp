@@ -1,0 +1,301 @@
+// Expert parallelism over virtual ranks on one GPU (issue 5): every rank's output
+// bytes equal the single-device layer's on the same tokens (R = 1) and agree with
+// the CPU expert-parallel reference; capacity and missing peers are clear errors;
+// graph replays with changing token counts.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "megamoe/api/ep_layer.h"
+#include "megamoe/api/forward.h"
+#include "megamoe/api/moe_layer.h"
+#include "megamoe/reference/moe.h"
+#include "megamoe/weights/host_weights.h"
+
+namespace megamoe {
+namespace {
+
+#define CK(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+std::vector<num::bf16_t> random_x(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<num::bf16_t> v(n);
+  for (auto& x : v) x = num::bf16_encode(nd(rng));
+  return v;
+}
+
+MoeShape reduced_shape() {
+  MoeShape s;
+  s.hidden = 1024, s.inter = 512, s.experts = 32, s.topk = 4, s.shared_experts = 1;
+  s.routed_scaling = 2.5f, s.swiglu_limit = 10.0f, s.router_dtype = RouterDtype::kF32;
+  return s;
+}
+
+// Device buffers of every rank's x and y (y poisoned: bf16 NaN).
+struct RankBuffers {
+  std::vector<const num::bf16_t*> x;
+  std::vector<num::bf16_t*> y;
+  std::vector<size_t> bytes;
+  RankBuffers(const std::vector<std::vector<num::bf16_t>>& xs) {
+    for (const auto& v : xs) {
+      void *dx = nullptr, *dy = nullptr;
+      const size_t b = std::max<size_t>(16, v.size() * 2);
+      EXPECT_EQ(cudaMalloc(&dx, b), cudaSuccess);
+      EXPECT_EQ(cudaMalloc(&dy, b), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(dx, v.data(), v.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+      x.push_back(static_cast<const num::bf16_t*>(dx));
+      y.push_back(static_cast<num::bf16_t*>(dy));
+      bytes.push_back(b);
+    }
+    poison();
+  }
+  void poison() {
+    for (size_t r = 0; r < y.size(); ++r) EXPECT_EQ(cudaMemset(y[r], 0xFF, bytes[r]), cudaSuccess);
+  }
+  std::vector<std::vector<num::bf16_t>> read(const std::vector<int>& tokens, int H) const {
+    std::vector<std::vector<num::bf16_t>> out;
+    for (size_t r = 0; r < y.size(); ++r) {
+      out.emplace_back(size_t(tokens[r]) * H);
+      EXPECT_EQ(cudaMemcpy(out.back().data(), y[r], out.back().size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    }
+    return out;
+  }
+  ~RankBuffers() {
+    for (auto p : x) cudaFree(const_cast<num::bf16_t*>(p));
+    for (auto p : y) cudaFree(p);
+  }
+};
+
+// Every rank's tokens through the single-device layer (the R = 1 bytes).
+std::vector<std::vector<num::bf16_t>> single_device(const HostMoeWeights& w,
+                                                    const std::vector<std::vector<num::bf16_t>>& xs,
+                                                    const std::vector<int>& tokens) {
+  api::MoeLayerOptions opt;
+  opt.max_tokens = std::max(1, *std::max_element(tokens.begin(), tokens.end()));
+  api::CudaMoeLayer layer(w, opt);
+  RankBuffers b(xs);
+  for (size_t r = 0; r < xs.size(); ++r) layer.forward(b.x[r], b.y[r], tokens[r], nullptr, nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return b.read(tokens, w.shape.hidden);
+}
+
+// The CPU expert-parallel reference, rank by rank (float holding bf16 values).
+std::vector<std::vector<float>> cpu_ep(const HostMoeWeights& w, int R,
+                                       const std::vector<std::vector<num::bf16_t>>& xs,
+                                       const std::vector<int>& tokens) {
+  std::vector<ref::RankBatch> batches;
+  std::vector<std::vector<float>> y(R);
+  std::vector<float*> yp;
+  for (int r = 0; r < R; ++r) {
+    batches.push_back({xs[r].data(), tokens[r]});
+    y[r].resize(size_t(tokens[r]) * w.shape.hidden);
+    yp.push_back(y[r].data());
+  }
+  ref::moe_layer_ep(w.shape, w.view(), R, batches, yp);
+  return y;
+}
+
+// Relative L2 and the elements outside atol + rtol * |ref| (atol scaled to the RMS).
+void expect_close(const std::vector<num::bf16_t>& got, const std::vector<float>& ref, const std::string& what) {
+  ASSERT_EQ(got.size(), ref.size());
+  if (ref.empty()) return;
+  double sq = 0, num = 0;
+  for (float r : ref) sq += double(r) * r;
+  const double atol = 0.05 * std::sqrt(sq / ref.size());
+  int64_t bad = 0, nonfinite = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double a = num::bf16_decode(got[i]), r = ref[i];
+    if (!std::isfinite(a)) {
+      ++nonfinite;
+      continue;
+    }
+    num += (a - r) * (a - r);
+    if (std::fabs(a - r) > atol + 0.05 * std::fabs(r)) ++bad;
+  }
+  EXPECT_EQ(nonfinite, 0) << what;
+  EXPECT_EQ(bad, 0) << what;
+  EXPECT_LE(std::sqrt(num / std::max(sq, 1e-30)), 5e-3) << what;
+}
+
+std::vector<std::vector<num::bf16_t>> rank_inputs(const MoeShape& s, const std::vector<int>& tokens,
+                                                  uint64_t seed) {
+  std::vector<std::vector<num::bf16_t>> xs;
+  for (size_t r = 0; r < tokens.size(); ++r) xs.push_back(random_x(size_t(tokens[r]) * s.hidden, seed + r));
+  return xs;
+}
+
+class EpForward : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!api::cuda_available()) GTEST_SKIP() << "no sm_90 device";
+  }
+};
+
+// Uneven batches, a rank with zero tokens, one at Tmax; R = 1, 2, 4, 8.
+TEST_F(EpForward, BytesMatchSingleDeviceAndCpuReference) {
+  const MoeShape s = reduced_shape();
+  HostMoeWeights w = make_random_weights(s, 41);
+  const int Tmax = 64;
+  for (int R : {1, 2, 4, 8}) {
+    std::vector<int> tokens(R);
+    for (int r = 0; r < R; ++r) tokens[r] = (r == 1) ? 0 : (r == R - 1 ? Tmax : 1 + (r * 37) % Tmax);
+    const auto xs = rank_inputs(s, tokens, 100 + R);
+    const auto want = single_device(w, xs, tokens);
+    const auto ref = cpu_ep(w, R, xs, tokens);
+    api::EpLayerOptions opt;
+    opt.ranks = R;
+    opt.max_tokens = Tmax;
+    api::CudaEpMoeLayer layer(w, opt);
+    RankBuffers b(xs);
+    for (int rep = 0; rep < 2; ++rep) {  // the second forward runs on the next epoch
+      b.poison();
+      layer.forward(b.x, b.y, tokens, nullptr);
+      ASSERT_NO_THROW(layer.check());
+      const auto got = b.read(tokens, s.hidden);
+      for (int r = 0; r < R; ++r) {
+        const std::string what = "R=" + std::to_string(R) + " rank " + std::to_string(r) + " T=" +
+                                 std::to_string(tokens[r]) + " rep " + std::to_string(rep);
+        EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2)) << what << ": bytes != R=1";
+        expect_close(got[r], ref[r], what + " vs the CPU EP reference");
+      }
+    }
+    std::printf("  R=%d tokens per rank up to %d: bytes equal R=1, config %s\n", R, Tmax,
+                layer.config_for(Tmax).c_str());
+  }
+}
+
+// Every token of every rank routed to rank 0's experts (the correction bias steers
+// the choice), every rank at Tmax: the owner's ring at its bound.
+TEST_F(EpForward, AllTokensToOneRank) {
+  MoeShape s = reduced_shape();
+  s.correction_bias = true;
+  HostMoeWeights w = make_random_weights(s, 43);
+  const int R = 8, El = s.experts / R, Tmax = 48;
+  ASSERT_GE(El, s.topk);
+  auto* bias = reinterpret_cast<float*>(w.data() + w.layout.bias.offset);
+  for (int e = 0; e < s.experts; ++e) bias[e] = e < El ? 100.0f : 0.0f;
+  std::vector<int> tokens(R, Tmax);
+  const auto xs = rank_inputs(s, tokens, 300);
+  const auto want = single_device(w, xs, tokens);
+  api::EpLayerOptions opt;
+  opt.ranks = R;
+  opt.max_tokens = Tmax;
+  api::CudaEpMoeLayer layer(w, opt);
+  RankBuffers b(xs);
+  layer.forward(b.x, b.y, tokens, nullptr);
+  ASSERT_NO_THROW(layer.check());
+  std::vector<int32_t> ids(size_t(Tmax) * s.topk);
+  CK(cudaMemcpy(ids.data(), layer.topk_ids(3), ids.size() * 4, cudaMemcpyDeviceToHost));
+  for (int32_t id : ids) ASSERT_LT(id, El) << "the bias did not steer every slot to rank 0";
+  const auto got = b.read(tokens, s.hidden);
+  for (int r = 0; r < R; ++r)
+    EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2)) << "rank " << r;
+}
+
+TEST_F(EpForward, OverCapacityIsAnError) {
+  const MoeShape s = reduced_shape();
+  HostMoeWeights w = make_random_weights(s, 45);
+  api::EpLayerOptions opt;
+  opt.ranks = 2;
+  opt.max_tokens = 16;
+  api::CudaEpMoeLayer layer(w, opt);
+  const std::vector<int> tokens = {16, 17};
+  const auto xs = rank_inputs(s, tokens, 500);
+  RankBuffers b(xs);
+  try {
+    layer.forward(b.x, b.y, tokens, nullptr);
+    ADD_FAILURE() << "17 tokens over a capacity of 16 must throw";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1: 17 tokens exceed"), std::string::npos) << e.what();
+  }
+  opt.ranks = 3;  // 32 experts do not split over 3 ranks
+  EXPECT_THROW(api::CudaEpMoeLayer(w, opt), std::invalid_argument);
+}
+
+// Rank 1 never launches: rank 0 gives up after the timeout with an error naming the
+// rank, the phase and the peer; the layer is reset and the next forward is right.
+TEST_F(EpForward, MissingRankTimesOutAndRecovers) {
+  const MoeShape s = reduced_shape();
+  HostMoeWeights w = make_random_weights(s, 47);
+  api::EpLayerOptions opt;
+  opt.ranks = 2;
+  opt.max_tokens = 32;
+  opt.timeout_s = 0.2;
+  api::CudaEpMoeLayer layer(w, opt);
+  const std::vector<int> tokens = {32, 20};
+  const auto xs = rank_inputs(s, tokens, 600);
+  RankBuffers b(xs);
+  layer.forward(b.x, b.y, tokens, nullptr, {}, /*launch_mask=*/1u);
+  try {
+    layer.check();
+    ADD_FAILURE() << "a missing rank must time out";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 0 waited for the dispatch counts of rank 1"), std::string::npos)
+        << e.what();
+  }
+  const auto want = single_device(w, xs, tokens);
+  b.poison();
+  layer.forward(b.x, b.y, tokens, nullptr);
+  ASSERT_NO_THROW(layer.check());
+  const auto got = b.read(tokens, s.hidden);
+  for (int r = 0; r < 2; ++r)
+    EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2)) << "after recovery, rank " << r;
+}
+
+// One captured graph (device token counts), replayed with changing counts per rank.
+TEST_F(EpForward, GraphReplaysWithChangingCounts) {
+  const MoeShape s = reduced_shape();
+  HostMoeWeights w = make_random_weights(s, 49);
+  const int R = 4, Tmax = 96;
+  api::EpLayerOptions opt;
+  opt.ranks = R;
+  opt.max_tokens = Tmax;
+  api::CudaEpMoeLayer layer(w, opt);
+  const std::vector<int> full(R, Tmax);
+  const auto xs = rank_inputs(s, full, 700);
+  RankBuffers b(xs);
+  std::vector<const int*> counts;
+  for (int r = 0; r < R; ++r) {
+    int* p = nullptr;
+    CK(cudaMalloc(&p, sizeof(int)));
+    counts.push_back(p);
+  }
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  layer.forward(b.x, b.y, full, st, counts);
+  CK(cudaStreamEndCapture(st, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  const std::vector<std::vector<int>> cases = {{96, 0, 13, 50}, {1, 1, 1, 1}, {0, 96, 96, 7}, {40, 3, 0, 96}};
+  for (const auto& tokens : cases) {
+    for (int r = 0; r < R; ++r)
+      CK(cudaMemcpy(const_cast<int*>(counts[r]), &tokens[r], sizeof(int), cudaMemcpyHostToDevice));
+    b.poison();
+    CK(cudaGraphLaunch(exec, st));
+    CK(cudaStreamSynchronize(st));
+    ASSERT_NO_THROW(layer.check());
+    const auto got = b.read(tokens, s.hidden);
+    std::vector<std::vector<num::bf16_t>> xt;
+    for (int r = 0; r < R; ++r) xt.emplace_back(xs[r].begin(), xs[r].begin() + size_t(tokens[r]) * s.hidden);
+    const auto want = single_device(w, xt, tokens);
+    for (int r = 0; r < R; ++r)
+      EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2))
+          << "replay " << tokens[0] << "," << tokens[1] << "," << tokens[2] << "," << tokens[3] << " rank " << r;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
+  for (auto p : counts) cudaFree(const_cast<int*>(p));
+}
+
+}  // namespace
+}  // namespace megamoe
