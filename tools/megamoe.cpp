@@ -154,6 +154,7 @@ struct BenchArgs {
   std::string json;
   bool no_baseline = false, no_ep = false;
   int iters = 15;
+  int ranks = 1;
   std::string commit, command;
 };
 
@@ -167,6 +168,8 @@ int run_bench_cmd(const BenchArgs& a) {
   o.baseline = !a.no_baseline;
   o.ep8_share = !a.no_ep;
   o.iters = a.iters;
+  o.ranks = a.ranks;
+  if (a.ranks > 1 && a.tokens.empty()) o.tokens = {1, 8, 64, 256, 1024};  // per rank
   for (const auto& p : o.presets) find_preset(p);  // fail early on a bad name
   nlohmann::json j = api::run_bench(o, [](const std::string& line) {
     fmt::print("{}\n", line);
@@ -227,6 +230,11 @@ int main(int argc, char** argv) {
   c_bench->add_option("--iters", bench.iters, "timed iterations per case")->capture_default_str();
   c_bench->add_flag("--no-baseline", bench.no_baseline, "skip the cuBLASLt baseline");
   c_bench->add_flag("--no-ep", bench.no_ep, "skip the 8-way expert-parallel share");
+  c_bench->add_option("--ranks", bench.ranks,
+                      "expert-parallel ranks (virtual ranks on this GPU; --tokens per rank, default 1 8 64 "
+                      "256 1024), timed against one device running every rank's tokens")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 16));
   c_bench->add_option("--commit", bench.commit, "commit id recorded in the JSON");
   c_bench->add_option("--command", bench.command, "command line recorded in the JSON");
 

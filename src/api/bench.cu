@@ -10,9 +10,11 @@
 #include <functional>
 #include <set>
 #include <stdexcept>
+#include <vector>
 
 #include "../kernels/cuda_check.h"
 #include "megamoe/api/bench.h"
+#include "megamoe/api/ep_layer.h"
 #include "megamoe/api/moe_layer.h"
 #include "megamoe/bench/baselines.h"
 #include "megamoe/weights/host_weights.h"
@@ -37,6 +39,121 @@ struct DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 };
 
+// x for T tokens: N(0,1)-ish via the sum of two uniforms; fresh per T.
+std::vector<num::bf16_t> bench_input(int T, int H) {
+  std::vector<num::bf16_t> x(size_t(T) * H);
+  uint64_t st = 0x9E3779B97F4A7C15ull * (T + 1);
+  for (auto& v : x) {
+    st ^= st << 13, st ^= st >> 7, st ^= st << 17;
+    const float u =
+        float(st >> 40) * (1.0f / 16777216.0f) + float((st >> 16) & 0xFFFFFF) * (1.0f / 16777216.0f);
+    v = num::bf16_encode((u - 1.0f) * 2.45f);
+  }
+  return x;
+}
+
+cudaGraphExec_t capture(cudaStream_t stream, const std::function<void(cudaStream_t)>& body) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  body(stream);
+  MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+  MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+  MEGAMOE_CUDA_CHECK(cudaGraphDestroy(g));
+  return ge;
+}
+
+// Graph replays of `body`, timed (median, p10, p90 of device time).
+bench::Timing time_graph(cudaStream_t stream, const BenchOptions& opt,
+                         const std::function<void(cudaStream_t)>& body) {
+  cudaGraphExec_t g = capture(stream, body);
+  const bench::Timing t = bench::time_device(
+      [&](cudaStream_t st2) { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(g, st2)); }, stream, opt.warmup, opt.iters, true);
+  MEGAMOE_CUDA_CHECK(cudaGraphExecDestroy(g));
+  return t;
+}
+
+// The expert-parallel layer over opt.ranks virtual ranks, T tokens per rank, against
+// one device running all R * T tokens: time, exchanged bytes, and whether the bytes
+// of the outputs agree.
+void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostMoeWeights& hw, const void* dw,
+                   int T, double read_bw, cudaStream_t stream, nlohmann::json& out,
+                   const std::function<void(const std::string&)>& log) {
+  const MoeShape& s = hw.shape;
+  const int R = opt.ranks, Tall = R * T;
+  const std::vector<num::bf16_t> x = bench_input(Tall, s.hidden);
+  DeviceBuffer dx(x.size() * 2), dy(x.size() * 2), dy1(x.size() * 2);
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+  auto* xp = static_cast<const num::bf16_t*>(dx.p);
+  EpLayerOptions eo;
+  eo.ranks = R;
+  eo.max_tokens = std::max(1, T);
+  CudaEpMoeLayer ep(hw, eo);
+  std::vector<const num::bf16_t*> xs(R);
+  std::vector<num::bf16_t*> ys(R);
+  for (int r = 0; r < R; ++r) {
+    xs[r] = xp + size_t(r) * T * s.hidden;
+    ys[r] = static_cast<num::bf16_t*>(dy.p) + size_t(r) * T * s.hidden;
+  }
+  const std::vector<int> tokens(R, T);
+  const bench::Timing t_ep = time_graph(stream, opt, [&](cudaStream_t st) { ep.forward(xs, ys, tokens, st); });
+  ep.check();
+  MoeLayerOptions lo;
+  lo.max_tokens = std::max(1, Tall);
+  CudaMoeLayer one(s, dw, lo);
+  auto* y1 = static_cast<num::bf16_t*>(dy1.p);
+  const bench::Timing t_one = time_graph(stream, opt, [&](cudaStream_t st) { one.forward(xp, y1, Tall, nullptr, st); });
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<num::bf16_t> a(x.size()), b(x.size());
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(a.data(), dy.p, a.size() * 2, cudaMemcpyDeviceToHost));
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(b.data(), y1, b.size() * 2, cudaMemcpyDeviceToHost));
+  const bool same = a == b;
+  // Rows that cross ranks: a slot whose expert another rank owns moves its FP8 row
+  // and scales there and its BF16 result back.
+  const int El = s.experts / R;
+  std::set<int> hit;
+  int64_t remote = 0;
+  for (int r = 0; r < R; ++r) {
+    std::vector<int32_t> ids(size_t(T) * s.topk);
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(ids.data(), ep.topk_ids(r), ids.size() * 4, cudaMemcpyDeviceToHost));
+    for (int32_t id : ids) {
+      if (id < 0) continue;
+      hit.insert(id);
+      remote += id / El != r;
+    }
+  }
+  const double row_bytes = s.hidden + s.hidden / 128 * 4.0 + 8 + s.hidden * 2.0;
+  const double moved = remote * row_bytes;
+  const double wbytes = hit.size() * expert_bytes(s, s.inter) +
+                        (s.has_shared() && T > 0 ? expert_bytes(s, s.shared_inter()) : 0.0);
+  const double floor_us = std::max(wbytes / read_bw, double(Tall) * s.flops_per_token() /
+                                                         (opt.tc_peak_tflops * 1e12)) * 1e6;
+  nlohmann::json c;
+  c["preset"] = name;
+  c["ranks"] = R;
+  c["tokens_per_rank"] = T;
+  c["tokens"] = Tall;
+  c["local_experts"] = El;
+  c["us"] = t_ep.median_us;
+  c["us_p10"] = t_ep.p10_us;
+  c["us_p90"] = t_ep.p90_us;
+  c["one_device_us"] = t_one.median_us;
+  c["virtual_rank_overhead"] = t_ep.median_us / t_one.median_us;
+  c["floor_us"] = floor_us;
+  c["tflops"] = double(Tall) * s.flops_per_token() / (t_ep.median_us * 1e-6) * 1e-12;
+  c["rows_crossing_ranks"] = remote;
+  c["bytes_moved"] = moved;
+  c["exchange_GBps"] = moved / (t_ep.median_us * 1e-6) * 1e-9;
+  c["link"] = "virtual ranks: one GPU's memory, not NVLink";
+  c["bytes_equal_one_device"] = same;
+  c["config"] = ep.config_for(T);
+  out["cases"].push_back(c);
+  log(fmt::format("{:14s} R={} T={:5d}/rank: {:9.1f} us (p10 {:.1f}, p90 {:.1f}) | one device, {} tokens: "
+                  "{:9.1f} us (x{:.2f}) | {:.1f} MB across ranks | bytes {} | {}",
+                  name, R, T, t_ep.median_us, t_ep.p10_us, t_ep.p90_us, Tall, t_one.median_us,
+                  t_ep.median_us / t_one.median_us, moved * 1e-6, same ? "equal" : "DIFFER", ep.config_for(T)));
+}
+
 }  // namespace
 
 nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const std::string&)>& log) {
@@ -56,6 +173,19 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
   out["tc_peak_tflops"] = opt.tc_peak_tflops;
   out["cases"] = nlohmann::json::array();
 
+  if (opt.ranks > 1) {
+    out["ranks"] = opt.ranks;
+    for (const std::string& name : opt.presets) {
+      const MoeShape& s = find_preset(name).shape;
+      HostMoeWeights hw = make_random_weights(s, 1234);
+      DeviceBuffer dw(hw.bytes());
+      MEGAMOE_CUDA_CHECK(cudaMemcpy(dw.p, hw.data(), hw.bytes(), cudaMemcpyHostToDevice));
+      for (int T : opt.tokens) bench_ep_case(opt, name, hw, dw.p, T, read_bw, stream, out, log);
+    }
+    cudaStreamDestroy(stream);
+    return out;
+  }
+
   for (const std::string& name : opt.presets) {
     const Preset& preset = find_preset(name);
     std::vector<std::pair<MoeShape, int>> shapes;  // (shape, local-expert divisor)
@@ -72,14 +202,7 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
       MEGAMOE_CUDA_CHECK(cudaMemcpy(dw.p, hw.data(), hw.bytes(), cudaMemcpyHostToDevice));
       const MoeWeightsView dview = MoeWeightsView::at(dw.p, hw.layout, s);
       for (int T : opt.tokens) {
-        std::vector<num::bf16_t> x(size_t(T) * s.hidden);
-        uint64_t st = 0x9E3779B97F4A7C15ull * (T + 1);
-        for (auto& v : x) {  // N(0,1)-ish via the sum of two uniforms; fresh per T
-          st ^= st << 13, st ^= st >> 7, st ^= st << 17;
-          const float u =
-              float(st >> 40) * (1.0f / 16777216.0f) + float((st >> 16) & 0xFFFFFF) * (1.0f / 16777216.0f);
-          v = num::bf16_encode((u - 1.0f) * 2.45f);
-        }
+        const std::vector<num::bf16_t> x = bench_input(T, s.hidden);
         DeviceBuffer dx(x.size() * 2), dy(x.size() * 2);
         MEGAMOE_CUDA_CHECK(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
         MoeLayerOptions lo;
@@ -91,27 +214,10 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
         // count in device memory (no per-launch host gaps in the figures).
         DeviceBuffer dT(sizeof(int));
         MEGAMOE_CUDA_CHECK(cudaMemcpy(dT.p, &T, sizeof(int), cudaMemcpyHostToDevice));
-        auto capture = [&](const std::function<void(cudaStream_t)>& body) {
-          cudaGraph_t g;
-          cudaGraphExec_t ge;
-          MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-          body(stream);
-          MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
-          MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-          MEGAMOE_CUDA_CHECK(cudaGraphDestroy(g));
-          return ge;
-        };
         const int* dTp = static_cast<const int*>(dT.p);
-        cudaGraphExec_t g_fwd = capture([&](cudaStream_t st2) { layer.forward(xp, yp, T, dTp, st2); });
-        cudaGraphExec_t g_route = capture([&](cudaStream_t st2) { layer.route(xp, T, dTp, st2); });
         const bench::Timing ours =
-            bench::time_device([&](cudaStream_t st2) { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(g_fwd, st2)); },
-                               stream, opt.warmup, opt.iters, true);
-        const bench::Timing route =
-            bench::time_device([&](cudaStream_t st2) { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(g_route, st2)); },
-                               stream, opt.warmup, opt.iters, true);
-        MEGAMOE_CUDA_CHECK(cudaGraphExecDestroy(g_fwd));
-        MEGAMOE_CUDA_CHECK(cudaGraphExecDestroy(g_route));
+            time_graph(stream, opt, [&](cudaStream_t st2) { layer.forward(xp, yp, T, dTp, st2); });
+        const bench::Timing route = time_graph(stream, opt, [&](cudaStream_t st2) { layer.route(xp, T, dTp, st2); });
         layer.forward(xp, yp, T, nullptr, stream);
         MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
         std::vector<int32_t> ids(size_t(T) * s.topk);

@@ -152,6 +152,10 @@ const int32_t* CudaEpMoeLayer::topk_ids(int r) const {
   MEGAMOE_CHECK(r >= 0 && r < impl_->opt.ranks, "topk_ids: no rank " + std::to_string(r));
   return kernels::routing_outputs(impl_->rank[r].plan).ids;
 }
+const float* CudaEpMoeLayer::topk_weights(int r) const {
+  MEGAMOE_CHECK(r >= 0 && r < impl_->opt.ranks, "topk_weights: no rank " + std::to_string(r));
+  return kernels::routing_outputs(impl_->rank[r].plan).weights;
+}
 std::string CudaEpMoeLayer::config_for(int tokens_per_rank) const {
   return kernels::describe(kernels::fused_moe_config(impl_->rank[0].plan, tokens_per_rank));
 }

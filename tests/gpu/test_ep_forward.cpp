@@ -297,5 +297,21 @@ TEST_F(EpForward, GraphReplaysWithChangingCounts) {
   for (auto p : counts) cudaFree(const_cast<int*>(p));
 }
 
+// api::forward (what `megamoe forward --ranks R --backend cuda` runs): the tokens split
+// over R virtual ranks give the bytes, ids and weights of one device.
+TEST_F(EpForward, HostForwardWithRanksMatchesOneDevice) {
+  const MoeShape s = reduced_shape();
+  HostMoeWeights w = make_random_weights(s, 51);
+  const int T = 77;
+  const auto x = random_x(size_t(T) * s.hidden, 800);
+  const api::ForwardOutput one = api::forward(api::Backend::kCuda, w, x.data(), T, 1);
+  for (int R : {2, 4}) {
+    const api::ForwardOutput ep = api::forward(api::Backend::kCuda, w, x.data(), T, R);
+    EXPECT_EQ(ep.y, one.y) << "R=" << R;
+    EXPECT_EQ(ep.ids, one.ids) << "R=" << R;
+    EXPECT_EQ(ep.weights, one.weights) << "R=" << R;
+  }
+}
+
 }  // namespace
 }  // namespace megamoe

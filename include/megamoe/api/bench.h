@@ -15,6 +15,10 @@ struct BenchOptions {
   std::vector<int> tokens{1, 8, 64, 256, 1024, 4096, 16384};
   bool ep8_share = true;  // also the one-rank share of an 8-way expert-parallel layer
   bool baseline = true;   // cuBLASLt expert-by-expert baseline
+  // ranks > 1: the expert-parallel layer over that many virtual ranks on this GPU,
+  // `tokens` per rank, against one device running all R * T tokens (the
+  // virtual-rank overhead); the figures above are not measured then.
+  int ranks = 1;
   int warmup = 3;
   int iters = 15;
   double tc_peak_tflops = 1424.0;  // FP8 block-scaled dense ceiling measured on the H200 (ANCHORS.md)

@@ -52,6 +52,7 @@ class CudaEpMoeLayer {
   const MoeShape& shape() const;
   // Routing outputs of rank r's last forward (device pointers, [T_r][K], global ids).
   const int32_t* topk_ids(int r) const;
+  const float* topk_weights(int r) const;
   std::string config_for(int tokens_per_rank) const;
 
   struct Impl;
