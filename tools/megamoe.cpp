@@ -19,6 +19,7 @@
 
 #include "commands.h"
 #include "megamoe/api/bench.h"
+#include "megamoe/api/ep_layer.h"
 #include "megamoe/api/forward.h"
 #include "megamoe/io/checkpoint.h"
 #include "megamoe/io/safetensors.h"
@@ -191,6 +192,45 @@ int run_bench_cmd(const BenchArgs& a) {
   return 0;
 }
 
+// ---------------------------------------------------------------- ep-check
+struct EpCheckArgs {
+  std::string preset = "glm-5.3-flash", transport = "virtual", rendezvous;
+  int ranks = 2, tokens = 64, rank = -1;
+  double timeout_s = 10;
+};
+
+int run_ep_check(const EpCheckArgs& a) {
+  std::string why;
+  if (!api::cuda_available(&why)) throw std::runtime_error("ep-check needs the CUDA backend: " + why);
+#if defined(MEGAMOE_HAVE_CUDA)
+  api::EpLayerOptions o;
+  o.ranks = a.ranks;
+  o.max_tokens = std::max(1, a.tokens);
+  o.timeout_s = a.timeout_s;
+  o.transport = api::parse_ep_transport(a.transport);
+  if (a.rank >= 0) {  // one process per GPU (scripts/ep_launch.sh): this process is rank a.rank on device 0
+    if (o.transport != api::EpTransport::kNccl) throw std::invalid_argument("--rank needs --transport nccl");
+    if (a.rendezvous.empty()) throw std::invalid_argument("--rank needs --rendezvous FILE");
+    o.local_ranks = {a.rank};
+    o.devices = {0};
+  }
+  o.rendezvous = a.rendezvous;
+  const MoeShape& s = find_preset(a.preset).shape;
+  const auto res = api::ep_self_check(s, a.tokens, o);
+  bool ok = true;
+  for (const auto& r : res) {
+    fmt::print("ep-check: {} R={} ({}) rank {} on device {}: {} tokens, forward {:.1f} us, bytes {} one device\n",
+               a.preset, a.ranks, a.transport, r.rank, r.device, r.tokens, r.us,
+               r.bytes_equal ? "equal to" : "DIFFER from");
+    ok &= r.bytes_equal;
+  }
+  fmt::print("ep-check: {}\n", ok ? "OK" : "FAILED");
+  return ok ? 0 : 1;
+#else
+  return 1;
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -241,7 +281,19 @@ int main(int argc, char** argv) {
   const std::vector<tools::Command> checkpoint_cmds = tools::add_checkpoint_commands(app);
 
   CLI11_PARSE(app, argc, argv);
+  EpCheckArgs epc;
+  auto* c_epc = app.add_subcommand(
+      "ep-check", "Run the expert-parallel layer on random data and compare every rank's bytes with one device");
+  c_epc->add_option("--preset", epc.preset)->capture_default_str();
+  c_epc->add_option("--ranks", epc.ranks, "expert-parallel ranks R")->capture_default_str()->check(CLI::Range(1, 16));
+  c_epc->add_option("--tokens", epc.tokens, "tokens per rank (rank r takes tokens - r % 3)")->capture_default_str();
+  c_epc->add_option("--transport", epc.transport, "virtual (R ranks on this GPU) | nccl")->capture_default_str();
+  c_epc->add_option("--rank", epc.rank, "one process per GPU: this process's rank (nccl, with --rendezvous)");
+  c_epc->add_option("--rendezvous", epc.rendezvous, "file through which rank 0 hands out NCCL's unique id");
+  c_epc->add_option("--timeout", epc.timeout_s, "seconds before a missing peer is an error")->capture_default_str();
+
   try {
+    if (*c_epc) return run_ep_check(epc);
     if (*c_demo) return run_demo(demo);
     if (*c_fwd) return run_forward(fwd);
     if (*c_bench) return run_bench_cmd(bench);

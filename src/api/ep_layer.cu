@@ -1,7 +1,9 @@
-// CudaEpMoeLayer: R virtual ranks on one GPU (ep_layer.h).
+// CudaEpMoeLayer: the ranks this process drives, over virtual ranks or NCCL (ep_layer.h).
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <map>
 #include <stdexcept>
 #include <vector>
 
@@ -13,25 +15,44 @@
 
 namespace megamoe::api {
 
+EpTransport parse_ep_transport(const std::string& name) {
+  if (name == "virtual") return EpTransport::kVirtual;
+  if (name == "nccl") return EpTransport::kNccl;
+  throw std::invalid_argument(fmt::format("unknown expert-parallel transport '{}' (virtual, nccl)", name));
+}
+
+namespace {
+
+// Restores the caller's current device on every path.
+struct DeviceGuard {
+  int saved = 0;
+  DeviceGuard() { MEGAMOE_CUDA_CHECK(cudaGetDevice(&saved)); }
+  ~DeviceGuard() { cudaSetDevice(saved); }
+};
+
+}  // namespace
+
 struct CudaEpMoeLayer::Impl {
   MoeShape shape;
   EpLayerOptions opt;
   kernels::EpLayout layout;
   kernels::MoeWorkspaceLayout ws;
   std::unique_ptr<transport::Transport> transport;
-  void* weights = nullptr;
+  std::map<int, void*> weights;  // by device: one copy each
   struct Rank {
+    int rank = 0, device = 0;
     void* workspace = nullptr;
     int* own_count = nullptr;
     cudaStream_t stream = nullptr;
     cudaEvent_t done = nullptr;
     kernels::FusedMoePlan* plan = nullptr;
   };
-  std::vector<Rank> rank;
+  std::vector<Rank> local;
   cudaEvent_t fork = nullptr;
 
   ~Impl() {
-    for (Rank& r : rank) {
+    for (Rank& r : local) {
+      cudaSetDevice(r.device);
       if (r.plan) kernels::fused_moe_plan_destroy(r.plan);
       cudaFree(r.workspace);
       cudaFree(r.own_count);
@@ -39,13 +60,18 @@ struct CudaEpMoeLayer::Impl {
       if (r.done) cudaEventDestroy(r.done);
     }
     if (fork) cudaEventDestroy(fork);
-    cudaFree(weights);
+    for (auto& [dev, p] : weights) {
+      cudaSetDevice(dev);
+      cudaFree(p);
+    }
+    transport.reset();
   }
 };
 
 CudaEpMoeLayer::CudaEpMoeLayer(const HostMoeWeights& w, const EpLayerOptions& opt)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
+  DeviceGuard guard;
   validate_shape(w.shape);
   if (opt.max_tokens <= 0)
     throw std::invalid_argument(fmt::format("max_tokens = {} per rank must be > 0", opt.max_tokens));
@@ -54,38 +80,60 @@ CudaEpMoeLayer::CudaEpMoeLayer(const HostMoeWeights& w, const EpLayerOptions& op
   m.opt = opt;
   m.layout = kernels::EpLayout::compute(w.shape, opt.ranks, opt.max_tokens);  // checks R and E % R
   m.ws = kernels::MoeWorkspaceLayout::compute(w.shape, opt.max_tokens, opt.ranks);
-  int dev = 0, sms = 0;
-  MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
-  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  // NOTE: the ranks wait on each other inside their kernels, so all R persistent grids
-  // must be resident at once: each takes 1/R of the SMs.
-  if (sms / opt.ranks < 1)
-    throw std::invalid_argument(fmt::format("{} virtual ranks need at least {} SMs ({} here)", opt.ranks,
-                                            opt.ranks, sms));
-  MEGAMOE_CUDA_CHECK(cudaMalloc(&m.weights, w.bytes()));
-  MEGAMOE_CUDA_CHECK(cudaMemcpy(m.weights, w.data(), w.bytes(), cudaMemcpyHostToDevice));
-  m.transport = transport::make_virtual_ranks(m.layout);
+  int sms_share = 0;  // 0: every SM of the rank's device
+  if (opt.transport == EpTransport::kVirtual) {
+    if (!opt.local_ranks.empty() || !opt.devices.empty() || !opt.rendezvous.empty())
+      throw std::invalid_argument("virtual ranks: every rank runs in this process on the current GPU "
+                                  "(local_ranks, devices and rendezvous are for the nccl transport)");
+    int dev = 0, sms = 0;
+    MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
+    MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    // NOTE: the ranks wait on each other inside their kernels, so all R persistent grids
+    // must be resident at once: each takes 1/R of the SMs.
+    if (sms / opt.ranks < 1)
+      throw std::invalid_argument(
+          fmt::format("{} virtual ranks need at least {} SMs ({} here)", opt.ranks, opt.ranks, sms));
+    sms_share = sms / opt.ranks;
+    m.transport = transport::make_virtual_ranks(m.layout);
+  } else {
+    transport::NcclOptions no;
+    no.local_ranks = opt.local_ranks;
+    no.devices = opt.devices;
+    no.rendezvous = opt.rendezvous;
+    m.transport = transport::make_nccl_transport(m.layout, no);
+  }
   MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&m.fork, cudaEventDisableTiming));
-  const MoeWeightsView view = MoeWeightsView::at(m.weights, MoeWeightLayout::compute(w.shape), w.shape);
-  m.rank.resize(opt.ranks);
-  for (int r = 0; r < opt.ranks; ++r) {
-    Impl::Rank& k = m.rank[r];
+  const MoeWeightLayout wl = MoeWeightLayout::compute(w.shape);
+  for (int r : m.transport->local_ranks()) {
+    Impl::Rank k;
+    k.rank = r;
+    k.device = m.transport->device(r);
+    MEGAMOE_CUDA_CHECK(cudaSetDevice(k.device));
+    void*& dw = m.weights[k.device];
+    if (!dw) {
+      // NOTE: every device holds all experts (each rank reads its E/R from that copy);
+      // a rank-local load would hold only its own (EpRank::view_expert0 = 0).
+      MEGAMOE_CUDA_CHECK(cudaMalloc(&dw, w.bytes()));
+      MEGAMOE_CUDA_CHECK(cudaMemcpy(dw, w.data(), w.bytes(), cudaMemcpyHostToDevice));
+    }
     MEGAMOE_CUDA_CHECK(cudaMalloc(&k.workspace, m.ws.total_bytes));
     // NOTE: poison, so a region the kernels fail to write shows up as garbage, never as zeros.
     MEGAMOE_CUDA_CHECK(cudaMemset(k.workspace, 0xFF, m.ws.total_bytes));
     MEGAMOE_CUDA_CHECK(cudaMalloc(&k.own_count, sizeof(int)));
     MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&k.stream, cudaStreamNonBlocking));
     MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&k.done, cudaEventDisableTiming));
+    m.local.push_back(k);
     kernels::EpRank ep;
     ep.layout = m.layout;
     ep.rank = r;
     const transport::PeerTable t = m.transport->peers(r);
     for (int q = 0; q < opt.ranks; ++q) ep.peer_base[q] = t.base[q];
-    ep.view_expert0 = r * m.layout.local_experts;  // one copy of every expert
+    ep.view_expert0 = r * m.layout.local_experts;
     ep.timeout_s = opt.timeout_s;
     kernels::FusedMoeConfig cfg;
-    cfg.num_sms = sms / opt.ranks;
-    k.plan = kernels::fused_moe_plan_create(w.shape, view, m.ws, k.workspace, cfg, &ep);
+    cfg.num_sms = sms_share;
+    m.local.back().plan = kernels::fused_moe_plan_create(w.shape, MoeWeightsView::at(dw, wl, w.shape), m.ws,
+                                                         k.workspace, cfg, &ep);
   }
 }
 
@@ -95,38 +143,40 @@ void CudaEpMoeLayer::forward(const std::vector<const num::bf16_t*>& x, const std
                              const std::vector<int>& tokens, Stream stream,
                              const std::vector<const int*>& num_tokens_dev, uint32_t launch_mask) {
   Impl& m = *impl_;
-  const int R = m.opt.ranks;
-  if (int(x.size()) != R || int(y.size()) != R || int(tokens.size()) != R)
-    throw std::invalid_argument(fmt::format("forward: {} ranks need {} inputs, outputs and token counts "
+  DeviceGuard guard;
+  const int n = int(m.local.size());
+  if (int(x.size()) != n || int(y.size()) != n || int(tokens.size()) != n)
+    throw std::invalid_argument(fmt::format("forward: {} local ranks need {} inputs, outputs and token counts "
                                             "(got {}, {}, {})",
-                                            R, R, x.size(), y.size(), tokens.size()));
-  if (!num_tokens_dev.empty() && int(num_tokens_dev.size()) != R)
-    throw std::invalid_argument(fmt::format("forward: {} device token counts for {} ranks",
-                                            num_tokens_dev.size(), R));
-  for (int r = 0; r < R; ++r) {
-    m.layout.check_tokens(r, tokens[r]);
-    if (tokens[r] > 0) {
-      require_aligned(x[r], 16, "forward x");
-      require_aligned(y[r], 16, "forward y");
+                                            n, n, x.size(), y.size(), tokens.size()));
+  if (!num_tokens_dev.empty() && int(num_tokens_dev.size()) != n)
+    throw std::invalid_argument(
+        fmt::format("forward: {} device token counts for {} local ranks", num_tokens_dev.size(), n));
+  for (int i = 0; i < n; ++i) {
+    m.layout.check_tokens(m.local[i].rank, tokens[i]);
+    if (tokens[i] > 0) {
+      require_aligned(x[i], 16, "forward x");
+      require_aligned(y[i], 16, "forward y");
     }
   }
   auto s = static_cast<cudaStream_t>(stream);
   MEGAMOE_CUDA_CHECK(cudaEventRecord(m.fork, s));
-  for (int r = 0; r < R; ++r) {
-    if (!(launch_mask >> r & 1)) continue;
-    Impl::Rank& k = m.rank[r];
+  for (int i = 0; i < n; ++i) {
+    if (!(launch_mask >> i & 1)) continue;
+    Impl::Rank& k = m.local[i];
+    MEGAMOE_CUDA_CHECK(cudaSetDevice(k.device));
     MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(k.stream, m.fork, 0));
-    const int* count = num_tokens_dev.empty() ? nullptr : num_tokens_dev[r];
+    const int* count = num_tokens_dev.empty() ? nullptr : num_tokens_dev[i];
     if (!count) {
-      kernels::set_device_int(k.own_count, tokens[r], k.stream);
+      kernels::set_device_int(k.own_count, tokens[i], k.stream);
       count = k.own_count;
     }
     kernels::DeviceTensors t;
-    t.x = reinterpret_cast<const uint16_t*>(x[r]);
-    t.y = reinterpret_cast<uint16_t*>(y[r]);
+    t.x = reinterpret_cast<const uint16_t*>(x[i]);
+    t.y = reinterpret_cast<uint16_t*>(y[i]);
     t.num_tokens = count;
     t.workspace = k.workspace;
-    kernels::fused_moe_forward(k.plan, t, tokens[r], k.stream);
+    kernels::fused_moe_forward(k.plan, t, tokens[i], k.stream);
     MEGAMOE_CUDA_CHECK(cudaEventRecord(k.done, k.stream));
     MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(s, k.done, 0));
   }
@@ -134,30 +184,110 @@ void CudaEpMoeLayer::forward(const std::vector<const num::bf16_t*>& x, const std
 
 void CudaEpMoeLayer::check() {
   Impl& m = *impl_;
-  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  DeviceGuard guard;
   std::string first;
-  for (const Impl::Rank& k : m.rank) {
+  for (const Impl::Rank& k : m.local) {
+    MEGAMOE_CUDA_CHECK(cudaSetDevice(k.device));
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
     const kernels::EpStatus st = kernels::ep_status(k.plan);
     if (st.phase != kernels::EpStatus::kNone && first.empty()) first = st.message();
   }
   if (first.empty()) return;
-  for (const Impl::Rank& k : m.rank) kernels::ep_reset(k.plan);
+  // NOTE: with one process per GPU every process sees its own ranks' status; each resets
+  // its own (a peer that timed out elsewhere reports there).
+  for (const Impl::Rank& k : m.local) {
+    MEGAMOE_CUDA_CHECK(cudaSetDevice(k.device));
+    kernels::ep_reset(k.plan);
+  }
   throw std::runtime_error(first);
 }
 
 int CudaEpMoeLayer::ranks() const { return impl_->opt.ranks; }
+std::vector<int> CudaEpMoeLayer::local_ranks() const { return impl_->transport->local_ranks(); }
+int CudaEpMoeLayer::device(int i) const {
+  MEGAMOE_CHECK(i >= 0 && i < int(impl_->local.size()), "device: no local rank " + std::to_string(i));
+  return impl_->local[i].device;
+}
 int CudaEpMoeLayer::max_tokens() const { return impl_->opt.max_tokens; }
 const MoeShape& CudaEpMoeLayer::shape() const { return impl_->shape; }
-const int32_t* CudaEpMoeLayer::topk_ids(int r) const {
-  MEGAMOE_CHECK(r >= 0 && r < impl_->opt.ranks, "topk_ids: no rank " + std::to_string(r));
-  return kernels::routing_outputs(impl_->rank[r].plan).ids;
+const int32_t* CudaEpMoeLayer::topk_ids(int i) const {
+  MEGAMOE_CHECK(i >= 0 && i < int(impl_->local.size()), "topk_ids: no local rank " + std::to_string(i));
+  return kernels::routing_outputs(impl_->local[i].plan).ids;
 }
-const float* CudaEpMoeLayer::topk_weights(int r) const {
-  MEGAMOE_CHECK(r >= 0 && r < impl_->opt.ranks, "topk_weights: no rank " + std::to_string(r));
-  return kernels::routing_outputs(impl_->rank[r].plan).weights;
+const float* CudaEpMoeLayer::topk_weights(int i) const {
+  MEGAMOE_CHECK(i >= 0 && i < int(impl_->local.size()), "topk_weights: no local rank " + std::to_string(i));
+  return kernels::routing_outputs(impl_->local[i].plan).weights;
 }
 std::string CudaEpMoeLayer::config_for(int tokens_per_rank) const {
-  return kernels::describe(kernels::fused_moe_config(impl_->rank[0].plan, tokens_per_rank));
+  return kernels::describe(kernels::fused_moe_config(impl_->local[0].plan, tokens_per_rank));
+}
+
+std::vector<EpCheckRank> ep_self_check(const MoeShape& shape, int tokens, const EpLayerOptions& opt,
+                                       uint64_t seed) {
+  DeviceGuard guard;
+  const HostMoeWeights w = make_random_weights(shape, seed);
+  CudaEpMoeLayer layer(w, opt);
+  const std::vector<int> ranks = layer.local_ranks();
+  const int n = int(ranks.size()), H = shape.hidden;
+  std::vector<EpCheckRank> res(n);
+  std::vector<std::vector<num::bf16_t>> xs(n);
+  std::vector<const num::bf16_t*> dx(n);
+  std::vector<num::bf16_t*> dy(n);
+  std::vector<int> counts(n);
+  for (int i = 0; i < n; ++i) {
+    res[i].rank = ranks[i];
+    res[i].device = layer.device(i);
+    counts[i] = res[i].tokens = std::max(0, tokens - ranks[i] % 3);
+    xs[i].resize(size_t(counts[i]) * H);
+    uint64_t st = seed * 0x9E3779B97F4A7C15ull + 1 + ranks[i];
+    for (auto& v : xs[i]) {  // uniform in [-2, 2), fresh per rank
+      st ^= st << 13, st ^= st >> 7, st ^= st << 17;
+      v = num::bf16_encode(float(st >> 40) * (4.0f / 16777216.0f) - 2.0f);
+    }
+    MEGAMOE_CUDA_CHECK(cudaSetDevice(res[i].device));
+    const size_t b = std::max<size_t>(16, xs[i].size() * 2);
+    void *px = nullptr, *py = nullptr;
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&px, b));
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&py, b));
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(px, xs[i].data(), xs[i].size() * 2, cudaMemcpyHostToDevice));
+    MEGAMOE_CUDA_CHECK(cudaMemset(py, 0xFF, b));  // poison
+    dx[i] = static_cast<const num::bf16_t*>(px);
+    dy[i] = static_cast<num::bf16_t*>(py);
+  }
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(res[0].device));
+  cudaStream_t st;
+  cudaEvent_t e0, e1;
+  MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  MEGAMOE_CUDA_CHECK(cudaEventCreate(&e0));
+  MEGAMOE_CUDA_CHECK(cudaEventCreate(&e1));
+  layer.forward(dx, dy, counts, st);
+  MEGAMOE_CUDA_CHECK(cudaEventRecord(e0, st));
+  layer.forward(dx, dy, counts, st);
+  MEGAMOE_CUDA_CHECK(cudaEventRecord(e1, st));
+  layer.check();
+  float ms = 0;
+  MEGAMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  for (int i = 0; i < n; ++i) {
+    MEGAMOE_CUDA_CHECK(cudaSetDevice(res[i].device));
+    std::vector<num::bf16_t> got(xs[i].size()), want(xs[i].size());
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(got.data(), dy[i], got.size() * 2, cudaMemcpyDeviceToHost));
+    MoeLayerOptions lo;
+    lo.max_tokens = std::max(1, counts[i]);
+    CudaMoeLayer one(w, lo);
+    MEGAMOE_CUDA_CHECK(cudaMemset(dy[i], 0xFF, std::max<size_t>(16, got.size() * 2)));
+    one.forward(dx[i], dy[i], counts[i], nullptr, nullptr);
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(want.data(), dy[i], want.size() * 2, cudaMemcpyDeviceToHost));
+    res[i].bytes_equal = got == want;
+    res[i].us = ms * 1e3;
+    cudaFree(const_cast<num::bf16_t*>(dx[i]));
+    cudaFree(dy[i]);
+  }
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(res[0].device));
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaStreamDestroy(st);
+  return res;
 }
 
 }  // namespace megamoe::api

@@ -13,6 +13,7 @@ namespace {
 class VirtualRanks final : public Transport {
  public:
   explicit VirtualRanks(const kernels::EpLayout& l) : layout_(l) {
+    MEGAMOE_CUDA_CHECK(cudaGetDevice(&device_));
     MEGAMOE_CHECK(l.ranks >= 1 && l.ranks <= kMaxRanks, "virtual ranks: " + std::to_string(l.ranks) +
                                                             " ranks (1.." + std::to_string(kMaxRanks) + ")");
     try {
@@ -34,6 +35,12 @@ class VirtualRanks final : public Transport {
   ~VirtualRanks() override { release(); }
   int ranks() const override { return layout_.ranks; }
   const kernels::EpLayout& layout() const override { return layout_; }
+  std::vector<int> local_ranks() const override {
+    std::vector<int> r(layout_.ranks);
+    for (int q = 0; q < layout_.ranks; ++q) r[q] = q;
+    return r;
+  }
+  int device(int) const override { return device_; }
   PeerTable peers(int rank) const override {
     MEGAMOE_CHECK(rank >= 0 && rank < layout_.ranks, "virtual ranks: no rank " + std::to_string(rank));
     PeerTable t;
@@ -49,6 +56,7 @@ class VirtualRanks final : public Transport {
     buffers_.clear();
   }
   kernels::EpLayout layout_;
+  int device_ = 0;
   std::vector<uint8_t*> buffers_;
 };
 

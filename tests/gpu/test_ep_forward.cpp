@@ -313,5 +313,41 @@ TEST_F(EpForward, HostForwardWithRanksMatchesOneDevice) {
   }
 }
 
+// The NCCL transport with the one GPU there is: R = 1 in NCCL symmetric windows, the
+// unique id made here and (dry run of one process per GPU) through a rendezvous file.
+TEST_F(EpForward, NcclOneRankMatchesOneDevice) {
+  const MoeShape s = reduced_shape();
+  for (bool rendezvous : {false, true}) {
+    api::EpLayerOptions opt;
+    opt.ranks = 1;
+    opt.max_tokens = 40;
+    opt.transport = api::EpTransport::kNccl;
+    if (rendezvous) opt.rendezvous = ::testing::TempDir() + "megamoe_nccl_rdv";
+    std::vector<api::EpCheckRank> res;
+    try {
+      res = api::ep_self_check(s, 40, opt);
+    } catch (const std::runtime_error& e) {
+      if (std::string(e.what()).find("cannot load") != std::string::npos) GTEST_SKIP() << e.what();
+      throw;
+    }
+    ASSERT_EQ(res.size(), 1u);
+    EXPECT_TRUE(res[0].bytes_equal) << "rendezvous " << rendezvous;
+    EXPECT_EQ(res[0].tokens, 40);
+  }
+}
+
+// Virtual ranks through the same self-check the multi-process launcher runs.
+TEST_F(EpForward, SelfCheckVirtualRanks) {
+  api::EpLayerOptions opt;
+  opt.ranks = 4;
+  opt.max_tokens = 33;
+  const auto res = api::ep_self_check(reduced_shape(), 33, opt);
+  ASSERT_EQ(res.size(), 4u);
+  for (const auto& r : res) {
+    EXPECT_TRUE(r.bytes_equal) << "rank " << r.rank;
+    EXPECT_EQ(r.tokens, 33 - r.rank % 3);
+  }
+}
+
 }  // namespace
 }  // namespace megamoe

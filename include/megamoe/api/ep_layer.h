@@ -1,9 +1,12 @@
-// Expert-parallel MoE layer over R ranks driven by this process (issue 5, SPEC §8).
-// Today: R virtual ranks on the current GPU, each with its own symmetric buffer,
-// workspace, stream and 1/R of the SMs, sharing one copy of the weights; every rank
-// routes its own batch, owns E/R experts, and the fused kernel moves tokens and
-// results between the ranks (kernels/ep_layout.h has the flow). The bytes of every
-// rank's output equal those of the single-device layer on the same tokens.
+// Expert-parallel MoE layer over R ranks, of which this process drives some or all
+// (issue 5, SPEC §8). Every rank routes its own batch, owns E/R experts, and the
+// fused kernel moves tokens and results between the ranks (kernels/ep_layout.h has
+// the flow). The bytes of every rank's output equal those of the single-device
+// layer on the same tokens. Transports:
+//   - virtual: R ranks on the current GPU, each with its own symmetric buffer,
+//     workspace, stream and 1/R of the SMs, sharing one copy of the weights;
+//   - nccl: ranks on their own GPUs in NCCL symmetric windows, one process for all
+//     GPUs or one per GPU (local_ranks, rendezvous); each GPU holds the weights.
 #pragma once
 
 #include <cstdint>
@@ -18,11 +21,21 @@
 
 namespace megamoe::api {
 
+enum class EpTransport { kVirtual, kNccl };
+
 struct EpLayerOptions {
   int ranks = 2;           // R: divides the expert count, at most 16
   int max_tokens = 1024;   // per rank (sizes the symmetric buffers); more is an error
   double timeout_s = 5.0;  // a peer that does not arrive within this is an error, never a hang
+  EpTransport transport = EpTransport::kVirtual;
+  // nccl: the ranks this process drives and their devices (empty: all, rank r on
+  // device r), and the rendezvous file when a process drives only some of them.
+  std::vector<int> local_ranks;
+  std::vector<int> devices;
+  std::string rendezvous;
 };
+
+EpTransport parse_ep_transport(const std::string& name);  // virtual | nccl
 
 class CudaEpMoeLayer {
  public:
@@ -32,12 +45,13 @@ class CudaEpMoeLayer {
   CudaEpMoeLayer(const CudaEpMoeLayer&) = delete;
   CudaEpMoeLayer& operator=(const CudaEpMoeLayer&) = delete;
 
-  // One forward of every rank: x[r], y[r] are rank r's bf16 [T_r][H] device arrays,
-  // tokens[r] = T_r (host; over max_tokens is an error naming the rank). If
-  // num_tokens_dev is given, num_tokens_dev[r] is a device int holding T_r <=
-  // tokens[r] (capture a graph at the largest counts you need). Enqueued on
-  // `stream`: the ranks fork onto their own streams and join back (capturable).
-  // launch_mask: the ranks that run (tests leave one out to see the timeout).
+  // One forward of every local rank (index i = local_ranks()[i]): x[i], y[i] are its
+  // bf16 [T][H] arrays on its device, tokens[i] = T (host; over max_tokens is an
+  // error naming the rank). If num_tokens_dev is given, num_tokens_dev[i] is a device
+  // int holding T <= tokens[i] (capture a graph at the largest counts you need).
+  // Enqueued on `stream`: the ranks fork onto their own streams and join back
+  // (capturable). launch_mask (by local index): the ranks that run (tests leave one
+  // out to see the timeout).
   void forward(const std::vector<const num::bf16_t*>& x, const std::vector<num::bf16_t*>& y,
                const std::vector<int>& tokens, Stream stream, const std::vector<const int*>& num_tokens_dev = {},
                uint32_t launch_mask = ~0u);
@@ -48,9 +62,11 @@ class CudaEpMoeLayer {
   void check();
 
   int ranks() const;
+  std::vector<int> local_ranks() const;
+  int device(int local_index) const;
   int max_tokens() const;
   const MoeShape& shape() const;
-  // Routing outputs of rank r's last forward (device pointers, [T_r][K], global ids).
+  // Routing outputs of local rank i's last forward (device pointers, [T][K], global ids).
   const int32_t* topk_ids(int r) const;
   const float* topk_weights(int r) const;
   std::string config_for(int tokens_per_rank) const;
@@ -60,5 +76,18 @@ class CudaEpMoeLayer {
  private:
   std::unique_ptr<Impl> impl_;
 };
+
+// A self-check every process of an expert-parallel group can run (`megamoe ep-check`,
+// scripts/ep_launch.sh): random weights from `seed` (the same in every process), each
+// local rank its own random batch (tokens - rank % 3 tokens: uneven), the forward
+// twice (the second timed), and each rank's output bytes against the single-device
+// layer on the same tokens on the same GPU.
+struct EpCheckRank {
+  int rank = 0, device = 0, tokens = 0;
+  bool bytes_equal = false;
+  double us = 0;  // the timed forward of the whole local group
+};
+std::vector<EpCheckRank> ep_self_check(const MoeShape& shape, int tokens, const EpLayerOptions& opt,
+                                       uint64_t seed = 7);
 
 }  // namespace megamoe::api

@@ -5,11 +5,16 @@
 //   - virtual ranks: R ranks in one process on one GPU (each its own buffer); the
 //     whole protocol runs and is tested where there is a single GPU;
 //   - NCCL symmetric windows (NCCL >= 2.28, LSA pointers): R GPUs in one NVLink
-//     domain (not built yet; issue 5).
+//     domain, one process driving several (or all) of them or one process per GPU
+//     (the unique id passes through a rendezvous file). NCCL is loaded at run time
+//     (dlopen), only when this transport is asked for: the library and the tools
+//     start without it.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "megamoe/kernels/ep_layout.h"
 
@@ -30,6 +35,9 @@ class Transport {
   virtual ~Transport() = default;
   virtual int ranks() const = 0;
   virtual const kernels::EpLayout& layout() const = 0;
+  // The ranks this process drives, and the CUDA device of each.
+  virtual std::vector<int> local_ranks() const = 0;
+  virtual int device(int rank) const = 0;
   // The table of `rank` (a rank this process drives).
   virtual PeerTable peers(int rank) const = 0;
 };
@@ -38,5 +46,24 @@ class Transport {
 // allocation of layout.total_bytes per rank. Throws with the CUDA error if memory
 // runs out (the message names the rank and the bytes).
 std::unique_ptr<Transport> make_virtual_ranks(const kernels::EpLayout& layout);
+
+struct NcclOptions {
+  // The ranks this process drives and their CUDA devices; empty: every rank of the
+  // layout, rank r on device r (one process for all GPUs).
+  std::vector<int> local_ranks;
+  std::vector<int> devices;
+  // One process per GPU (local_ranks smaller than the world): rank 0 writes NCCL's
+  // unique id here, the others wait for it (up to rendezvous_timeout_s).
+  std::string rendezvous;
+  double rendezvous_timeout_s = 60;
+  // libnccl.so.2 by default (MEGAMOE_NCCL_LIB overrides it).
+  std::string library;
+};
+
+// Symmetric buffers in NCCL windows (ncclMemAlloc + ncclCommWindowRegister, symmetric
+// registration); peer bases are the windows' LSA pointers, read once at setup. Sets
+// NCCL_NVLS_ENABLE=0 (no NVLink multicast objects) unless the caller set it. Errors
+// name the NCCL call, the rank and NCCL's message.
+std::unique_ptr<Transport> make_nccl_transport(const kernels::EpLayout& layout, const NcclOptions& opt);
 
 }  // namespace megamoe::transport
