@@ -156,6 +156,7 @@ struct BenchArgs {
   bool no_baseline = false, no_ep = false;
   int iters = 15;
   int ranks = 1;
+  std::string transport = "virtual";
   std::string commit, command;
 };
 
@@ -170,6 +171,7 @@ int run_bench_cmd(const BenchArgs& a) {
   o.ep8_share = !a.no_ep;
   o.iters = a.iters;
   o.ranks = a.ranks;
+  o.ep_transport = a.transport;
   if (a.ranks > 1 && a.tokens.empty()) o.tokens = {1, 8, 64, 256, 1024};  // per rank
   for (const auto& p : o.presets) find_preset(p);  // fail early on a bad name
   nlohmann::json j = api::run_bench(o, [](const std::string& line) {
@@ -275,6 +277,8 @@ int main(int argc, char** argv) {
                       "256 1024), timed against one device running every rank's tokens")
       ->capture_default_str()
       ->check(CLI::Range(1, 16));
+  c_bench->add_option("--transport", bench.transport, "with --ranks: virtual | nccl (rank r on GPU r)")
+      ->capture_default_str();
   c_bench->add_option("--commit", bench.commit, "commit id recorded in the JSON");
   c_bench->add_option("--command", bench.command, "command line recorded in the JSON");
 

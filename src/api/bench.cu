@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <memory>
 #include <set>
 #include <stdexcept>
 #include <vector>
@@ -82,19 +83,30 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
   const MoeShape& s = hw.shape;
   const int R = opt.ranks, Tall = R * T;
   const std::vector<num::bf16_t> x = bench_input(Tall, s.hidden);
-  DeviceBuffer dx(x.size() * 2), dy(x.size() * 2), dy1(x.size() * 2);
+  DeviceBuffer dx(x.size() * 2), dy1(x.size() * 2);
   MEGAMOE_CUDA_CHECK(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
   auto* xp = static_cast<const num::bf16_t*>(dx.p);
   EpLayerOptions eo;
   eo.ranks = R;
   eo.max_tokens = std::max(1, T);
+  eo.transport = parse_ep_transport(opt.ep_transport);
   CudaEpMoeLayer ep(hw, eo);
+  // Each rank's x and y on its device (virtual ranks: all on this one).
+  int dev0 = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev0));
+  std::vector<std::unique_ptr<DeviceBuffer>> rx, ry;
   std::vector<const num::bf16_t*> xs(R);
   std::vector<num::bf16_t*> ys(R);
-  for (int r = 0; r < R; ++r) {
-    xs[r] = xp + size_t(r) * T * s.hidden;
-    ys[r] = static_cast<num::bf16_t*>(dy.p) + size_t(r) * T * s.hidden;
+  const size_t slice = size_t(T) * s.hidden;
+  for (int i = 0; i < R; ++i) {
+    MEGAMOE_CUDA_CHECK(cudaSetDevice(ep.device(i)));
+    rx.push_back(std::make_unique<DeviceBuffer>(slice * 2));
+    ry.push_back(std::make_unique<DeviceBuffer>(slice * 2));
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(rx[i]->p, x.data() + ep.local_ranks()[i] * slice, slice * 2, cudaMemcpyHostToDevice));
+    xs[i] = static_cast<const num::bf16_t*>(rx[i]->p);
+    ys[i] = static_cast<num::bf16_t*>(ry[i]->p);
   }
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(dev0));
   const std::vector<int> tokens(R, T);
   const bench::Timing t_ep = time_graph(stream, opt, [&](cudaStream_t st) { ep.forward(xs, ys, tokens, st); });
   ep.check();
@@ -103,9 +115,11 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
   CudaMoeLayer one(s, dw, lo);
   auto* y1 = static_cast<num::bf16_t*>(dy1.p);
   const bench::Timing t_one = time_graph(stream, opt, [&](cudaStream_t st) { one.forward(xp, y1, Tall, nullptr, st); });
-  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<num::bf16_t> a(x.size()), b(x.size());
-  MEGAMOE_CUDA_CHECK(cudaMemcpy(a.data(), dy.p, a.size() * 2, cudaMemcpyDeviceToHost));
+  for (int i = 0; i < R; ++i)
+    MEGAMOE_CUDA_CHECK(
+        cudaMemcpy(a.data() + ep.local_ranks()[i] * slice, ys[i], slice * 2, cudaMemcpyDeviceToHost));
   MEGAMOE_CUDA_CHECK(cudaMemcpy(b.data(), y1, b.size() * 2, cudaMemcpyDeviceToHost));
   const bool same = a == b;
   // Rows that cross ranks: a slot whose expert another rank owns moves its FP8 row
@@ -144,14 +158,16 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
   c["rows_crossing_ranks"] = remote;
   c["bytes_moved"] = moved;
   c["exchange_GBps"] = moved / (t_ep.median_us * 1e-6) * 1e-9;
-  c["link"] = "virtual ranks: one GPU's memory, not NVLink";
+  c["transport"] = opt.ep_transport;
+  c["link"] = eo.transport == EpTransport::kNccl ? "NVLink (NCCL windows)" : "virtual ranks: one GPU's memory, not NVLink";
   c["bytes_equal_one_device"] = same;
   c["config"] = ep.config_for(T);
   out["cases"].push_back(c);
-  log(fmt::format("{:14s} R={} T={:5d}/rank: {:9.1f} us (p10 {:.1f}, p90 {:.1f}) | one device, {} tokens: "
-                  "{:9.1f} us (x{:.2f}) | {:.1f} MB across ranks | bytes {} | {}",
-                  name, R, T, t_ep.median_us, t_ep.p10_us, t_ep.p90_us, Tall, t_one.median_us,
-                  t_ep.median_us / t_one.median_us, moved * 1e-6, same ? "equal" : "DIFFER", ep.config_for(T)));
+  log(fmt::format("{:14s} R={} ({}) T={:5d}/rank: {:9.1f} us (p10 {:.1f}, p90 {:.1f}) | one device, {} tokens: "
+                  "{:9.1f} us (x{:.2f}) | {:.1f} MB across ranks, {:.1f} GB/s | bytes {} | {}",
+                  name, R, opt.ep_transport, T, t_ep.median_us, t_ep.p10_us, t_ep.p90_us, Tall, t_one.median_us,
+                  t_ep.median_us / t_one.median_us, moved * 1e-6, moved / (t_ep.median_us * 1e-6) * 1e-9,
+                  same ? "equal" : "DIFFER", ep.config_for(T)));
 }
 
 }  // namespace

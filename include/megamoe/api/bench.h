@@ -19,6 +19,7 @@ struct BenchOptions {
   // `tokens` per rank, against one device running all R * T tokens (the
   // virtual-rank overhead); the figures above are not measured then.
   int ranks = 1;
+  std::string ep_transport = "virtual";  // or "nccl": rank r on GPU r, one process
   int warmup = 3;
   int iters = 15;
   double tc_peak_tflops = 1424.0;  // FP8 block-scaled dense ceiling measured on the H200 (ANCHORS.md)
