@@ -284,7 +284,6 @@ int main(int argc, char** argv) {
 
   const std::vector<tools::Command> checkpoint_cmds = tools::add_checkpoint_commands(app);
 
-  CLI11_PARSE(app, argc, argv);
   EpCheckArgs epc;
   auto* c_epc = app.add_subcommand(
       "ep-check", "Run the expert-parallel layer on random data and compare every rank's bytes with one device");
@@ -296,6 +295,7 @@ int main(int argc, char** argv) {
   c_epc->add_option("--rendezvous", epc.rendezvous, "file through which rank 0 hands out NCCL's unique id");
   c_epc->add_option("--timeout", epc.timeout_s, "seconds before a missing peer is an error")->capture_default_str();
 
+  CLI11_PARSE(app, argc, argv);
   try {
     if (*c_epc) return run_ep_check(epc);
     if (*c_demo) return run_demo(demo);
