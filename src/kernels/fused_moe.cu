@@ -726,7 +726,8 @@ __device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
 }
 
 // kEp: expert parallelism (a separate instantiation, so the single-device kernel keeps
-// its registers: the EP paths' extra live values spill a few per-tile ints at BN = 128).
+// its registers: the EP paths' extra live values spill four ints at BN = 128, stored
+// once and reloaded once a tile, never inside the K loops -- checked in the SASS).
 template <int BN, bool kEp>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
@@ -1184,9 +1185,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         // ---- GEMM2 epilogue (tokens in M): BF16 pairs of hidden columns ----
         const int n0 = wg * 64 + lrow, n1r = n0 + 8;
         const int f0 = tl.nblk * 128 + lcol;
-        uint16_t* y0 = a.y_rows + size_t(tl.row0 + n0) * a.H + f0;
-        uint16_t* y1 = a.y_rows + size_t(tl.row0 + n1r) * a.H + f0;
-        static_assert(!kEp, "expert parallelism runs swap-AB tiles only (kEpMaxBlockN)");
+        uint16_t* y0;
+        uint16_t* y1;
+        if constexpr (kEp) {
+          y0 = n0 < tl.rows ? out_row<kEp>(a, tl, tl.row0 + n0) + f0 : nullptr;
+          y1 = n1r < tl.rows ? out_row<kEp>(a, tl, tl.row0 + n1r) + f0 : nullptr;
+        } else {
+          y0 = a.y_rows + size_t(tl.row0 + n0) * a.H + f0;
+          y1 = a.y_rows + size_t(tl.row0 + n1r) * a.H + f0;
+        }
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
           if (n0 < tl.rows)

@@ -171,6 +171,27 @@ TEST_F(EpForward, BytesMatchSingleDeviceAndCpuReference) {
   }
 }
 
+// Prefill-sized batches: the ranks run 128-token tiles (tokens in the wgmma M).
+TEST_F(EpForward, PrefillTilesMatchSingleDevice) {
+  const MoeShape s = reduced_shape();
+  HostMoeWeights w = make_random_weights(s, 53);
+  const int R = 2, Tmax = 600;
+  const std::vector<int> tokens = {600, 411};
+  const auto xs = rank_inputs(s, tokens, 900);
+  const auto want = single_device(w, xs, tokens);
+  api::EpLayerOptions opt;
+  opt.ranks = R;
+  opt.max_tokens = Tmax;
+  api::CudaEpMoeLayer layer(w, opt);
+  ASSERT_NE(layer.config_for(Tmax).find("block_n=128"), std::string::npos) << layer.config_for(Tmax);
+  RankBuffers b(xs);
+  layer.forward(b.x, b.y, tokens, nullptr);
+  ASSERT_NO_THROW(layer.check());
+  const auto got = b.read(tokens, s.hidden);
+  for (int r = 0; r < R; ++r)
+    EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2)) << "rank " << r;
+}
+
 // Every token of every rank routed to rank 0's experts (the correction bias steers
 // the choice), every rank at Tmax: the owner's ring at its bound.
 TEST_F(EpForward, AllTokensToOneRank) {
