@@ -173,7 +173,7 @@ int run_bench_cmd(const BenchArgs& a) {
   o.ranks = a.ranks;
   o.ep_transport = a.transport;
   if (a.ranks > 1 && a.tokens.empty()) o.tokens = {1, 8, 64, 256, 1024};  // per rank
-  for (const auto& p : o.presets) find_preset(p);  // fail early on a bad name
+  for (const auto& p : o.presets) find_preset(p);                         // fail early on a bad name
   nlohmann::json j = api::run_bench(o, [](const std::string& line) {
     fmt::print("{}\n", line);
     std::fflush(stdout);
@@ -221,9 +221,10 @@ int run_ep_check(const EpCheckArgs& a) {
   const auto res = api::ep_self_check(s, a.tokens, o);
   bool ok = true;
   for (const auto& r : res) {
-    fmt::print("ep-check: {} R={} ({}) rank {} on device {}: {} tokens, forward {:.1f} us, bytes {} one device\n",
-               a.preset, a.ranks, a.transport, r.rank, r.device, r.tokens, r.us,
-               r.bytes_equal ? "equal to" : "DIFFER from");
+    fmt::print(
+        "ep-check: {} R={} ({}) rank {} on device {}: {} tokens, forward {:.1f} us, bytes {} one device\n",
+        a.preset, a.ranks, a.transport, r.rank, r.device, r.tokens, r.us,
+        r.bytes_equal ? "equal to" : "DIFFER from");
     ok &= r.bytes_equal;
   }
   fmt::print("ep-check: {}\n", ok ? "OK" : "FAILED");
@@ -272,9 +273,10 @@ int main(int argc, char** argv) {
   c_bench->add_option("--iters", bench.iters, "timed iterations per case")->capture_default_str();
   c_bench->add_flag("--no-baseline", bench.no_baseline, "skip the cuBLASLt baseline");
   c_bench->add_flag("--no-ep", bench.no_ep, "skip the 8-way expert-parallel share");
-  c_bench->add_option("--ranks", bench.ranks,
-                      "expert-parallel ranks (virtual ranks on this GPU; --tokens per rank, default 1 8 64 "
-                      "256 1024), timed against one device running every rank's tokens")
+  c_bench
+      ->add_option("--ranks", bench.ranks,
+                   "expert-parallel ranks (virtual ranks on this GPU; --tokens per rank, default 1 8 64 "
+                   "256 1024), timed against one device running every rank's tokens")
       ->capture_default_str()
       ->check(CLI::Range(1, 16));
   c_bench->add_option("--transport", bench.transport, "with --ranks: virtual | nccl (rank r on GPU r)")
@@ -286,14 +288,20 @@ int main(int argc, char** argv) {
 
   EpCheckArgs epc;
   auto* c_epc = app.add_subcommand(
-      "ep-check", "Run the expert-parallel layer on random data and compare every rank's bytes with one device");
+      "ep-check",
+      "Run the expert-parallel layer on random data and compare every rank's bytes with one device");
   c_epc->add_option("--preset", epc.preset)->capture_default_str();
-  c_epc->add_option("--ranks", epc.ranks, "expert-parallel ranks R")->capture_default_str()->check(CLI::Range(1, 16));
-  c_epc->add_option("--tokens", epc.tokens, "tokens per rank (rank r takes tokens - r % 3)")->capture_default_str();
-  c_epc->add_option("--transport", epc.transport, "virtual (R ranks on this GPU) | nccl")->capture_default_str();
+  c_epc->add_option("--ranks", epc.ranks, "expert-parallel ranks R")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 16));
+  c_epc->add_option("--tokens", epc.tokens, "tokens per rank (rank r takes tokens - r % 3)")
+      ->capture_default_str();
+  c_epc->add_option("--transport", epc.transport, "virtual (R ranks on this GPU) | nccl")
+      ->capture_default_str();
   c_epc->add_option("--rank", epc.rank, "one process per GPU: this process's rank (nccl, with --rendezvous)");
   c_epc->add_option("--rendezvous", epc.rendezvous, "file through which rank 0 hands out NCCL's unique id");
-  c_epc->add_option("--timeout", epc.timeout_s, "seconds before a missing peer is an error")->capture_default_str();
+  c_epc->add_option("--timeout", epc.timeout_s, "seconds before a missing peer is an error")
+      ->capture_default_str();
 
   CLI11_PARSE(app, argc, argv);
   try {

@@ -68,8 +68,9 @@ cudaGraphExec_t capture(cudaStream_t stream, const std::function<void(cudaStream
 bench::Timing time_graph(cudaStream_t stream, const BenchOptions& opt,
                          const std::function<void(cudaStream_t)>& body) {
   cudaGraphExec_t g = capture(stream, body);
-  const bench::Timing t = bench::time_device(
-      [&](cudaStream_t st2) { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(g, st2)); }, stream, opt.warmup, opt.iters, true);
+  const bench::Timing t =
+      bench::time_device([&](cudaStream_t st2) { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(g, st2)); }, stream,
+                         opt.warmup, opt.iters, true);
   MEGAMOE_CUDA_CHECK(cudaGraphExecDestroy(g));
   return t;
 }
@@ -102,19 +103,22 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
     MEGAMOE_CUDA_CHECK(cudaSetDevice(ep.device(i)));
     rx.push_back(std::make_unique<DeviceBuffer>(slice * 2));
     ry.push_back(std::make_unique<DeviceBuffer>(slice * 2));
-    MEGAMOE_CUDA_CHECK(cudaMemcpy(rx[i]->p, x.data() + ep.local_ranks()[i] * slice, slice * 2, cudaMemcpyHostToDevice));
+    MEGAMOE_CUDA_CHECK(
+        cudaMemcpy(rx[i]->p, x.data() + ep.local_ranks()[i] * slice, slice * 2, cudaMemcpyHostToDevice));
     xs[i] = static_cast<const num::bf16_t*>(rx[i]->p);
     ys[i] = static_cast<num::bf16_t*>(ry[i]->p);
   }
   MEGAMOE_CUDA_CHECK(cudaSetDevice(dev0));
   const std::vector<int> tokens(R, T);
-  const bench::Timing t_ep = time_graph(stream, opt, [&](cudaStream_t st) { ep.forward(xs, ys, tokens, st); });
+  const bench::Timing t_ep =
+      time_graph(stream, opt, [&](cudaStream_t st) { ep.forward(xs, ys, tokens, st); });
   ep.check();
   MoeLayerOptions lo;
   lo.max_tokens = std::max(1, Tall);
   CudaMoeLayer one(s, dw, lo);
   auto* y1 = static_cast<num::bf16_t*>(dy1.p);
-  const bench::Timing t_one = time_graph(stream, opt, [&](cudaStream_t st) { one.forward(xp, y1, Tall, nullptr, st); });
+  const bench::Timing t_one =
+      time_graph(stream, opt, [&](cudaStream_t st) { one.forward(xp, y1, Tall, nullptr, st); });
   MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<num::bf16_t> a(x.size()), b(x.size());
   for (int i = 0; i < R; ++i)
@@ -140,8 +144,8 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
   const double moved = remote * row_bytes;
   const double wbytes = hit.size() * expert_bytes(s, s.inter) +
                         (s.has_shared() && T > 0 ? expert_bytes(s, s.shared_inter()) : 0.0);
-  const double floor_us = std::max(wbytes / read_bw, double(Tall) * s.flops_per_token() /
-                                                         (opt.tc_peak_tflops * 1e12)) * 1e6;
+  const double floor_us =
+      std::max(wbytes / read_bw, double(Tall) * s.flops_per_token() / (opt.tc_peak_tflops * 1e12)) * 1e6;
   nlohmann::json c;
   c["preset"] = name;
   c["ranks"] = R;
@@ -159,15 +163,17 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
   c["bytes_moved"] = moved;
   c["exchange_GBps"] = moved / (t_ep.median_us * 1e-6) * 1e-9;
   c["transport"] = opt.ep_transport;
-  c["link"] = eo.transport == EpTransport::kNccl ? "NVLink (NCCL windows)" : "virtual ranks: one GPU's memory, not NVLink";
+  c["link"] = eo.transport == EpTransport::kNccl ? "NVLink (NCCL windows)"
+                                                 : "virtual ranks: one GPU's memory, not NVLink";
   c["bytes_equal_one_device"] = same;
   c["config"] = ep.config_for(T);
   out["cases"].push_back(c);
-  log(fmt::format("{:14s} R={} ({}) T={:5d}/rank: {:9.1f} us (p10 {:.1f}, p90 {:.1f}) | one device, {} tokens: "
-                  "{:9.1f} us (x{:.2f}) | {:.1f} MB across ranks, {:.1f} GB/s | bytes {} | {}",
-                  name, R, opt.ep_transport, T, t_ep.median_us, t_ep.p10_us, t_ep.p90_us, Tall, t_one.median_us,
-                  t_ep.median_us / t_one.median_us, moved * 1e-6, moved / (t_ep.median_us * 1e-6) * 1e-9,
-                  same ? "equal" : "DIFFER", ep.config_for(T)));
+  log(fmt::format(
+      "{:14s} R={} ({}) T={:5d}/rank: {:9.1f} us (p10 {:.1f}, p90 {:.1f}) | one device, {} tokens: "
+      "{:9.1f} us (x{:.2f}) | {:.1f} MB across ranks, {:.1f} GB/s | bytes {} | {}",
+      name, R, opt.ep_transport, T, t_ep.median_us, t_ep.p10_us, t_ep.p90_us, Tall, t_one.median_us,
+      t_ep.median_us / t_one.median_us, moved * 1e-6, moved / (t_ep.median_us * 1e-6) * 1e-9,
+      same ? "equal" : "DIFFER", ep.config_for(T)));
 }
 
 }  // namespace
@@ -233,7 +239,8 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
         const int* dTp = static_cast<const int*>(dT.p);
         const bench::Timing ours =
             time_graph(stream, opt, [&](cudaStream_t st2) { layer.forward(xp, yp, T, dTp, st2); });
-        const bench::Timing route = time_graph(stream, opt, [&](cudaStream_t st2) { layer.route(xp, T, dTp, st2); });
+        const bench::Timing route =
+            time_graph(stream, opt, [&](cudaStream_t st2) { layer.route(xp, T, dTp, st2); });
         layer.forward(xp, yp, T, nullptr, stream);
         MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
         std::vector<int32_t> ids(size_t(T) * s.topk);

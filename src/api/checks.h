@@ -46,5 +46,4 @@ inline void validate_shape(const MoeShape& s) {
         fmt::format("CUDA backend: top-k plus the shared expert must be <= 32 slots (K = {})", s.topk));
 }
 
-
 }  // namespace megamoe::api

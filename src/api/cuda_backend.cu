@@ -96,8 +96,8 @@ ForwardOutput cuda_forward(const HostMoeWeights& w, const num::bf16_t* x, int T,
     out.seconds = d.time_second([&] { layer.forward(d.x, d.y, T, nullptr, d.stream); });
     MEGAMOE_CUDA_CHECK(
         cudaMemcpy(out.ids.data(), layer.topk_ids(), out.ids.size() * 4, cudaMemcpyDeviceToHost));
-    MEGAMOE_CUDA_CHECK(cudaMemcpy(out.weights.data(), layer.topk_weights(), out.weights.size() * 4,
-                                  cudaMemcpyDeviceToHost));
+    MEGAMOE_CUDA_CHECK(
+        cudaMemcpy(out.weights.data(), layer.topk_weights(), out.weights.size() * 4, cudaMemcpyDeviceToHost));
   } else {
     // R virtual ranks on this GPU; the tokens split evenly (the first ranks take the
     // remainder), as the CPU expert-parallel reference splits them.

@@ -83,8 +83,9 @@ CudaEpMoeLayer::CudaEpMoeLayer(const HostMoeWeights& w, const EpLayerOptions& op
   int sms_share = 0;  // 0: every SM of the rank's device
   if (opt.transport == EpTransport::kVirtual) {
     if (!opt.local_ranks.empty() || !opt.devices.empty() || !opt.rendezvous.empty())
-      throw std::invalid_argument("virtual ranks: every rank runs in this process on the current GPU "
-                                  "(local_ranks, devices and rendezvous are for the nccl transport)");
+      throw std::invalid_argument(
+          "virtual ranks: every rank runs in this process on the current GPU "
+          "(local_ranks, devices and rendezvous are for the nccl transport)");
     int dev = 0, sms = 0;
     MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
     MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
@@ -146,9 +147,10 @@ void CudaEpMoeLayer::forward(const std::vector<const num::bf16_t*>& x, const std
   DeviceGuard guard;
   const int n = int(m.local.size());
   if (int(x.size()) != n || int(y.size()) != n || int(tokens.size()) != n)
-    throw std::invalid_argument(fmt::format("forward: {} local ranks need {} inputs, outputs and token counts "
-                                            "(got {}, {}, {})",
-                                            n, n, x.size(), y.size(), tokens.size()));
+    throw std::invalid_argument(
+        fmt::format("forward: {} local ranks need {} inputs, outputs and token counts "
+                    "(got {}, {}, {})",
+                    n, n, x.size(), y.size(), tokens.size()));
   if (!num_tokens_dev.empty() && int(num_tokens_dev.size()) != n)
     throw std::invalid_argument(
         fmt::format("forward: {} device token counts for {} local ranks", num_tokens_dev.size(), n));

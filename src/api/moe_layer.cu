@@ -6,9 +6,9 @@
 
 #include "../kernels/cuda_check.h"
 #include "../kernels/heuristics.h"
+#include "checks.h"
 #include "megamoe/api/moe_layer.h"
 #include "megamoe/kernels/fused_moe.h"
-#include "checks.h"
 
 namespace megamoe::api {
 
@@ -29,7 +29,6 @@ struct CudaMoeLayer::Impl {
     cudaFree(own_count);
   }
 };
-
 
 static std::unique_ptr<CudaMoeLayer::Impl> make_impl(const MoeShape& s, const MoeLayerOptions& opt) {
   validate_shape(s);

@@ -78,7 +78,8 @@ MoeWorkspaceLayout MoeWorkspaceLayout::compute(const MoeShape& s, int max_tokens
   // to this rank's experts plus the shared expert's rows of its own tokens.
   const int64_t routed =
       ep_ranks ? EpLayout::max_recv_rows(s, ep_ranks, max_tokens) : int64_t(max_tokens) * s.topk;
-  const int64_t rows = routed + int64_t(max_tokens) * shared + int64_t(kRowAlign) * (w.local_experts + shared);
+  const int64_t rows =
+      routed + int64_t(max_tokens) * shared + int64_t(kRowAlign) * (w.local_experts + shared);
   w.rows_cap = int((rows + 127) / 128 * 128);
   if (w.rows_cap == 0) w.rows_cap = 128;
   w.units_cap = w.local_experts + shared + int(rows / 8);
@@ -239,6 +240,19 @@ __device__ __forceinline__ uint8_t to_e4m3(float v) {
   return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
 
+// One token's 128-column group, 4 BF16 values a lane: the group's E4M3 codes (this
+// lane's 4) and its float32 scale (num::act_scale of the group's amax).
+__device__ __forceinline__ uint32_t quantize_group(uint2 raw, float& scale) {
+  const float v0 = __uint_as_float(raw.x << 16), v1 = __uint_as_float(raw.x & 0xFFFF0000u);
+  const float v2 = __uint_as_float(raw.y << 16), v3 = __uint_as_float(raw.y & 0xFFFF0000u);
+  float amax = fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3)));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  scale = num::act_scale(amax);
+  const float inv = 1.0f / scale;
+  return pack_e4m3x4(v0 * inv, v1 * inv, v2 * inv, v3 * inv);
+}
+
 // Position in the shared-memory ring: the stage and the parity of its current fill
 // (no division by the stage count, which is not a power of two).
 template <int kStages>
@@ -375,15 +389,18 @@ __device__ __forceinline__ bool ep_wait(const EpArgs& ep, Probe probe, uint64_t 
 __device__ __forceinline__ bool ep_wait_signal(const EpArgs& ep, int kind, int from, uint64_t epoch,
                                                int phase) {
   const uint64_t* sig = ep_signal(ep, ep.rank, kind, from);
-  if (!ep_wait(ep, [&] { return sm90::ld_relaxed_sys(sig); }, epoch, phase, from)) return false;
+  if (!ep_wait(
+          ep, [&] { return sm90::ld_relaxed_sys(sig); }, epoch, phase, from))
+    return false;
   (void)sm90::ld_acquire_sys(sig);
   return true;
 }
 // Grid barrier of this rank's CTAs (the caller fenced and synchronized its CTA).
 __device__ __forceinline__ bool ep_grid_barrier(const EpArgs& ep, int* ctr, int target) {
   atomicAdd(ctr, 1);
-  if (!ep_wait(ep, [&] { return uint64_t(sm90::ld_relaxed_gpu(ctr)); }, uint64_t(target),
-               EpStatus::kBarrier, ep.rank))
+  if (!ep_wait(
+          ep, [&] { return uint64_t(sm90::ld_relaxed_gpu(ctr)); }, uint64_t(target), EpStatus::kBarrier,
+          ep.rank))
     return false;
   (void)sm90::ld_acquire_gpu(ctr);
   return true;
@@ -412,7 +429,7 @@ static_assert(EpTables::kInts * 4 <= stage_bytes(8), "the EP tables fit one ring
 // counts to the owners, every source's counts, then the schedule and pair tables.
 // All threads of the CTA; false (the status word set) if a peer did not arrive.
 __device__ __forceinline__ bool ep_exchange(const KernelArgs& a, const Sched& sc, const EpTables& et, int T,
-                                         uint64_t epoch, int BN) {
+                                            uint64_t epoch, int BN) {
   const EpArgs& ep = a.ep;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int R = ep.ranks, r = ep.rank, El = a.E, Er = ep.E_route, K = a.K, H = a.H, hb = H / 128;
@@ -432,15 +449,9 @@ __device__ __forceinline__ bool ep_exchange(const KernelArgs& a, const Sched& sc
     const int tasks = T * hb, warps_total = gridDim.x * (kThreads / 32);
     for (int task = blockIdx.x * (kThreads / 32) + warp; task < tasks; task += warps_total) {
       const int t = task / hb, g = task - t * hb;
-      const uint2 raw = *reinterpret_cast<const uint2*>(a.x + size_t(t) * H + g * 128 + lane * 4);
-      const float v0 = __uint_as_float(raw.x << 16), v1 = __uint_as_float(raw.x & 0xFFFF0000u);
-      const float v2 = __uint_as_float(raw.y << 16), v3 = __uint_as_float(raw.y & 0xFFFF0000u);
-      float amax = fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3)));
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      const float sc_x = num::act_scale(amax);
-      const float inv = 1.0f / sc_x;
-      const uint32_t q = pack_e4m3x4(v0 * inv, v1 * inv, v2 * inv, v3 * inv);
+      float sc_x;
+      const uint32_t q =
+          quantize_group(*reinterpret_cast<const uint2*>(a.x + size_t(t) * H + g * 128 + lane * 4), sc_x);
       *reinterpret_cast<uint32_t*>(xq + size_t(t) * H + g * 128 + lane * 4) = q;
       if (lane == 0) xs[t * hb + g] = sc_x;
       if (a.has_shared) {
@@ -888,14 +899,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int next = task + warps_total;
       Task nxt{};
       if (next < tasks) nxt = load_task(next);
-      const float v0 = __uint_as_float(cur.raw.x << 16), v1 = __uint_as_float(cur.raw.x & 0xFFFF0000u);
-      const float v2 = __uint_as_float(cur.raw.y << 16), v3 = __uint_as_float(cur.raw.y & 0xFFFF0000u);
-      float amax = fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3)));
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      const float s = num::act_scale(amax);
-      const float inv = 1.0f / s;
-      const uint32_t q = pack_e4m3x4(v0 * inv, v1 * inv, v2 * inv, v3 * inv);
+      float s;
+      const uint32_t q = quantize_group(cur.raw, s);
       for (int k = 0; k < slots; ++k) {
         const int r = __shfl_sync(0xffffffffu, cur.row, k);
         const float w = __shfl_sync(0xffffffffu, cur.w, k);
@@ -939,7 +944,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tid == 0) {
       sm90::fence_proxy_async_global();
       sm90::fence_proxy_async_shared();  // the phase-0 tables (generic writes) before TMA fills the stage
-      RingPos<kStages> rp;  // the next stage to fill
+      RingPos<kStages> rp;               // the next stage to fill
       for (int i = 0; i < first_issued; ++i) rp.advance();
       int kb0 = first_issued;  // weights already issued for kb < kb0 of the first tile
       int tile = first_tile;
@@ -1158,7 +1163,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // signal thread's release of done1 (see tile_written).
       sm90::fence_proxy_async_global();
       if constexpr (kSwapAB) sm90::named_barrier(1, kConsumerThreads);  // red[] is free for the next tile
-      tile_written(a.units_base + tl.unit);  // done1[unit]
+      tile_written(a.units_base + tl.unit);                             // done1[unit]
     } else {
       const float* wsc = shared ? a.sw2_scale + size_t(tl.nblk) * (a.Is / 128)
                                 : a.w2_scale + (size_t(tl.e) * (a.H / 128) + tl.nblk) * (a.I / 128);
@@ -1370,8 +1375,9 @@ struct FusedMoePlan {
   KernelArgs args{};
 };
 
-FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_all, const MoeWorkspaceLayout& ws,
-                                    void* workspace, const FusedMoeConfig& cfg, const EpRank* ep) {
+FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_all,
+                                    const MoeWorkspaceLayout& ws, void* workspace, const FusedMoeConfig& cfg,
+                                    const EpRank* ep) {
   s.validate();
   MEGAMOE_CHECK(s.hidden % 128 == 0, "fused_moe needs H % 128 == 0");
   MEGAMOE_CHECK(s.inter % 128 == 0, "fused_moe needs I % 128 == 0");
@@ -1397,9 +1403,11 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
       MEGAMOE_CHECK(ep->peer_base[q] != nullptr, "fused_moe: no buffer for peer rank " + std::to_string(q));
     const size_t e0 = size_t(ep->view_expert0), I = s.inter, H = s.hidden;
     w.w13 += e0 * 2 * I * H;
-    w.w13_scale += e0 * size_t(MoeWeightLayout::w13_scale_rows(s.inter)) * MoeWeightLayout::hidden_blocks(s.hidden);
+    w.w13_scale +=
+        e0 * size_t(MoeWeightLayout::w13_scale_rows(s.inter)) * MoeWeightLayout::hidden_blocks(s.hidden);
     w.w2 += e0 * H * I;
-    w.w2_scale += e0 * size_t(MoeWeightLayout::hidden_blocks(s.hidden)) * MoeWeightLayout::inter_blocks(s.inter);
+    w.w2_scale +=
+        e0 * size_t(MoeWeightLayout::hidden_blocks(s.hidden)) * MoeWeightLayout::inter_blocks(s.inter);
   }
   auto plan = std::make_unique<FusedMoePlan>();
   plan->shape = s;
@@ -1530,7 +1538,8 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
   // Expert parallelism: a local expert receives from every rank, as many rows as one
   // device holding all experts would see for R times the tokens.
   const int R = std::max(1, p->args.ep.ranks);
-  FusedMoeConfig cfg = choose_config(p->shape, int(std::min<int64_t>(int64_t(tokens) * R, 1 << 30)), p->num_sms);
+  FusedMoeConfig cfg =
+      choose_config(p->shape, int(std::min<int64_t>(int64_t(tokens) * R, 1 << 30)), p->num_sms);
   if (p->args.ep.ranks) cfg.block_n = std::min(cfg.block_n, kEpMaxBlockN);
   cfg.router_ksplit = kRouterSlices;
   return cfg;

@@ -28,7 +28,7 @@ struct RouteArgs {
   int* zero = nullptr;           // the forward's counters: route_logits zeroes them first
   int zero_words = 0;
   int max_tokens = 0;
-  uint64_t* epoch = nullptr;     // expert parallelism: bumped once per forward (ep_layout.h)
+  uint64_t* epoch = nullptr;  // expert parallelism: bumped once per forward (ep_layout.h)
 };
 
 // Raises the router kernels' shared-memory limits (once per device, before launches).

@@ -162,7 +162,8 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
 __device__ __forceinline__ bool named_barrier_or(int id, int threads, bool pred) {
   uint32_t r;
   asm volatile(
-      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}"
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, "
+      "q;\n}"
       : "=r"(r)
       : "r"(uint32_t(pred)), "r"(id), "r"(threads)
       : "memory");

@@ -43,14 +43,16 @@ struct NcclApi {
     std::lock_guard<std::mutex> lock(m);
     if (api.lib) return api;
     std::string name = path;
-    if (name.empty()) name = std::getenv("MEGAMOE_NCCL_LIB") ? std::getenv("MEGAMOE_NCCL_LIB") : "libnccl.so.2";
+    if (name.empty())
+      name = std::getenv("MEGAMOE_NCCL_LIB") ? std::getenv("MEGAMOE_NCCL_LIB") : "libnccl.so.2";
     void* h = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!h)
       throw std::runtime_error("NCCL transport: cannot load " + name + " (" + dlerror() +
                                "); put NCCL >= 2.28's lib/ on LD_LIBRARY_PATH or set MEGAMOE_NCCL_LIB");
     auto sym = [&](auto& fn, const char* s) {
       fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(h, s));
-      if (!fn) throw std::runtime_error(std::string("NCCL transport: ") + name + " has no " + s + " (NCCL < 2.28?)");
+      if (!fn)
+        throw std::runtime_error(std::string("NCCL transport: ") + name + " has no " + s + " (NCCL < 2.28?)");
     };
     NcclApi a;
     sym(a.GetUniqueId, "ncclGetUniqueId");
@@ -64,15 +66,17 @@ struct NcclApi {
     sym(a.GetErrorString, "ncclGetErrorString");
     int v = 0;
     a.GetVersion(&v);
-    if (v < 22800) throw std::runtime_error("NCCL transport: " + name + " is version " + std::to_string(v) + ", needs >= 2.28");
+    if (v < 22800)
+      throw std::runtime_error("NCCL transport: " + name + " is version " + std::to_string(v) +
+                               ", needs >= 2.28");
     a.lib = h;
     api = a;
     return api;
   }
   void check(ncclResult_t r, const char* call, int rank) const {
     if (r != ncclSuccess)
-      throw std::runtime_error(std::string("NCCL transport: ") + call + " failed on rank " + std::to_string(rank) +
-                               ": " + GetErrorString(r));
+      throw std::runtime_error(std::string("NCCL transport: ") + call + " failed on rank " +
+                               std::to_string(rank) + ": " + GetErrorString(r));
   }
 };
 
@@ -188,7 +192,8 @@ class NcclTransport final : public Transport {
   int index(int rank) const {
     for (size_t i = 0; i < ranks_.size(); ++i)
       if (ranks_[i] == rank) return int(i);
-    throw std::runtime_error("NCCL transport: rank " + std::to_string(rank) + " is not driven by this process");
+    throw std::runtime_error("NCCL transport: rank " + std::to_string(rank) +
+                             " is not driven by this process");
   }
   void release() {
     // NOTE: deregistration is collective too: one thread per local rank.

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_test_util.h"
 #include "megamoe/api/ep_layer.h"
 #include "megamoe/api/forward.h"
 #include "megamoe/api/moe_layer.h"
@@ -21,22 +22,10 @@
 namespace megamoe {
 namespace {
 
+using testutil::random_x;
+using testutil::reduced_shape;
+
 #define CK(call) ASSERT_EQ((call), cudaSuccess) << #call
-
-std::vector<num::bf16_t> random_x(size_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<num::bf16_t> v(n);
-  for (auto& x : v) x = num::bf16_encode(nd(rng));
-  return v;
-}
-
-MoeShape reduced_shape() {
-  MoeShape s;
-  s.hidden = 1024, s.inter = 512, s.experts = 32, s.topk = 4, s.shared_experts = 1;
-  s.routed_scaling = 2.5f, s.swiglu_limit = 10.0f, s.router_dtype = RouterDtype::kF32;
-  return s;
-}
 
 // Device buffers of every rank's x and y (y poisoned: bf16 NaN).
 struct RankBuffers {
@@ -63,7 +52,8 @@ struct RankBuffers {
     std::vector<std::vector<num::bf16_t>> out;
     for (size_t r = 0; r < y.size(); ++r) {
       out.emplace_back(size_t(tokens[r]) * H);
-      EXPECT_EQ(cudaMemcpy(out.back().data(), y[r], out.back().size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(out.back().data(), y[r], out.back().size() * 2, cudaMemcpyDeviceToHost),
+                cudaSuccess);
     }
     return out;
   }
@@ -103,7 +93,8 @@ std::vector<std::vector<float>> cpu_ep(const HostMoeWeights& w, int R,
 }
 
 // Relative L2 and the elements outside atol + rtol * |ref| (atol scaled to the RMS).
-void expect_close(const std::vector<num::bf16_t>& got, const std::vector<float>& ref, const std::string& what) {
+void expect_close(const std::vector<num::bf16_t>& got, const std::vector<float>& ref,
+                  const std::string& what) {
   ASSERT_EQ(got.size(), ref.size());
   if (ref.empty()) return;
   double sq = 0, num = 0;
@@ -160,9 +151,10 @@ TEST_F(EpForward, BytesMatchSingleDeviceAndCpuReference) {
       ASSERT_NO_THROW(layer.check());
       const auto got = b.read(tokens, s.hidden);
       for (int r = 0; r < R; ++r) {
-        const std::string what = "R=" + std::to_string(R) + " rank " + std::to_string(r) + " T=" +
-                                 std::to_string(tokens[r]) + " rep " + std::to_string(rep);
-        EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2)) << what << ": bytes != R=1";
+        const std::string what = "R=" + std::to_string(R) + " rank " + std::to_string(r) +
+                                 " T=" + std::to_string(tokens[r]) + " rep " + std::to_string(rep);
+        EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2))
+            << what << ": bytes != R=1";
         expect_close(got[r], ref[r], what + " vs the CPU EP reference");
       }
     }
@@ -258,7 +250,8 @@ TEST_F(EpForward, MissingRankTimesOutAndRecovers) {
     layer.check();
     ADD_FAILURE() << "a missing rank must time out";
   } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("rank 0 waited for the dispatch counts of rank 1"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("rank 0 waited for the dispatch counts of rank 1"),
+              std::string::npos)
         << e.what();
   }
   const auto want = single_device(w, xs, tokens);
@@ -267,7 +260,8 @@ TEST_F(EpForward, MissingRankTimesOutAndRecovers) {
   ASSERT_NO_THROW(layer.check());
   const auto got = b.read(tokens, s.hidden);
   for (int r = 0; r < 2; ++r)
-    EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2)) << "after recovery, rank " << r;
+    EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2))
+        << "after recovery, rank " << r;
 }
 
 // One captured graph (device token counts), replayed with changing counts per rank.
@@ -310,7 +304,8 @@ TEST_F(EpForward, GraphReplaysWithChangingCounts) {
     const auto want = single_device(w, xt, tokens);
     for (int r = 0; r < R; ++r)
       EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2))
-          << "replay " << tokens[0] << "," << tokens[1] << "," << tokens[2] << "," << tokens[3] << " rank " << r;
+          << "replay " << tokens[0] << "," << tokens[1] << "," << tokens[2] << "," << tokens[3] << " rank "
+          << r;
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);

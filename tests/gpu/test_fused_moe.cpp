@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_test_util.h"
 #include "megamoe/api/forward.h"
 #include "megamoe/api/moe_layer.h"
 #include "megamoe/reference/moe.h"
@@ -18,17 +19,12 @@
 namespace megamoe {
 namespace {
 
+using testutil::random_x;
+using testutil::reduced_shape;
+
 #define CK(call) ASSERT_EQ((call), cudaSuccess) << #call
 
 bool have_device() { return api::cuda_available(); }
-
-std::vector<num::bf16_t> random_x(size_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<num::bf16_t> v(n);
-  for (auto& x : v) x = num::bf16_encode(nd(rng));
-  return v;
-}
 
 struct Compare {
   double rel_l2 = 0;
@@ -124,13 +120,6 @@ void check_against_reference(const MoeShape& s, int T, uint64_t seed, double l2_
   EXPECT_EQ(c.nonfinite, 0) << c.first;
   EXPECT_LE(c.rel_l2, l2_tol) << c.first;
   EXPECT_EQ(c.bad, 0) << c.first;
-}
-
-MoeShape reduced_shape() {
-  MoeShape s;
-  s.hidden = 1024, s.inter = 512, s.experts = 32, s.topk = 4, s.shared_experts = 1;
-  s.routed_scaling = 2.5f, s.swiglu_limit = 10.0f, s.router_dtype = RouterDtype::kF32;
-  return s;
 }
 
 class FusedMoe : public ::testing::Test {

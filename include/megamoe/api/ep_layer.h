@@ -53,8 +53,8 @@ class CudaEpMoeLayer {
   // (capturable). launch_mask (by local index): the ranks that run (tests leave one
   // out to see the timeout).
   void forward(const std::vector<const num::bf16_t*>& x, const std::vector<num::bf16_t*>& y,
-               const std::vector<int>& tokens, Stream stream, const std::vector<const int*>& num_tokens_dev = {},
-               uint32_t launch_mask = ~0u);
+               const std::vector<int>& tokens, Stream stream,
+               const std::vector<const int*>& num_tokens_dev = {}, uint32_t launch_mask = ~0u);
 
   // After the forwards completed (synchronizes the device): throws
   // std::runtime_error naming the rank, the phase and the peer if a rank timed out,

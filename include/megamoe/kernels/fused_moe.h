@@ -45,10 +45,10 @@ struct MoeWorkspaceLayout {
   static constexpr int kCounterDone2 = 1;
   static constexpr int kCounterExperts = 3;
 
-  int max_tokens = 0;      // per rank under expert parallelism
-  int ep_ranks = 0;        // 0: all experts here; R >= 1: this rank owns E/R experts
-  int experts_total = 0;   // routed (all E: routing counts every expert) + (1 if shared)
-  int local_experts = 0;   // experts this rank computes (E, or E/R)
+  int max_tokens = 0;     // per rank under expert parallelism
+  int ep_ranks = 0;       // 0: all experts here; R >= 1: this rank owns E/R experts
+  int experts_total = 0;  // routed (all E: routing counts every expert) + (1 if shared)
+  int local_experts = 0;  // experts this rank computes (E, or E/R)
   int rows_cap = 0;       // sorted rows: max_tokens * slots, rounded up to 128
   int units_cap = 0;      // (expert, token block) units at the smallest block
   int inter_pitch = 0;    // max(I, Is): row pitch of the intermediate
@@ -94,7 +94,7 @@ struct DeviceTensors {
 // this rank's experts at [view_expert0, view_expert0 + E/R) (virtual ranks share
 // one copy of all experts; a rank-local load holds only its own: view_expert0 = 0).
 struct EpRank {
-  EpLayout layout;                               // the symmetric buffer every rank holds
+  EpLayout layout;  // the symmetric buffer every rank holds
   int rank = 0;
   uint8_t* peer_base[1 << EpLayout::kRankBits] = {};  // rank q's buffer as this rank addresses it
   int view_expert0 = 0;
