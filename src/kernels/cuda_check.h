@@ -8,7 +8,6 @@
 
 #include <stdexcept>
 #include <string>
-#include <utility>
 
 #if __has_include(<cublasLt.h>)
 #include <cublasLt.h>
@@ -41,31 +40,6 @@ namespace megamoe::detail {
 // NOTE: a kernel launch reports configuration errors only through
 // cudaGetLastError(); call this right after every <<<...>>>.
 #define MEGAMOE_CUDA_CHECK_LAUNCH() MEGAMOE_CUDA_CHECK(cudaGetLastError())
-
-namespace megamoe::detail {
-
-// Launches kernel<<<grid, block, smem, stream>>>(args...); with `overlap` the launch
-// carries cudaLaunchAttributeProgrammaticStreamSerialization (PDL), so the kernel may
-// start while the previous one on the stream finishes: it must call griddep_wait
-// (sm90_ptx.cuh) before it reads what that kernel writes. Capturable in graphs.
-template <typename... KArgs, typename... Args>
-void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                   bool overlap, Args&&... args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = overlap ? 1 : 0;
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-  if (e != cudaSuccess) throw_cuda("cudaLaunchKernelEx", e, __FILE__, __LINE__);
-}
-
-}  // namespace megamoe::detail
 
 #define MEGAMOE_CUBLAS_CHECK(call)                                             \
   do {                                                                         \

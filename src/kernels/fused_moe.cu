@@ -160,9 +160,6 @@ struct KernelArgs {
   const float* sw13_scale;
   const float* sw2_scale;
   int units_base;  // index in counters of the first GEMM1-done counter (after the routing counts)
-  int prefetch_shared;       // launched with PDL: L2 prefetch of the shared expert's weights first
-  const uint8_t* sw13;       // the shared expert's weights (for that prefetch)
-  const uint8_t* sw2;
   EpArgs ep;
 };
 
@@ -774,6 +771,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
+  const int T = *a.num_tokens;
   const int E_total = a.E + a.has_shared;
   int* done1 = a.counters + a.units_base;
 
@@ -794,20 +792,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::tma_prefetch_desc(&tm.x);
     sm90::tma_prefetch_desc(&tm.a2);
   }
-  // Launched with PDL this prologue runs while the routing finishes: the shared expert
-  // (every token's, known before the routing) asks L2 for this CTA's share of its
-  // weights. Then wait for the routing kernels (a no-op without PDL).
-  if (tid == 64 && a.has_shared && a.prefetch_shared) {
-    auto share = [&](const uint8_t* p, size_t bytes) {
-      const size_t chunk = (bytes / gridDim.x + 15) / 16 * 16;
-      const size_t lo = size_t(blockIdx.x) * chunk;
-      if (lo < bytes) sm90::prefetch_l2_bulk(p + lo, uint32_t(min(chunk, bytes - lo)));
-    };
-    share(a.sw13, size_t(2) * a.Is * a.H);
-    share(a.sw2, size_t(a.H) * a.Is);
-  }
-  sm90::griddep_wait();
-  const int T = *a.num_tokens;
+
   // ---- Schedule tables: rows and token blocks per expert (one warp scans). ----
   // Expert parallelism: this rank's local experts, from the counts its sources send
   // (ep_exchange: steps 1-3 of ep_layout.h up to the pull).
@@ -1368,14 +1353,14 @@ template <int BN>
 void launch_fused(const KernelArgs& args, const TensorMaps& maps, int grid, cudaStream_t stream) {
   if constexpr (kEpMaxBlockN >= BN) {
     if (args.ep.ranks) {
-      detail::launch_kernel(fused_moe_kernel<BN, true>, dim3(grid), dim3(kThreads), smem_bytes(BN), stream,
-                            use_pdl(), args, maps);
+      fused_moe_kernel<BN, true><<<grid, kThreads, smem_bytes(BN), stream>>>(args, maps);
+      MEGAMOE_CUDA_CHECK_LAUNCH();
       return;
     }
   }
   MEGAMOE_CHECK(!args.ep.ranks, "fused_moe: no expert-parallel kernel for this block_n");
-  detail::launch_kernel(fused_moe_kernel<BN, false>, dim3(grid), dim3(kThreads), smem_bytes(BN), stream,
-                        use_pdl(), args, maps);
+  fused_moe_kernel<BN, false><<<grid, kThreads, smem_bytes(BN), stream>>>(args, maps);
+  MEGAMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
@@ -1500,8 +1485,6 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   a.y_rows = reinterpret_cast<uint16_t*>(base + ws.y_rows.offset);
   a.w13_scale = w.w13_scale, a.w2_scale = w.w2_scale;
   a.sw13_scale = w.shared_w13_scale, a.sw2_scale = w.shared_w2_scale;
-  a.sw13 = w.shared_w13, a.sw2 = w.shared_w2;
-  a.prefetch_shared = use_pdl() && s.has_shared() ? 1 : 0;
   if (ep) {
     EpArgs& e = a.ep;
     e.ranks = ep->layout.ranks;

@@ -31,14 +31,6 @@ std::string describe(const FusedMoeConfig& c) {
                      c.block_n, kBlockK, c.stages, smem_bytes(c.block_n), c.num_sms, c.router_ksplit);
 }
 
-bool use_pdl() {
-  static const bool on = [] {
-    const char* env = std::getenv("MEGAMOE_PDL");
-    return env ? env[0] != '0' : kUsePdl;
-  }();
-  return on;
-}
-
 void maybe_print_config(const MoeShape& s, int tokens, const FusedMoeConfig& c) {
   const char* env = std::getenv("MEGAMOE_PRINT_CONFIG");
   if (env && env[0] == '1')

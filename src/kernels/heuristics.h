@@ -24,12 +24,6 @@ constexpr int kConsumerRegs = 224;
 static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * 168, "register budget");
 constexpr int kMaxExpertsTotal = 512;  // routed + shared, bounded by shared-memory tables
 constexpr int kSmemBudget = 227 * 1024;
-// Programmatic dependent launch between the forward's kernels (route_logits ->
-// route_topk -> fused_moe): each starts while the previous one finishes, and the fused
-// kernel asks L2 for its share of the shared expert's weights before it waits for the
-// routing. MEGAMOE_PDL=1 / 0 overrides the default (A/B measurements).
-constexpr bool kUsePdl = false;  // until measured on the H200 (v10)
-bool use_pdl();  // kUsePdl unless MEGAMOE_PDL says otherwise (read once)
 // Expert row segments start on multiples of 8 rows: the scale tensor maps put the
 // row index innermost and a TMA box must start 16-byte aligned in global memory.
 constexpr int kRowAlign = 8;

@@ -87,7 +87,6 @@ __global__ void __launch_bounds__(WM* WN * 32) route_logits_kernel(RouteArgs a, 
     for (int i = b * per + int(threadIdx.x); i < end; i += WM * WN * 32) a.zero[i] = 0;
     if (a.epoch && b == 0 && threadIdx.x == 0) *a.epoch += 1;
   }
-  sm90::griddep_launch_dependents();  // route_topk may start (it waits for this grid's end)
   const int T = *a.num_tokens;
   const int t0 = blockIdx.y * BT;
   if (t0 >= T) return;
@@ -204,7 +203,6 @@ struct RouteTile {
     // NOTE: the grid covers the host hint, an upper bound of the device token count: blocks
     // past the device count exit at once, so a graph captured at a hint serves any count below it.
     const dim3 grid((s.experts + BE - 1) / BE, std::max(1, (hint + BT - 1) / BT), kRouterSlices);
-    // (no PDL: it zeroes the counters the previous forward's fused kernel still uses)
     kernel<<<grid, WM * WN * 32, smem(), stream>>>(a, s.hidden, s.experts);
     MEGAMOE_CUDA_CHECK_LAUNCH();
   }
@@ -268,8 +266,6 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
   __shared__ float score_s[kTopkWarps][kMaxE];
   __shared__ float sel_s[kTopkWarps][kMaxE];
   __shared__ float group_s[kTopkWarps][32];
-  sm90::griddep_wait();               // route_logits' partial logits and zeroed counters
-  sm90::griddep_launch_dependents();  // the fused kernel may start its prologue
   const int T = *a.num_tokens;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int E = s.experts, K = s.topk;
@@ -423,7 +419,8 @@ void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int
                 cudaStream_t stream) {
   const int topk_blocks =
       std::max(1, std::min((host_tokens_hint + kTopkWarps - 1) / kTopkWarps, num_sms * 8));
-  detail::launch_kernel(route_topk_kernel, dim3(topk_blocks), dim3(kTopkWarps * 32), 0, stream, use_pdl(), a, s);
+  route_topk_kernel<<<topk_blocks, kTopkWarps * 32, 0, stream>>>(a, s);
+  MEGAMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace megamoe::kernels

@@ -130,21 +130,6 @@ __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-// Programmatic dependent launch (a kernel launched with
-// cudaLaunchAttributeProgrammaticStreamSerialization may start before the previous
-// kernel on its stream ends): wait blocks until that kernel has completed and its
-// memory is visible; launch_dependents lets the next kernel start early. Both are
-// no-ops for a kernel launched without the attribute.
-__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void griddep_launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
-// Asks L2 to fetch [p, p + bytes) (p and bytes multiples of 16); nothing waits for it.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-
 // Nanoseconds of the global timer (timeouts; not for measuring short intervals).
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
