@@ -157,6 +157,7 @@ struct BenchArgs {
   int iters = 15;
   int ranks = 1;
   std::string transport = "virtual";
+  int experts = 0, topk = 0, shared_experts = -1;
   std::string commit, command;
 };
 
@@ -172,8 +173,9 @@ int run_bench_cmd(const BenchArgs& a) {
   o.iters = a.iters;
   o.ranks = a.ranks;
   o.ep_transport = a.transport;
+  o.experts = a.experts, o.topk = a.topk, o.shared_experts = a.shared_experts;
   if (a.ranks > 1 && a.tokens.empty()) o.tokens = {1, 8, 64, 256, 1024};  // per rank
-  for (const auto& p : o.presets) find_preset(p);                         // fail early on a bad name
+  for (const auto& p : o.presets) api::bench_shape(p, o);                 // fail early on a bad name
   nlohmann::json j = api::run_bench(o, [](const std::string& line) {
     fmt::print("{}\n", line);
     std::fflush(stdout);
@@ -198,6 +200,7 @@ int run_bench_cmd(const BenchArgs& a) {
 struct EpCheckArgs {
   std::string preset = "glm-5.3-flash", transport = "virtual", rendezvous;
   int ranks = 2, tokens = 64, rank = -1;
+  int experts = 0, topk = 0, shared_experts = -1;
   double timeout_s = 10;
 };
 
@@ -217,7 +220,9 @@ int run_ep_check(const EpCheckArgs& a) {
     o.devices = {0};
   }
   o.rendezvous = a.rendezvous;
-  const MoeShape& s = find_preset(a.preset).shape;
+  api::BenchOptions shape_opt;  // the same shape overrides as bench
+  shape_opt.experts = a.experts, shape_opt.topk = a.topk, shape_opt.shared_experts = a.shared_experts;
+  const MoeShape s = api::bench_shape(a.preset, shape_opt);
   const auto res = api::ep_self_check(s, a.tokens, o);
   bool ok = true;
   for (const auto& r : res) {
@@ -281,6 +286,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 16));
   c_bench->add_option("--transport", bench.transport, "with --ranks: virtual | nccl (rank r on GPU r)")
       ->capture_default_str();
+  c_bench->add_option("--experts", bench.experts, "override every preset's expert count");
+  c_bench->add_option("--topk", bench.topk, "override every preset's top-k");
+  c_bench->add_option("--shared-experts", bench.shared_experts,
+                      "override every preset's shared experts (0: none)");
   c_bench->add_option("--commit", bench.commit, "commit id recorded in the JSON");
   c_bench->add_option("--command", bench.command, "command line recorded in the JSON");
 
@@ -300,6 +309,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   c_epc->add_option("--rank", epc.rank, "one process per GPU: this process's rank (nccl, with --rendezvous)");
   c_epc->add_option("--rendezvous", epc.rendezvous, "file through which rank 0 hands out NCCL's unique id");
+  c_epc->add_option("--experts", epc.experts, "override the preset's expert count");
+  c_epc->add_option("--topk", epc.topk, "override the preset's top-k");
+  c_epc->add_option("--shared-experts", epc.shared_experts, "override the preset's shared experts (0: none)");
   c_epc->add_option("--timeout", epc.timeout_s, "seconds before a missing peer is an error")
       ->capture_default_str();
 

@@ -148,6 +148,7 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
       std::max(wbytes / read_bw, double(Tall) * s.flops_per_token() / (opt.tc_peak_tflops * 1e12)) * 1e6;
   nlohmann::json c;
   c["preset"] = name;
+  c["shape"] = s.describe();
   c["ranks"] = R;
   c["tokens_per_rank"] = T;
   c["tokens"] = Tall;
@@ -178,6 +179,16 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
 
 }  // namespace
 
+MoeShape bench_shape(const std::string& preset, const BenchOptions& opt) {
+  MoeShape s = find_preset(preset).shape;
+  if (opt.experts > 0) s.experts = opt.experts;
+  if (opt.topk > 0) s.topk = opt.topk;
+  if (opt.shared_experts >= 0) s.shared_experts = opt.shared_experts;
+  if (s.n_group > 1 && s.experts % s.n_group != 0) s.n_group = 1, s.topk_group = 1;
+  s.validate();
+  return s;
+}
+
 nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const std::string&)>& log) {
   cudaStream_t stream;
   MEGAMOE_CUDA_CHECK(cudaStreamCreate(&stream));
@@ -198,7 +209,7 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
   if (opt.ranks > 1) {
     out["ranks"] = opt.ranks;
     for (const std::string& name : opt.presets) {
-      const MoeShape& s = find_preset(name).shape;
+      const MoeShape s = bench_shape(name, opt);
       HostMoeWeights hw = make_random_weights(s, 1234);
       DeviceBuffer dw(hw.bytes());
       MEGAMOE_CUDA_CHECK(cudaMemcpy(dw.p, hw.data(), hw.bytes(), cudaMemcpyHostToDevice));
@@ -209,11 +220,11 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
   }
 
   for (const std::string& name : opt.presets) {
-    const Preset& preset = find_preset(name);
+    const MoeShape shape = bench_shape(name, opt);
     std::vector<std::pair<MoeShape, int>> shapes;  // (shape, local-expert divisor)
-    shapes.push_back({preset.shape, 1});
-    if (opt.ep8_share && preset.shape.experts % 8 == 0) {
-      MoeShape ep = preset.shape;
+    shapes.push_back({shape, 1});
+    if (opt.ep8_share && shape.experts % 8 == 0) {
+      MoeShape ep = shape;
       ep.experts /= 8;  // E/8 local experts receiving T*K rows
       ep.n_group = 1, ep.topk_group = 1;
       shapes.push_back({ep, 8});
@@ -272,6 +283,7 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
         }
         nlohmann::json c;
         c["preset"] = name;
+        c["shape"] = s.describe();
         c["tokens"] = T;
         c["local_experts"] = s.experts;
         c["ep_share"] = ep_div;

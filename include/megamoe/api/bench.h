@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "megamoe/model/shape.h"
+
 namespace megamoe::api {
 
 struct BenchOptions {
@@ -20,10 +22,16 @@ struct BenchOptions {
   // virtual-rank overhead); the figures above are not measured then.
   int ranks = 1;
   std::string ep_transport = "virtual";  // or "nccl": rank r on GPU r, one process
+  // Overrides of every preset's shape (0 / -1: keep), e.g. the DeepSeek-V4-Flash
+  // shape as glm-5.3-flash with --experts 256 --topk 6 --shared-experts 0.
+  int experts = 0, topk = 0, shared_experts = -1;
   int warmup = 3;
   int iters = 15;
   double tc_peak_tflops = 1424.0;  // FP8 block-scaled dense ceiling measured on the H200 (ANCHORS.md)
 };
+
+// A preset's shape with the options' overrides applied (validated).
+MoeShape bench_shape(const std::string& preset, const BenchOptions& opt);
 
 // Runs every case; `log` receives one human-readable line per case.
 nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const std::string&)>& log);

@@ -58,7 +58,10 @@ class CudaEpMoeLayer {
 
   // After the forwards completed (synchronizes the device): throws
   // std::runtime_error naming the rank, the phase and the peer if a rank timed out,
-  // after resetting every rank, so the layer stays usable.
+  // after resetting every rank, so the layer stays usable. Call it after every forward
+  // (or graph replay) whose output you use: after a timeout the ranks' epochs disagree
+  // and outputs are undefined until check() has reported the error and reset them
+  // (the status is sticky until then).
   void check();
 
   int ranks() const;
