@@ -409,18 +409,20 @@ __device__ __forceinline__ bool ep_grid_barrier(const EpArgs& ep, int* ctr, int 
 // Phase-0 scratch tables under expert parallelism, in the last ring stage (no TMA
 // load targets it before the grid barrier that ends phase 0). Pair p = el * R + src.
 struct EpTables {
+  static constexpr int kE = kMaxExpertsTotal + 1;                  // E_route + 1 at most
+  static constexpr int kCounts = kE + (1 << EpLayout::kRankBits);  // R * (El + 1) = E + R at most
   int* gprefix;      // [E_route + 1] own slots before global expert e (the send_list order)
   int* counts;       // [R][El + 1]   the received counts
   int* pair_prefix;  // [E_route + 1] received rows before pair p
   int* pair_send;    // [E_route]     pair p's first entry in source src's send_list
   int* pair_ring;    // [E_route]     pair p's first row in this rank's ring
-  static constexpr int kInts = 5 * (kMaxExpertsTotal + 1);
+  static constexpr int kInts = 4 * kE + kCounts;
   __device__ explicit EpTables(int* b)
       : gprefix(b),
-        counts(b + (kMaxExpertsTotal + 1)),
-        pair_prefix(b + 2 * (kMaxExpertsTotal + 1)),
-        pair_send(b + 3 * (kMaxExpertsTotal + 1)),
-        pair_ring(b + 4 * (kMaxExpertsTotal + 1)) {}
+        counts(b + kE),
+        pair_prefix(b + kE + kCounts),
+        pair_send(b + 2 * kE + kCounts),
+        pair_ring(b + 3 * kE + kCounts) {}
 };
 static_assert(EpTables::kInts * 4 <= stage_bytes(8), "the EP tables fit one ring stage");
 
