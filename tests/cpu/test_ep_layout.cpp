@@ -9,6 +9,9 @@
 #include <vector>
 
 #include "megamoe/kernels/ep_layout.h"
+#if defined(MEGAMOE_HAVE_CUDA)
+#include "megamoe/kernels/fused_moe.h"  // MoeWorkspaceLayout (host code of the CUDA library)
+#endif
 
 namespace megamoe {
 namespace {
@@ -81,6 +84,45 @@ TEST(EpLayout, ReceiveBoundHoldsTheWorstRouting) {
     }
   }
 }
+
+#if defined(MEGAMOE_HAVE_CUDA)
+// The owner's private ring (MoeWorkspaceLayout with ep_ranks = R) holds the segments
+// the fused kernel lays out (fused_moe.cu build_sched): the shared expert's rows of the
+// own tokens first, then every local expert's received rows, each padded to 8 rows; and
+// its completion counters cover every (expert, 8-row token block), for the worst
+// routings (all slots on this owner, spread to maximize the padding) and random ones.
+TEST(EpLayout, OwnerRingHoldsTheKernelsSegments) {
+  for (const char* name : {"glm-5", "glm-5.3-flash", "deepseek-v3"}) {
+    const MoeShape& s = find_preset(name).shape;
+    std::mt19937 rng(11);
+    for (int R : {1, 2, 8}) {
+      for (int T : {1, 37, 256}) {
+        const kernels::MoeWorkspaceLayout ws = kernels::MoeWorkspaceLayout::compute(s, T, R);
+        const int El = s.experts / R, sh = s.has_shared() ? 1 : 0;
+        ASSERT_EQ(ws.local_experts, El);
+        for (int trial = 0; trial < 3; ++trial) {
+          std::vector<int64_t> cnt(El, 0);
+          const int per_token = std::min(s.topk, El);
+          for (int src = 0; src < R; ++src)
+            for (int t = 0; t < T; ++t) {
+              std::vector<int> ids(El);
+              std::iota(ids.begin(), ids.end(), 0);
+              std::shuffle(ids.begin(), ids.end(), rng);
+              // trial 0: every slot here; 1: every slot here, few experts hit; 2: half the slots
+              const int n = trial == 2 ? per_token / 2 : per_token;
+              for (int k = 0; k < n; ++k) ++cnt[trial == 1 ? k : ids[k]];
+            }
+          auto pad = [](int64_t n) { return (n + 7) / 8 * 8; };
+          int64_t rows = sh ? pad(T) : 0, units = sh ? (T + 7) / 8 : 0;
+          for (int64_t c : cnt) rows += pad(c), units += (c + 7) / 8;
+          EXPECT_LE(rows, ws.rows_cap) << name << " R=" << R << " T=" << T << " trial " << trial;
+          EXPECT_LE(units, ws.units_cap) << name << " R=" << R << " T=" << T << " trial " << trial;
+        }
+      }
+    }
+  }
+}
+#endif
 
 TEST(EpLayout, OwnersAndPackedSourcesRoundTrip) {
   const MoeShape& s = find_preset("glm-5").shape;  // 256 experts
