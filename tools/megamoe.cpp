@@ -33,14 +33,6 @@ using namespace megamoe;
 
 namespace {
 
-std::vector<num::bf16_t> random_tokens(size_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<num::bf16_t> x(n);
-  for (auto& v : x) v = num::bf16_encode(nd(rng));
-  return x;
-}
-
 double rel_l2(const std::vector<float>& a, const std::vector<float>& ref) {
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) {
@@ -81,7 +73,7 @@ int run_demo(const DemoArgs& a) {
   const double gen_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   fmt::print("random block-FP8 layer: {:.2f} GB of weights in {:.1f} s (non-power-of-two scales)\n",
              w.bytes() * 1e-9, gen_s);
-  const auto x = random_tokens(size_t(a.tokens) * s.hidden, a.seed + 7);
+  const auto x = make_random_tokens(size_t(a.tokens) * s.hidden, a.seed + 7);
   const api::ForwardOutput out = api::forward(b, w, x.data(), a.tokens);
   const double gflop = a.tokens * s.flops_per_token() * 1e-9;
   fmt::print("forward on {}: {} tokens in {:.3f} ms, {:.1f} GFLOP/s ({:.1f} GFLOP)\n",

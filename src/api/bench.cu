@@ -8,12 +8,12 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
-#include <memory>
 #include <set>
 #include <stdexcept>
 #include <vector>
 
 #include "../kernels/cuda_check.h"
+#include "device_run.h"
 #include "megamoe/api/bench.h"
 #include "megamoe/api/ep_layer.h"
 #include "megamoe/api/moe_layer.h"
@@ -31,14 +31,6 @@ double expert_bytes(const MoeShape& s, int inter) {
       (2.0 * std::ceil(I / 128) * std::ceil(H / 128) + std::ceil(H / 128) * std::ceil(I / 128)) * 4;
   return 3.0 * H * I + scales;
 }
-
-struct DeviceBuffer {
-  void* p = nullptr;
-  explicit DeviceBuffer(size_t bytes) { MEGAMOE_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 256))); }
-  ~DeviceBuffer() { cudaFree(p); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
 
 // x for T tokens: N(0,1)-ish via the sum of two uniforms; fresh per T.
 std::vector<num::bf16_t> bench_input(int T, int H) {
@@ -95,18 +87,18 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
   // Each rank's x and y on its device (virtual ranks: all on this one).
   int dev0 = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev0));
-  std::vector<std::unique_ptr<DeviceBuffer>> rx, ry;
+  std::vector<DeviceBuffer> rx, ry;
   std::vector<const num::bf16_t*> xs(R);
   std::vector<num::bf16_t*> ys(R);
   const size_t slice = size_t(T) * s.hidden;
   for (int i = 0; i < R; ++i) {
     MEGAMOE_CUDA_CHECK(cudaSetDevice(ep.device(i)));
-    rx.push_back(std::make_unique<DeviceBuffer>(slice * 2));
-    ry.push_back(std::make_unique<DeviceBuffer>(slice * 2));
+    rx.emplace_back(slice * 2);
+    ry.emplace_back(slice * 2);
     MEGAMOE_CUDA_CHECK(
-        cudaMemcpy(rx[i]->p, x.data() + ep.local_ranks()[i] * slice, slice * 2, cudaMemcpyHostToDevice));
-    xs[i] = static_cast<const num::bf16_t*>(rx[i]->p);
-    ys[i] = static_cast<num::bf16_t*>(ry[i]->p);
+        cudaMemcpy(rx[i].p, x.data() + ep.local_ranks()[i] * slice, slice * 2, cudaMemcpyHostToDevice));
+    xs[i] = static_cast<const num::bf16_t*>(rx[i].p);
+    ys[i] = static_cast<num::bf16_t*>(ry[i].p);
   }
   MEGAMOE_CUDA_CHECK(cudaSetDevice(dev0));
   const std::vector<int> tokens(R, T);

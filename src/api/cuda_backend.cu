@@ -6,6 +6,7 @@
 
 #include "../kernels/cuda_check.h"
 #include "cuda_backend.h"
+#include "device_run.h"
 #include "megamoe/api/ep_layer.h"
 #include "megamoe/api/moe_layer.h"
 
@@ -38,52 +39,15 @@ bool cuda_device_ok(std::string* why) {
   return true;
 }
 
-namespace {
-
-// Device buffers of one forward, freed on every path.
-struct DeviceBuffers {
-  num::bf16_t* x = nullptr;
-  num::bf16_t* y = nullptr;
-  cudaStream_t stream = nullptr;
-  cudaEvent_t e0 = nullptr, e1 = nullptr;
-  DeviceBuffers(const num::bf16_t* host_x, size_t bytes) {
-    MEGAMOE_CUDA_CHECK(cudaMalloc(&x, std::max<size_t>(bytes, 16)));
-    MEGAMOE_CUDA_CHECK(cudaMalloc(&y, std::max<size_t>(bytes, 16)));
-    MEGAMOE_CUDA_CHECK(cudaMemcpy(x, host_x, bytes, cudaMemcpyHostToDevice));
-    MEGAMOE_CUDA_CHECK(cudaMemset(y, 0xFF, std::max<size_t>(bytes, 16)));  // poison
-    MEGAMOE_CUDA_CHECK(cudaStreamCreate(&stream));
-    MEGAMOE_CUDA_CHECK(cudaEventCreate(&e0));
-    MEGAMOE_CUDA_CHECK(cudaEventCreate(&e1));
-  }
-  ~DeviceBuffers() {
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-    cudaStreamDestroy(stream);
-    cudaFree(x);
-    cudaFree(y);
-  }
-  // Warm-up (module load, first touch), then one timed run of `run`.
-  template <typename Run>
-  double time_second(Run run) {
-    run();
-    MEGAMOE_CUDA_CHECK(cudaEventRecord(e0, stream));
-    run();
-    MEGAMOE_CUDA_CHECK(cudaEventRecord(e1, stream));
-    MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-    float ms = 0;
-    MEGAMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    return ms * 1e-3;
-  }
-};
-
-}  // namespace
-
 ForwardOutput cuda_forward(const HostMoeWeights& w, const num::bf16_t* x, int T, int ranks) {
   std::string why;
   if (!cuda_device_ok(&why)) throw std::runtime_error("CUDA backend unavailable: " + why);
   const MoeShape& s = w.shape;
   const size_t xb = size_t(T) * s.hidden * 2;
-  DeviceBuffers d(x, xb);
+  DeviceBuffer dx(xb), dy(xb);
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(dx.p, x, xb, cudaMemcpyHostToDevice));
+  MEGAMOE_CUDA_CHECK(cudaMemset(dy.p, 0xFF, xb));  // poison
+  TimedStream ts;
   ForwardOutput out;
   out.backend = Backend::kCuda;
   out.y.resize(size_t(T) * s.hidden);
@@ -93,7 +57,8 @@ ForwardOutput cuda_forward(const HostMoeWeights& w, const num::bf16_t* x, int T,
     MoeLayerOptions opt;
     opt.max_tokens = std::max(1, T);
     CudaMoeLayer layer(w, opt);
-    out.seconds = d.time_second([&] { layer.forward(d.x, d.y, T, nullptr, d.stream); });
+    out.seconds = ts.time_second(
+        [&] { layer.forward(dx.as<num::bf16_t>(), dy.as<num::bf16_t>(), T, nullptr, ts.stream); });
     MEGAMOE_CUDA_CHECK(
         cudaMemcpy(out.ids.data(), layer.topk_ids(), out.ids.size() * 4, cudaMemcpyDeviceToHost));
     MEGAMOE_CUDA_CHECK(
@@ -107,15 +72,15 @@ ForwardOutput cuda_forward(const HostMoeWeights& w, const num::bf16_t* x, int T,
     int begin = 0;
     for (int r = 0; r < ranks; ++r) {
       tokens[r] = T / ranks + (r < T % ranks ? 1 : 0);
-      xs[r] = d.x + size_t(begin) * s.hidden;
-      ys[r] = d.y + size_t(begin) * s.hidden;
+      xs[r] = dx.as<num::bf16_t>() + size_t(begin) * s.hidden;
+      ys[r] = dy.as<num::bf16_t>() + size_t(begin) * s.hidden;
       begin += tokens[r];
     }
     EpLayerOptions opt;
     opt.ranks = ranks;
     opt.max_tokens = std::max(1, tokens[0]);
     CudaEpMoeLayer layer(w, opt);
-    out.seconds = d.time_second([&] { layer.forward(xs, ys, tokens, d.stream); });
+    out.seconds = ts.time_second([&] { layer.forward(xs, ys, tokens, ts.stream); });
     layer.check();
     begin = 0;
     for (int r = 0; r < ranks; ++r) {
@@ -126,7 +91,7 @@ ForwardOutput cuda_forward(const HostMoeWeights& w, const num::bf16_t* x, int T,
       begin += tokens[r];
     }
   }
-  MEGAMOE_CUDA_CHECK(cudaMemcpy(out.y.data(), d.y, xb, cudaMemcpyDeviceToHost));
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(out.y.data(), dy.p, xb, cudaMemcpyDeviceToHost));
   return out;
 }
 

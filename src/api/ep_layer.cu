@@ -9,6 +9,7 @@
 
 #include "../kernels/cuda_check.h"
 #include "checks.h"
+#include "device_run.h"
 #include "megamoe/api/ep_layer.h"
 #include "megamoe/kernels/fused_moe.h"
 #include "megamoe/transport/transport.h"
@@ -64,7 +65,6 @@ struct CudaEpMoeLayer::Impl {
       cudaSetDevice(dev);
       cudaFree(p);
     }
-    transport.reset();
   }
 };
 
@@ -233,6 +233,7 @@ std::vector<EpCheckRank> ep_self_check(const MoeShape& shape, int tokens, const 
   const int n = int(ranks.size()), H = shape.hidden;
   std::vector<EpCheckRank> res(n);
   std::vector<std::vector<num::bf16_t>> xs(n);
+  std::vector<DeviceBuffer> bx, by;  // each rank's x and y on its device
   std::vector<const num::bf16_t*> dx(n);
   std::vector<num::bf16_t*> dy(n);
   std::vector<int> counts(n);
@@ -240,35 +241,19 @@ std::vector<EpCheckRank> ep_self_check(const MoeShape& shape, int tokens, const 
     res[i].rank = ranks[i];
     res[i].device = layer.device(i);
     counts[i] = res[i].tokens = std::max(0, tokens - ranks[i] % 3);
-    xs[i].resize(size_t(counts[i]) * H);
-    uint64_t st = seed * 0x9E3779B97F4A7C15ull + 1 + ranks[i];
-    for (auto& v : xs[i]) {  // uniform in [-2, 2), fresh per rank
-      st ^= st << 13, st ^= st >> 7, st ^= st << 17;
-      v = num::bf16_encode(float(st >> 40) * (4.0f / 16777216.0f) - 2.0f);
-    }
+    xs[i] = make_random_tokens(size_t(counts[i]) * H, seed + 1 + ranks[i]);  // fresh per rank
     MEGAMOE_CUDA_CHECK(cudaSetDevice(res[i].device));
-    const size_t b = std::max<size_t>(16, xs[i].size() * 2);
-    void *px = nullptr, *py = nullptr;
-    MEGAMOE_CUDA_CHECK(cudaMalloc(&px, b));
-    MEGAMOE_CUDA_CHECK(cudaMalloc(&py, b));
-    MEGAMOE_CUDA_CHECK(cudaMemcpy(px, xs[i].data(), xs[i].size() * 2, cudaMemcpyHostToDevice));
-    MEGAMOE_CUDA_CHECK(cudaMemset(py, 0xFF, b));  // poison
-    dx[i] = static_cast<const num::bf16_t*>(px);
-    dy[i] = static_cast<num::bf16_t*>(py);
+    bx.emplace_back(xs[i].size() * 2);
+    by.emplace_back(xs[i].size() * 2);
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(bx[i].p, xs[i].data(), xs[i].size() * 2, cudaMemcpyHostToDevice));
+    MEGAMOE_CUDA_CHECK(cudaMemset(by[i].p, 0xFF, xs[i].size() * 2));  // poison
+    dx[i] = bx[i].as<const num::bf16_t>();
+    dy[i] = by[i].as<num::bf16_t>();
   }
   MEGAMOE_CUDA_CHECK(cudaSetDevice(res[0].device));
-  cudaStream_t st;
-  cudaEvent_t e0, e1;
-  MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  MEGAMOE_CUDA_CHECK(cudaEventCreate(&e0));
-  MEGAMOE_CUDA_CHECK(cudaEventCreate(&e1));
-  layer.forward(dx, dy, counts, st);
-  MEGAMOE_CUDA_CHECK(cudaEventRecord(e0, st));
-  layer.forward(dx, dy, counts, st);
-  MEGAMOE_CUDA_CHECK(cudaEventRecord(e1, st));
+  TimedStream ts;
+  const double seconds = ts.time_second([&] { layer.forward(dx, dy, counts, ts.stream); });
   layer.check();
-  float ms = 0;
-  MEGAMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
   for (int i = 0; i < n; ++i) {
     MEGAMOE_CUDA_CHECK(cudaSetDevice(res[i].device));
     std::vector<num::bf16_t> got(xs[i].size()), want(xs[i].size());
@@ -276,19 +261,14 @@ std::vector<EpCheckRank> ep_self_check(const MoeShape& shape, int tokens, const 
     MoeLayerOptions lo;
     lo.max_tokens = std::max(1, counts[i]);
     CudaMoeLayer one(w, lo);
-    MEGAMOE_CUDA_CHECK(cudaMemset(dy[i], 0xFF, std::max<size_t>(16, got.size() * 2)));
+    MEGAMOE_CUDA_CHECK(cudaMemset(dy[i], 0xFF, got.size() * 2));
     one.forward(dx[i], dy[i], counts[i], nullptr, nullptr);
     MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
     MEGAMOE_CUDA_CHECK(cudaMemcpy(want.data(), dy[i], want.size() * 2, cudaMemcpyDeviceToHost));
     res[i].bytes_equal = got == want;
-    res[i].us = ms * 1e3;
-    cudaFree(const_cast<num::bf16_t*>(dx[i]));
-    cudaFree(dy[i]);
+    res[i].us = seconds * 1e6;
   }
-  MEGAMOE_CUDA_CHECK(cudaSetDevice(res[0].device));
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaStreamDestroy(st);
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(res[0].device));  // the stream's device, for its destruction
   return res;
 }
 

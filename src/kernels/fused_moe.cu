@@ -378,9 +378,8 @@ __device__ __forceinline__ bool ep_wait(const EpArgs& ep, Probe probe, uint64_t 
     if ((i & 63) == 0) {
       if (sm90::ld_relaxed_gpu(&ep.state[1]) != 0) return false;
       if (sm90::globaltimer_ns() - t0 > ep.timeout_ns) {
-        const uint64_t code = (uint64_t(1) << 48) | (uint64_t(phase) << 32) | (uint64_t(ep.rank) << 16) |
-                              uint64_t(uint16_t(peer));
-        atomicCAS(reinterpret_cast<unsigned long long*>(&ep.state[1]), 0ull, code);
+        atomicCAS(reinterpret_cast<unsigned long long*>(&ep.state[1]), 0ull,
+                  EpStatus::encode(EpStatus::Phase(phase), ep.rank, peer));
         return false;
       }
     }
@@ -460,7 +459,7 @@ __device__ __forceinline__ bool ep_exchange(const KernelArgs& a, const Sched& sc
         *reinterpret_cast<uint32_t*>(a.x_sorted + size_t(t) * H + g * 128 + lane * 4) = q;
         if (lane == 0) {
           a.x_sorted_scale[size_t(g) * a.rows_cap + t] = sc_x;
-          if (g == 0) a.row_weight[t] = 1.0f, ep.row_src[t] = -1;
+          if (g == 0) a.row_weight[t] = 1.0f;  // (row_src is not read for the shared expert: out_row)
         }
       }
       if (g == 0 && lane < K) {
@@ -798,9 +797,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // ---- Schedule tables: rows and token blocks per expert (one warp scans). ----
   // Expert parallelism: this rank's local experts, from the counts its sources send
   // (ep_exchange: steps 1-3 of ep_layout.h up to the pull).
-  constexpr bool ep = kEp;
   EpTables et(reinterpret_cast<int*>(smem + (kStages - 1) * kStageBytes));
-  if (!ep) {
+  if (!kEp) {
     if (warp == 0)
       build_sched(
           sc, E_total, BN, lane,
@@ -862,7 +860,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (first_tile < tiles && a.debug_stop != 2 && !a.no_early_loads) {
       const Tile tl = decode_tile<BN>(a, sc, first_tile, t1_routed, t1);
       // (expert parallelism: the last stage holds the phase-0 tables until the barrier)
-      first_issued = min(kStages - (ep ? 1 : 0), tl.kblocks);
+      first_issued = min(kStages - (kEp ? 1 : 0), tl.kblocks);
       stage_tile[0] = first_tile;  // published by the full barrier's completion
       for (int kb = 0; kb < first_issued; ++kb) {
         sm90::mbar_arrive_expect_tx(&full_bar[kb], stage_tx(tl));
@@ -875,7 +873,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // A warp task is one token's 128-column group. The next task's loads (its x group
   // and its slot rows) are issued before this task is quantized and stored, so a warp
   // keeps one load round trip in flight instead of two dependent ones per task.
-  if (!ep) {
+  if (!kEp) {
     const int hb = a.H / 128;
     const int tasks = T * hb;
     const int warps_total = gridDim.x * (kThreads / 32);
@@ -922,7 +920,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   sm90::fence_proxy_async_global();
   __threadfence();
   __syncthreads();
-  if (!ep) {
+  if (!kEp) {
     if (tid == 0) {
       atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterBarrier], 1);
       sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterBarrier], int(gridDim.x));
@@ -1220,7 +1218,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (ctid == 0) sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2], t2);
   sm90::named_barrier(1, kConsumerThreads);
   const uint16_t* ep_combine = nullptr;  // expert parallelism: routed slot rows, [T][K][H]
-  if (ep) {
+  if (kEp) {
     // Step 4's end: every GEMM2 tile of this rank is done (its rows are in the sources'
     // combine slots), so CTA 0 tells every source; step 5: wait for every owner.
     const int R = a.ep.ranks;
@@ -1258,7 +1256,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = 0; i < kCombineBatch; ++i) {
         r[i] = __shfl_sync(0xffffffffu, row, (k0 + i) & 31);
         if (k0 + i >= slots || !col_ok) r[i] = -1;
-        const uint16_t* rows = ep && k0 + i < a.K ? ep_combine : a.y_rows;  // (slot k0 + i's rows)
+        const uint16_t* rows = kEp && k0 + i < a.K ? ep_combine : a.y_rows;  // (slot k0 + i's rows)
         v[i] = r[i] >= 0 ? __ldcg(reinterpret_cast<const uint4*>(rows + size_t(r[i]) * a.H) + c8)
                          : make_uint4(0, 0, 0, 0);
       }
@@ -1346,22 +1344,16 @@ template <int BN>
 void set_smem_attr() {
   MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<BN, false>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(BN)));
-  if constexpr (kEpMaxBlockN >= BN)
-    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<BN, true>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(BN)));
+  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<BN, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          smem_bytes(BN)));
 }
 
 template <int BN>
 void launch_fused(const KernelArgs& args, const TensorMaps& maps, int grid, cudaStream_t stream) {
-  if constexpr (kEpMaxBlockN >= BN) {
-    if (args.ep.ranks) {
-      fused_moe_kernel<BN, true><<<grid, kThreads, smem_bytes(BN), stream>>>(args, maps);
-      MEGAMOE_CUDA_CHECK_LAUNCH();
-      return;
-    }
-  }
-  MEGAMOE_CHECK(!args.ep.ranks, "fused_moe: no expert-parallel kernel for this block_n");
-  fused_moe_kernel<BN, false><<<grid, kThreads, smem_bytes(BN), stream>>>(args, maps);
+  if (args.ep.ranks)
+    fused_moe_kernel<BN, true><<<grid, kThreads, smem_bytes(BN), stream>>>(args, maps);
+  else
+    fused_moe_kernel<BN, false><<<grid, kThreads, smem_bytes(BN), stream>>>(args, maps);
   MEGAMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -1390,9 +1382,6 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   MEGAMOE_CHECK((ep != nullptr) == (ws.ep_ranks > 0),
                 "fused_moe: the workspace was sized for " + std::to_string(ws.ep_ranks) +
                     " expert-parallel ranks but the plan is " + (ep ? "" : "not ") + "expert parallel");
-  // The experts this plan computes: all, or under expert parallelism the rank's E/R,
-  // found at view_expert0 in the view (the tensor maps and scales start there).
-  MoeWeightsView w = w_all;
   if (ep) {
     const EpLayout& l = ep->layout;
     MEGAMOE_CHECK(l.ranks == ws.ep_ranks && l.local_experts == ws.local_experts && l.topk == s.topk &&
@@ -1403,14 +1392,10 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
     MEGAMOE_CHECK(ep->timeout_s > 0, "fused_moe: the expert-parallel timeout must be > 0");
     for (int q = 0; q < l.ranks; ++q)
       MEGAMOE_CHECK(ep->peer_base[q] != nullptr, "fused_moe: no buffer for peer rank " + std::to_string(q));
-    const size_t e0 = size_t(ep->view_expert0), I = s.inter, H = s.hidden;
-    w.w13 += e0 * 2 * I * H;
-    w.w13_scale +=
-        e0 * size_t(MoeWeightLayout::w13_scale_rows(s.inter)) * MoeWeightLayout::hidden_blocks(s.hidden);
-    w.w2 += e0 * H * I;
-    w.w2_scale +=
-        e0 * size_t(MoeWeightLayout::hidden_blocks(s.hidden)) * MoeWeightLayout::inter_blocks(s.inter);
   }
+  // The experts this plan computes: all, or under expert parallelism the rank's E/R,
+  // found at view_expert0 in the view (the tensor maps and scales start there).
+  const MoeWeightsView w = ep ? w_all.from_expert(s, ep->view_expert0) : w_all;
   auto plan = std::make_unique<FusedMoePlan>();
   plan->shape = s;
   plan->ws = ws;
@@ -1514,11 +1499,7 @@ EpStatus ep_status(const FusedMoePlan* p) {
   if (!p->args.ep.ranks) return st;
   uint64_t code = 0;
   MEGAMOE_CUDA_CHECK(cudaMemcpy(&code, p->args.ep.state + 1, sizeof(code), cudaMemcpyDeviceToHost));
-  if (code == 0) return st;
-  st.phase = EpStatus::Phase((code >> 32) & 0xFFFF);
-  st.rank = int((code >> 16) & 0xFFFF);
-  st.peer = int(code & 0xFFFF);
-  return st;
+  return EpStatus::decode(code);
 }
 
 void ep_reset(const FusedMoePlan* p) {
@@ -1542,7 +1523,6 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
   const int R = std::max(1, p->args.ep.ranks);
   FusedMoeConfig cfg =
       choose_config(p->shape, int(std::min<int64_t>(int64_t(tokens) * R, 1 << 30)), p->num_sms);
-  if (p->args.ep.ranks) cfg.block_n = std::min(cfg.block_n, kEpMaxBlockN);
   cfg.router_ksplit = kRouterSlices;
   return cfg;
 }

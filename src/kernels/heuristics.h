@@ -40,9 +40,6 @@ constexpr int kCombineBatch = 16;
 // byte-balanced (TileSchedule); an atomic-counter schedule was measured ~5 %
 // slower at T >= 64 (bench/results/NOTES.md, v4) and is gone.
 constexpr bool swap_ab(int block_n) { return block_n < 128; }
-// Token blocks the expert-parallel kernel runs (all of them; kept as a switch: the EP
-// instantiation at 128 spills four ints, reloaded once a tile, outside the K loops).
-constexpr int kEpMaxBlockN = 128;
 
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
 // tiles (decode: 64+ blocks stream the router weight at once), up to

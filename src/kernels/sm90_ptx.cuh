@@ -100,19 +100,11 @@ __device__ __forceinline__ int ld_relaxed_gpu(const int* p) {
   return v;
 }
 
-// 64-bit forms (epoch-tagged signals of expert parallelism).
+// 64-bit (the expert-parallel status word, which other CTAs of the rank set).
 __device__ __forceinline__ uint64_t ld_relaxed_gpu(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
-}
-__device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_gpu(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 // System scope (expert parallelism: signals written by peers over NVLink).
@@ -142,8 +134,7 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
 // whole L1; spinning with acquires did that on every try. A single check stays one
 // acquire (a relaxed look first put a second L2 round trip on the producer's path at
 // every GEMM2 tile: T = 256 +2.6 %, bench/results/NOTES.md v9).
-template <typename T>  // int (counters) or uint64_t (epoch signals)
-__device__ __forceinline__ void wait_geq_acquire_gpu(const T* p, T v) {
+__device__ __forceinline__ void wait_geq_acquire_gpu(const int* p, int v) {
   while (ld_relaxed_gpu(p) < v) {
   }
   (void)ld_acquire_gpu(p);  // the value is >= v (monotonic counter); this orders what follows

@@ -17,12 +17,8 @@ namespace megamoe::ref {
 namespace detail {
 
 ExpertWeights routed_expert(const MoeShape& s, const MoeWeightsView& w, int e) {
-  const size_t H = s.hidden, I = s.inter;
-  const size_t hb = MoeWeightLayout::hidden_blocks(s.hidden);
-  const size_t w13_scales = size_t(MoeWeightLayout::w13_scale_rows(s.inter)) * hb;
-  const size_t w2_scales = hb * MoeWeightLayout::inter_blocks(s.inter);
-  return {w.w13 + size_t(e) * 2 * I * H, w.w13_scale + size_t(e) * w13_scales, w.w2 + size_t(e) * H * I,
-          w.w2_scale + size_t(e) * w2_scales, s.inter};
+  const MoeWeightsView v = w.from_expert(s, e);
+  return {v.w13, v.w13_scale, v.w2, v.w2_scale, s.inter};
 }
 
 ExpertWeights shared_expert(const MoeShape& s, const MoeWeightsView& w) {

@@ -43,4 +43,14 @@ MoeWeightsView MoeWeightsView::at(const void* base, const MoeWeightLayout& l, co
   return v;
 }
 
+MoeWeightsView MoeWeightsView::from_expert(const MoeShape& s, int e) const {
+  const size_t H = s.hidden, I = s.inter, hb = MoeWeightLayout::hidden_blocks(s.hidden);
+  MoeWeightsView v = *this;
+  v.w13 += size_t(e) * 2 * I * H;
+  v.w13_scale += size_t(e) * MoeWeightLayout::w13_scale_rows(s.inter) * hb;
+  v.w2 += size_t(e) * H * I;
+  v.w2_scale += size_t(e) * hb * MoeWeightLayout::inter_blocks(s.inter);
+  return v;
+}
+
 }  // namespace megamoe

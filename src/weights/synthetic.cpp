@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -178,6 +179,14 @@ HostMoeWeights make_random_weights(const MoeShape& s, uint64_t seed, bool pow2_s
     for (int e = 0; e < s.experts; ++e) b[e] = float(0.01 * rng.normal());
   }
   return w;
+}
+
+std::vector<num::bf16_t> make_random_tokens(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<num::bf16_t> x(n);
+  for (auto& v : x) v = num::bf16_encode(nd(rng));
+  return x;
 }
 
 }  // namespace megamoe

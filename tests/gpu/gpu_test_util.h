@@ -2,22 +2,16 @@
 #pragma once
 
 #include <cstdint>
-#include <random>
 #include <vector>
 
 #include "megamoe/model/shape.h"
 #include "megamoe/numerics/fp8.h"
+#include "megamoe/weights/host_weights.h"
 
 namespace megamoe::testutil {
 
 // n BF16 values drawn from N(0, 1), fresh per seed (never zeros).
-inline std::vector<num::bf16_t> random_x(size_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<num::bf16_t> v(n);
-  for (auto& x : v) x = num::bf16_encode(nd(rng));
-  return v;
-}
+inline std::vector<num::bf16_t> random_x(size_t n, uint64_t seed) { return make_random_tokens(n, seed); }
 
 // A small GLM-5-like layer (H 1024, I 512, 32 experts, top-4, one shared, F32 router).
 inline MoeShape reduced_shape() {

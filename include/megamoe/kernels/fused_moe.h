@@ -108,6 +108,19 @@ struct EpStatus {
   int rank = -1;  // the rank that reported
   int peer = -1;  // the peer it waited for
   std::string message() const;
+  // The status word (0 = fine) the kernel writes and the host reads.
+  MEGAMOE_HD static uint64_t encode(Phase phase, int rank, int peer) {
+    return (uint64_t(1) << 48) | (uint64_t(phase) << 32) | (uint64_t(uint16_t(rank)) << 16) |
+           uint64_t(uint16_t(peer));
+  }
+  static EpStatus decode(uint64_t code) {
+    EpStatus st;
+    if (code == 0) return st;
+    st.phase = Phase((code >> 32) & 0xFFFF);
+    st.rank = int((code >> 16) & 0xFFFF);
+    st.peer = int(code & 0xFFFF);
+    return st;
+  }
 };
 
 // Opaque per-layer launch plan: tensor maps etc. (built once per layer object).

@@ -4,8 +4,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <vector>
 
 #include "megamoe/model/shape.h"
+#include "megamoe/numerics/fp8.h"
 #include "megamoe/weights/layout.h"
 
 namespace megamoe {
@@ -36,5 +38,9 @@ struct HostMoeWeights {
 // drawn log-normally (not powers of two unless pow2_scales), router and bias
 // random. Deterministic in `seed`; multithreaded.
 HostMoeWeights make_random_weights(const MoeShape& s, uint64_t seed, bool pow2_scales = false);
+
+// n BF16 activations drawn from N(0, 1) (mt19937_64 seeded with `seed`): fresh
+// random tokens for demos, checks and tests, never zeros.
+std::vector<num::bf16_t> make_random_tokens(size_t n, uint64_t seed);
 
 }  // namespace megamoe

@@ -79,6 +79,9 @@ struct MoeWeightsView {
   const float* bias = nullptr;
 
   static MoeWeightsView at(const void* base, const MoeWeightLayout& l, const MoeShape& s);
+  // The same view with routed expert e as its expert 0 (one expert's weights and
+  // scales; an expert-parallel rank's first local expert).
+  MoeWeightsView from_expert(const MoeShape& s, int e) const;
 };
 
 }  // namespace megamoe
