@@ -18,6 +18,7 @@
 #include "megamoe/api/ep_layer.h"
 #include "megamoe/api/moe_layer.h"
 #include "megamoe/bench/baselines.h"
+#include "megamoe/kernels/fused_moe.h"
 #include "megamoe/weights/host_weights.h"
 
 namespace megamoe::api {
@@ -246,6 +247,7 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
             time_graph(stream, opt, [&](cudaStream_t st2) { layer.route(xp, T, dTp, st2); });
         layer.forward(xp, yp, T, nullptr, stream);
         MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+        kernels::fused_moe_print_profile(T);
         std::vector<int32_t> ids(size_t(T) * s.topk);
         std::vector<float> wts(ids.size());
         MEGAMOE_CUDA_CHECK(cudaMemcpy(ids.data(), layer.topk_ids(), ids.size() * 4, cudaMemcpyDeviceToHost));

@@ -142,6 +142,7 @@ struct KernelArgs {
                        //   bit 2 = no TMA loads (stages complete at once: the consumers' own speed)
   int round_robin;     // MEGAMOE_SCHEDULE=rr: plain round-robin instead of TileSchedule's balance
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
+  int shared_order;    // MEGAMOE_SHARED_ORDER=nblk / tb: force the shared GEMM1 tile order (0: by size)
   const int* num_tokens;
   const uint16_t* x;
   uint16_t* y;
@@ -197,9 +198,13 @@ __device__ __forceinline__ int largest_le(const int* off, int lo, int hi, int mu
   return lo;
 }
 
+// Tile ids run expert by expert; inside an expert output block major (the token blocks
+// of one weight tile are neighbours, so concurrently running CTAs share it in L2), except
+// the shared expert's GEMM1 tiles when shared_tb_major (token block major: its tokens
+// do not fit in L2 beside the weights, heuristics.h kSharedTbMajorBytes).
 template <int BN>
 __device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc, int tile, int t1_routed,
-                                            int t1) {
+                                            int t1, bool shared_tb_major) {
   Tile t;
   const int n1 = a.I / 64, n2 = a.H / 128;
   int local, nb;
@@ -221,8 +226,15 @@ __device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc
     t.kblocks = (t.e < a.E ? a.I : a.Is) / 128;
   }
   nb = sc.unit_off[t.e + 1] - sc.unit_off[t.e];
-  t.nblk = local / nb;
-  const int b = local - t.nblk * nb;
+  int b;
+  if (shared_tb_major && t.gemm == 1 && t.e == a.E) {
+    const int n1s = a.Is / 64;
+    b = local / n1s;
+    t.nblk = local - b * n1s;
+  } else {
+    t.nblk = local / nb;
+    b = local - t.nblk * nb;
+  }
   t.unit = sc.unit_off[t.e] + b;
   t.row0 = sc.row_off[t.e] + b * BN;
   t.rows = min(BN, sc.cnt[t.e] - b * BN);
@@ -261,6 +273,48 @@ struct RingPos {
   uint32_t phase = 0;
   __device__ __forceinline__ void advance() {
     if (++stage == kStages) stage = 0, phase ^= 1;
+  }
+};
+
+// Where a CTA's time goes (a build with -DMEGAMOE_PROFILE=ON only; a plain build
+// compiles none of it): cycles of consumer thread 0 and of the producer thread per
+// role, written by every CTA at the end of a launch, printed by
+// fused_moe_print_profile(). Measurement only: the clock reads perturb the loops.
+#ifdef MEGAMOE_PROFILE
+constexpr bool kProfile = true;
+#else
+constexpr bool kProfile = false;
+#endif
+enum ProfSlot {
+  kPfTotal,      // consumer thread 0: kernel start .. end
+  kPfPhase0,     // .. after the grid barrier
+  kPfTileStart,  // waiting for a tile's first stage + decoding it
+  kPfFullWait,   // K loops: waiting for a stage's data
+  kPfMmaWait,    // K loops: waiting for its own wgmma
+  kPfLoop,       // K loops in all
+  kPfEpilogue,   // epilogues incl. tile_written
+  kPfCombine,    // after the last tile: done2 wait + combine
+  kPfStages,     // stages consumed
+  kPfTiles,      // tiles consumed
+  kPfProdTotal,  // producer thread: after the grid barrier .. sentinel
+  kPfProdEmpty,  // waiting for empty stages
+  kPfProdDep,    // waiting for a GEMM2 tile's GEMM1 units
+  kPfSlots = 16
+};
+constexpr int kProfCtas = 1024;
+__device__ uint32_t g_profile[kProfCtas][kPfSlots];
+struct Prof {
+  uint32_t v[kPfSlots] = {};
+  __device__ __forceinline__ uint32_t now() const { return kProfile ? uint32_t(clock()) : 0u; }
+  __device__ __forceinline__ void add(int slot, uint32_t since) {
+    if (kProfile) v[slot] += uint32_t(clock()) - since;
+  }
+  __device__ __forceinline__ void count(int slot) {
+    if (kProfile) ++v[slot];
+  }
+  __device__ __forceinline__ void store(int lo, int hi) const {
+    if (kProfile && blockIdx.x < kProfCtas)
+      for (int i = lo; i < hi; ++i) g_profile[blockIdx.x][i] = v[i];
   }
 };
 
@@ -589,7 +643,8 @@ template <int BN, int kGemm>
 __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kblocks,
                                                  RingPos<stages_for(BN)>& rp, uint8_t* smem,
                                                  uint64_t* full_bar, uint64_t* empty_bar, int wg, int lcol,
-                                                 const float* lo_scale, const float* hi_scale, int skip) {
+                                                 const float* lo_scale, const float* hi_scale, int skip,
+                                                 Prof& pf) {
   constexpr int kStages = stages_for(BN);
   constexpr int kStageBytes = stage_bytes(BN);
   constexpr int kWBytes = kBlockM * kBlockK;
@@ -619,7 +674,9 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     // slower and T=16384 2.7 % (bench/results/NOTES.md).
     const float lo = __ldg(lo_scale + kb);
     const float hi = kGemm == 1 ? __ldg(hi_scale + kb) : lo;
+    uint32_t t0 = pf.now();
     sm90::mbar_wait(&full_bar[stage], rp.phase);
+    pf.add(kPfFullWait, t0);
     if (skip & 1) {
       release_stage(&empty_bar[stage]);
       continue;
@@ -642,11 +699,16 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
       pb[j][2] = kGemm == 2 ? pb[j][0] : pa[j][2];
       pb[j][3] = kGemm == 2 ? pb[j][1] : pa[j][3];
     }
+    t0 = pf.now();
     sm90::wgmma_wait<1>();
+    pf.add(kPfMmaWait, t0);
     fold(ba, pa);
+    t0 = pf.now();
     sm90::wgmma_wait<0>();
+    pf.add(kPfMmaWait, t0);
     release_stage(&empty_bar[stage]);
     fold(bb, pb);
+    pf.count(kPfStages);
   }
 }
 
@@ -663,7 +725,7 @@ template <int kGemm>
 __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks, RingPos<stages_for(128)>& rp,
                                                   uint8_t* smem, uint64_t* full_bar, uint64_t* empty_bar,
                                                   int wg, int lrow, const float* gate_scale,
-                                                  const float* up_scale, int skip) {
+                                                  const float* up_scale, int skip, Prof& pf) {
   constexpr int BN = 128;
   constexpr int kStageBytes = stage_bytes(BN);
   constexpr int kWBytes = kBlockM * kBlockK;
@@ -719,16 +781,23 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
     float sg, su;
     w_scales(kb, sg, su);
+    uint32_t t0 = pf.now();
     sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
+    pf.add(kPfFullWait, t0);
     const uint8_t* st = smem + rp.stage * kStageBytes;
     issue(ba, st, 0);
     issue(bb, st, 1);
     products(st, sg, su);
+    t0 = pf.now();
     sm90::wgmma_wait<1>();  // half 0 done, half 1 running
+    pf.add(kPfMmaWait, t0);
     fold(ba, p[0], p[1], p[2], p[3]);
+    t0 = pf.now();
     sm90::wgmma_wait<0>();
+    pf.add(kPfMmaWait, t0);
     release_stage(&empty_bar[rp.stage]);
     fold(bb, p[4], p[5], p[6], p[7]);
+    pf.count(kPfStages);
   }
 }
 
@@ -770,6 +839,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   Sched sc{tables, tables + (kMaxExpertsTotal + 1), tables + 2 * (kMaxExpertsTotal + 1)};
   float* red = reinterpret_cast<float*>(tail + SmemTail::kRed);  // [8 warps][BN]
 
+  Prof pf;
+  const uint32_t t_start = pf.now();
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
   const int T = *a.num_tokens;
@@ -816,6 +887,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int t1 = t1_routed + (a.Is / 64) * nb_shared;
   const int t2 = n2 * sc.unit_off[E_total];
   const int tiles = t1 + t2;
+  const bool shared_tb_major =
+      a.shared_order == 0 ? int64_t(nb_shared) * BN * a.H > kSharedTbMajorBytes : a.shared_order == 2;
 
   // ---- Producer helpers (thread 0 only) ----
   // A stage's weights and its tokens are issued separately: the weights never
@@ -858,7 +931,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     first_tile = sched.next();
     // NOTE: MEGAMOE_DEBUG_STOP=2 exits after phase 0, so it must leave no copy in flight.
     if (first_tile < tiles && a.debug_stop != 2 && !a.no_early_loads) {
-      const Tile tl = decode_tile<BN>(a, sc, first_tile, t1_routed, t1);
+      const Tile tl = decode_tile<BN>(a, sc, first_tile, t1_routed, t1, shared_tb_major);
       // (expert parallelism: the last stage holds the phase-0 tables until the barrier)
       first_issued = min(kStages - (kEp ? 1 : 0), tl.kblocks);
       stage_tile[0] = first_tile;  // published by the full barrier's completion
@@ -937,11 +1010,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   if (a.debug_stop == 2) return;  // (no early weight loads in this mode: see above)
+  pf.add(kPfPhase0, t_start);
 
   if (warp < 4) {
     // ======================= producer warpgroup =======================
     sm90::setmaxnreg_dec<kProducerRegs>();
     if (tid == 0) {
+      const uint32_t t_prod = pf.now();
       sm90::fence_proxy_async_global();
       sm90::fence_proxy_async_shared();  // the phase-0 tables (generic writes) before TMA fills the stage
       RingPos<kStages> rp;               // the next stage to fill
@@ -954,22 +1029,28 @@ __global__ void __launch_bounds__(kThreads, 1)
           sm90::mbar_wait(&empty_bar[rp.stage], rp.phase ^ 1);
           stage_tile[rp.stage] = -1;
           sm90::mbar_arrive(&full_bar[rp.stage]);
+          pf.add(kPfProdTotal, t_prod);
+          pf.store(kPfProdTotal, kPfSlots);
           break;
         }
-        const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
+        const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1, shared_tb_major);
         // GEMM2 needs every GEMM1 tile of its (expert, token block).
         const int need = (tl.e == a.E ? a.Is : a.I) / 64;
+        uint32_t t0 = pf.now();
         bool ready = tl.gemm == 1 || sm90::ld_acquire_gpu(&done1[tl.unit]) >= need;
         if (a.no_early_loads && !ready) {
           sm90::wait_geq_acquire_gpu(&done1[tl.unit], need);
           ready = true;
         }
+        pf.add(kPfProdDep, t0);
         int deferred = kb0;  // the last `deferred` stages filled: weights issued, tokens not yet
         for (int kb = kb0;; ++kb) {
           // NOTE: at most kStages deferred stages: the next empty-wait must concern a stage
           // whose tokens were issued, or the consumers could never free it.
           if (!ready && (deferred == kStages || kb == tl.kblocks)) {
+            t0 = pf.now();
             sm90::wait_geq_acquire_gpu(&done1[tl.unit], need);
+            pf.add(kPfProdDep, t0);
             ready = true;
           }
           if (ready && deferred > 0) {
@@ -983,7 +1064,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           if (kb == tl.kblocks) break;
           const int stage = rp.stage;
+          t0 = pf.now();
           sm90::mbar_wait(&empty_bar[stage], rp.phase ^ 1);
+          pf.add(kPfProdEmpty, t0);
           if (kb == 0) stage_tile[stage] = tile;  // published by the full barrier's completion
           sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx(tl));
           issue_weights(tl, kb, stage);
@@ -1039,6 +1122,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   for (;;) {
     // The first stage of the next tile carries its id (the producer's schedule).
+    const uint32_t t_tile = pf.now();
     sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
     // NOTE: lane 0 reads the id and broadcasts it: lane 0 also hands the stage back
     // (release_stage), so the read is ordered before the producer's next write to it in
@@ -1049,10 +1133,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       tile_written(-1);
       break;
     }
-    const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
+    const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1, shared_tb_major);
     const bool shared = tl.e == a.E;
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+    pf.add(kPfTileStart, t_tile);
+    pf.count(kPfTiles);
+    uint32_t t_loop = pf.now(), t_epi = 0;
 
     if (tl.gemm == 1) {
       const int I_e = shared ? a.Is : a.I;
@@ -1070,7 +1157,9 @@ __global__ void __launch_bounds__(kThreads, 1)
             rw[j][c] = n < tl.rows ? __ldcg(a.row_weight + tl.row0 + n) : 0.0f;
           }
         mainloop_swap_ab<BN, 1>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lcol, sg_row, su_row,
-                                a.debug_skip);
+                                a.debug_skip, pf);
+        pf.add(kPfLoop, t_loop);
+        t_epi = pf.now();
         // ---- GEMM1 epilogue: SwiGLU x routing weight, 1x64 E4M3 quantization ----
         // Thread holds gate (row lrow) and up (row lrow + 8) of intermediate column
         // wg * 32 + wwarp * 8 + lane / 4 for tokens j * 8 + lcol + {0, 1}.
@@ -1113,7 +1202,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float rw0 = n0p < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p) : 0.0f;
         const float rw1 = n0p + 8 < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p + 8) : 0.0f;
         mainloop_tokens_m<1>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, sg_row, su_row,
-                             a.debug_skip);
+                             a.debug_skip, pf);
+        pf.add(kPfLoop, t_loop);
+        t_epi = pf.now();
         // ---- GEMM1 epilogue (tokens in M) ----
         // Thread holds tokens n0 = wg * 64 + lrow and n0 + 8; for i in 0..7 the gate
         // (acc[8i + c], j = 2i) and up (acc[8i + 4 + c], j = 2i + 1) values of
@@ -1169,7 +1260,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                                 : a.w2_scale + (size_t(tl.e) * (a.H / 128) + tl.nblk) * (a.I / 128);
       if constexpr (kSwapAB) {
         mainloop_swap_ab<BN, 2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lcol, wsc, wsc,
-                                a.debug_skip);
+                                a.debug_skip, pf);
+        pf.add(kPfLoop, t_loop);
+        t_epi = pf.now();
         // ---- GEMM2 epilogue: BF16 per-slot rows ----
         const int f = tl.nblk * 128 + wg * 64 + lrow;
 #pragma unroll
@@ -1185,8 +1278,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       } else {
-        mainloop_tokens_m<2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, wsc, wsc,
-                             a.debug_skip);
+        mainloop_tokens_m<2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, wsc, wsc, a.debug_skip,
+                             pf);
+        pf.add(kPfLoop, t_loop);
+        t_epi = pf.now();
         // ---- GEMM2 epilogue (tokens in M): BF16 pairs of hidden columns ----
         const int n0 = wg * 64 + lrow, n1r = n0 + 8;
         const int f0 = tl.nblk * 128 + lcol;
@@ -1211,9 +1306,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       tile_written(MoeWorkspaceLayout::kCounterDone2);
     }
+    pf.add(kPfEpilogue, t_epi);
   }
 
   if (a.debug_stop == 3) return;
+  const uint32_t t_comb = pf.now();
   // ---- Combine: y[t] = bf16(sum over slots, ascending, of the BF16 slot rows) ----
   if (ctid == 0) sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2], t2);
   sm90::named_barrier(1, kConsumerThreads);
@@ -1285,6 +1382,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       reinterpret_cast<uint4*>(a.y + size_t(t) * a.H)[c8] = o;
     }
   }
+  pf.add(kPfCombine, t_comb);
+  pf.add(kPfTotal, t_start);
+  if (ctid == 0) pf.store(0, kPfProdTotal);
 }
 
 // ============================================================================
@@ -1344,8 +1444,8 @@ template <int BN>
 void set_smem_attr() {
   MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<BN, false>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(BN)));
-  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<BN, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          smem_bytes(BN)));
+  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<BN, true>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(BN)));
 }
 
 template <int BN>
@@ -1460,6 +1560,8 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   if (const char* env = std::getenv("MEGAMOE_DEBUG_SKIP")) a.debug_skip = std::atoi(env);
   if (const char* env = std::getenv("MEGAMOE_SCHEDULE")) a.round_robin = std::string(env) == "rr";
   if (const char* env = std::getenv("MEGAMOE_EARLY_WEIGHTS")) a.no_early_loads = std::string(env) == "0";
+  if (const char* env = std::getenv("MEGAMOE_SHARED_ORDER"))
+    a.shared_order = std::string(env) == "nblk" ? 1 : std::string(env) == "tb" ? 2 : 0;
   a.counters = reinterpret_cast<int*>(base + ws.counters.offset);
   a.topk_ids = reinterpret_cast<const int*>(base + ws.topk_ids.offset);
   a.topk_weights = reinterpret_cast<const float*>(base + ws.topk_weights.offset);
@@ -1488,6 +1590,36 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
 }
 
 void fused_moe_plan_destroy(FusedMoePlan* plan) { delete plan; }
+
+void fused_moe_print_profile(int tokens) {
+#ifdef MEGAMOE_PROFILE
+  static uint32_t h[kProfCtas][kPfSlots];
+  MEGAMOE_CUDA_CHECK(cudaMemcpyFromSymbol(h, g_profile, sizeof(h)));
+  double sum[kPfSlots] = {}, mx[kPfSlots] = {};
+  int n = 0;
+  for (int c = 0; c < kProfCtas; ++c) {
+    if (h[c][kPfTotal] == 0) continue;
+    ++n;
+    for (int i = 0; i < kPfSlots; ++i) sum[i] += h[c][i], mx[i] = std::max(mx[i], double(h[c][i]));
+  }
+  if (n == 0) return;
+  auto pct = [&](int i, int of) { return 100.0 * sum[i] / sum[of]; };
+  const double loop_rest = sum[kPfLoop] - sum[kPfFullWait] - sum[kPfMmaWait];
+  std::fprintf(
+      stderr,
+      "megamoe profile T=%d (%d CTAs, consumer thread 0): total %.0f kcyc (max %.0f); phase0 %.1f%%, "
+      "tile start %.1f%%, K loops %.1f%% (data wait %.1f%%, wgmma wait %.1f%%, issue+fold %.1f%%), "
+      "epilogues %.1f%%, combine %.1f%%; %.0f stages, %.0f tiles a CTA | producer: empty wait %.1f%%, "
+      "dependency wait %.1f%% of %.0f kcyc\n",
+      tokens, n, sum[kPfTotal] / n * 1e-3, mx[kPfTotal] * 1e-3, pct(kPfPhase0, kPfTotal),
+      pct(kPfTileStart, kPfTotal), pct(kPfLoop, kPfTotal), pct(kPfFullWait, kPfTotal),
+      pct(kPfMmaWait, kPfTotal), 100.0 * loop_rest / sum[kPfTotal], pct(kPfEpilogue, kPfTotal),
+      pct(kPfCombine, kPfTotal), sum[kPfStages] / n, sum[kPfTiles] / n, pct(kPfProdEmpty, kPfProdTotal),
+      pct(kPfProdDep, kPfProdTotal), sum[kPfProdTotal] / n * 1e-3);
+#else
+  (void)tokens;
+#endif
+}
 
 void set_device_int(int* p, int v, cudaStream_t stream) {
   set_int_kernel<<<1, 1, 0, stream>>>(p, v);

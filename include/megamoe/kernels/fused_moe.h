@@ -131,6 +131,10 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& dev
                                     const EpRank* ep = nullptr);
 void fused_moe_plan_destroy(FusedMoePlan* plan);
 
+// Where the last fused_moe launch spent its cycles, per role, on stderr (a build with
+// -DMEGAMOE_PROFILE=ON; otherwise nothing).
+void fused_moe_print_profile(int tokens);
+
 // Enqueues the whole forward (route_logits, route_topk, fused_moe).
 // host_tokens_hint: an upper bound of the device token count (<= max_tokens);
 // it sizes the router grid and picks the tile configuration, so a graph
