@@ -142,6 +142,7 @@ struct KernelArgs {
                        //   bit 2 = no TMA loads (stages complete at once: the consumers' own speed)
   int round_robin;     // MEGAMOE_SCHEDULE=rr: plain round-robin instead of TileSchedule's balance
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
+  int no_issue_turn;   // MEGAMOE_ISSUE_TURN=0: the consumer warpgroups issue without taking turns
   int shared_order;    // MEGAMOE_SHARED_ORDER=nblk / tb: force the shared GEMM1 tile order (0: by size)
   const int* num_tokens;
   const uint16_t* x;
@@ -315,6 +316,31 @@ struct Prof {
   __device__ __forceinline__ void store(int lo, int hi) const {
     if (kProfile && blockIdx.x < kProfCtas)
       for (int i = lo; i < hi; ++i) g_profile[blockIdx.x][i] = v[i];
+  }
+};
+
+// The two consumer warpgroups issue their wgmma of a stage in turn (warpgroup 0, then 1,
+// then 0 for the next stage ...), so the tensor pipe runs one warpgroup's chain while
+// the other folds. Without the order both wake on the same full barrier, issue
+// together, finish together and fold together while the tensor pipe idles (v11: per
+// stage ~1000 cycles against 512 of tensor work at T = 16384; the profile put half the
+// consumers' K-loop time outside the data and wgmma waits).
+// Named barriers kTurnBar + wg: "warpgroup wg may issue". Every wait is matched by the
+// other warpgroup's arrival; the last arrival (warpgroup 1's) is taken by finish().
+struct IssueTurn {
+  static constexpr int kTurnBar = 2;  // ids 2, 3 (0: __syncthreads, 1: the consumers' barrier)
+  int wg;
+  bool on;               // MEGAMOE_ISSUE_TURN=0: off (measurement)
+  bool started = false;  // warpgroup 0 issued before (its first turn needs no wait)
+  __device__ __forceinline__ void wait() {
+    if (on && (wg == 1 || started)) sm90::named_barrier(kTurnBar + wg, kConsumerThreads);
+    started = true;
+  }
+  __device__ __forceinline__ void pass() {
+    if (on) sm90::named_barrier_arrive(kTurnBar + (wg ^ 1), kConsumerThreads);
+  }
+  __device__ __forceinline__ void finish() {
+    if (on && wg == 0 && started) sm90::named_barrier(kTurnBar, kConsumerThreads);
   }
 };
 
@@ -644,7 +670,7 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
                                                  RingPos<stages_for(BN)>& rp, uint8_t* smem,
                                                  uint64_t* full_bar, uint64_t* empty_bar, int wg, int lcol,
                                                  const float* lo_scale, const float* hi_scale, int skip,
-                                                 Prof& pf) {
+                                                 IssueTurn& turn, Prof& pf) {
   constexpr int kStages = stages_for(BN);
   constexpr int kStageBytes = stage_bytes(BN);
   constexpr int kWBytes = kBlockM * kBlockK;
@@ -684,8 +710,10 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     const uint8_t* st = smem + stage * kStageBytes;
     const float* s_s = reinterpret_cast<const float*>(st + kWBytes + kXBytes);
     // Both halves queued before either is folded (see the NOTE above the K loops).
+    turn.wait();
     issue(ba, st, 0);
     issue(bb, st, 1);
+    turn.pass();
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
       const float c0 = s_s[j * 8 + lcol], c1 = s_s[j * 8 + lcol + 1];
@@ -725,7 +753,8 @@ template <int kGemm>
 __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks, RingPos<stages_for(128)>& rp,
                                                   uint8_t* smem, uint64_t* full_bar, uint64_t* empty_bar,
                                                   int wg, int lrow, const float* gate_scale,
-                                                  const float* up_scale, int skip, Prof& pf) {
+                                                  const float* up_scale, int skip, IssueTurn& turn,
+                                                  Prof& pf) {
   constexpr int BN = 128;
   constexpr int kStageBytes = stage_bytes(BN);
   constexpr int kWBytes = kBlockM * kBlockK;
@@ -779,14 +808,18 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   // NOTE: loading the weight scales a stage ahead spills at kConsumerRegs here; the
   // profile puts their latency under 1 % of the samples (v9).
   for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
-    float sg, su;
-    w_scales(kb, sg, su);
     uint32_t t0 = pf.now();
     sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
     pf.add(kPfFullWait, t0);
     const uint8_t* st = smem + rp.stage * kStageBytes;
+    turn.wait();
     issue(ba, st, 0);
     issue(bb, st, 1);
+    turn.pass();
+    // The weight scales load while the chains run: loaded before the issue, wgmma.fence
+    // (WARPGROUP.ARRIVE) waited for them and held the other warpgroup's turn.
+    float sg, su;
+    w_scales(kb, sg, su);
     products(st, sg, su);
     t0 = pf.now();
     sm90::wgmma_wait<1>();  // half 0 done, half 1 running
@@ -1109,6 +1142,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   float acc[kAcc];
   RingPos<kStages> rp;
+  IssueTurn turn{wg, !a.no_issue_turn};
   int ntile = 0;  // tiles this CTA finished (the done_bar / free_bar slot sequence)
   // This warp's outputs of the tile are written: hand the counter to release (index in
   // a.counters; -1 = no more tiles) to the signal thread.
@@ -1131,6 +1165,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     tile = __shfl_sync(0xffffffffu, tile, 0);
     if (tile < 0) {
       tile_written(-1);
+      turn.finish();
       break;
     }
     const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1, shared_tb_major);
@@ -1157,7 +1192,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             rw[j][c] = n < tl.rows ? __ldcg(a.row_weight + tl.row0 + n) : 0.0f;
           }
         mainloop_swap_ab<BN, 1>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lcol, sg_row, su_row,
-                                a.debug_skip, pf);
+                                a.debug_skip, turn, pf);
         pf.add(kPfLoop, t_loop);
         t_epi = pf.now();
         // ---- GEMM1 epilogue: SwiGLU x routing weight, 1x64 E4M3 quantization ----
@@ -1202,7 +1237,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float rw0 = n0p < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p) : 0.0f;
         const float rw1 = n0p + 8 < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p + 8) : 0.0f;
         mainloop_tokens_m<1>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, sg_row, su_row,
-                             a.debug_skip, pf);
+                             a.debug_skip, turn, pf);
         pf.add(kPfLoop, t_loop);
         t_epi = pf.now();
         // ---- GEMM1 epilogue (tokens in M) ----
@@ -1260,7 +1295,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                 : a.w2_scale + (size_t(tl.e) * (a.H / 128) + tl.nblk) * (a.I / 128);
       if constexpr (kSwapAB) {
         mainloop_swap_ab<BN, 2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lcol, wsc, wsc,
-                                a.debug_skip, pf);
+                                a.debug_skip, turn, pf);
         pf.add(kPfLoop, t_loop);
         t_epi = pf.now();
         // ---- GEMM2 epilogue: BF16 per-slot rows ----
@@ -1279,7 +1314,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       } else {
         mainloop_tokens_m<2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, wsc, wsc, a.debug_skip,
-                             pf);
+                             turn, pf);
         pf.add(kPfLoop, t_loop);
         t_epi = pf.now();
         // ---- GEMM2 epilogue (tokens in M): BF16 pairs of hidden columns ----
@@ -1560,6 +1595,7 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   if (const char* env = std::getenv("MEGAMOE_DEBUG_SKIP")) a.debug_skip = std::atoi(env);
   if (const char* env = std::getenv("MEGAMOE_SCHEDULE")) a.round_robin = std::string(env) == "rr";
   if (const char* env = std::getenv("MEGAMOE_EARLY_WEIGHTS")) a.no_early_loads = std::string(env) == "0";
+  if (const char* env = std::getenv("MEGAMOE_ISSUE_TURN")) a.no_issue_turn = std::string(env) == "0";
   if (const char* env = std::getenv("MEGAMOE_SHARED_ORDER"))
     a.shared_order = std::string(env) == "nblk" ? 1 : std::string(env) == "tb" ? 2 : 0;
   a.counters = reinterpret_cast<int*>(base + ws.counters.offset);
