@@ -297,6 +297,7 @@ enum ProfSlot {
   kPfCombine,    // after the last tile: done2 wait + combine
   kPfStages,     // stages consumed
   kPfTiles,      // tiles consumed
+  kPfIssue,      // K loops: the turn wait and the wgmma issue (part of issue+fold)
   kPfProdTotal,  // producer thread: after the grid barrier .. sentinel
   kPfProdEmpty,  // waiting for empty stages
   kPfProdDep,    // waiting for a GEMM2 tile's GEMM1 units
@@ -710,10 +711,12 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     const uint8_t* st = smem + stage * kStageBytes;
     const float* s_s = reinterpret_cast<const float*>(st + kWBytes + kXBytes);
     // Both halves queued before either is folded (see the NOTE above the K loops).
+    t0 = pf.now();
     turn.wait();
     issue(ba, st, 0);
     issue(bb, st, 1);
     turn.pass();
+    pf.add(kPfIssue, t0);
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
       const float c0 = s_s[j * 8 + lcol], c1 = s_s[j * 8 + lcol + 1];
@@ -812,10 +815,12 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
     pf.add(kPfFullWait, t0);
     const uint8_t* st = smem + rp.stage * kStageBytes;
+    t0 = pf.now();
     turn.wait();
     issue(ba, st, 0);
     issue(bb, st, 1);
     turn.pass();
+    pf.add(kPfIssue, t0);
     // The weight scales load while the chains run: loaded before the issue, wgmma.fence
     // (WARPGROUP.ARRIVE) waited for them and held the other warpgroup's turn.
     float sg, su;
@@ -1645,13 +1650,14 @@ void fused_moe_print_profile(int tokens) {
       stderr,
       "megamoe profile T=%d (%d CTAs, consumer thread 0): total %.0f kcyc (max %.0f); phase0 %.1f%%, "
       "tile start %.1f%%, K loops %.1f%% (data wait %.1f%%, wgmma wait %.1f%%, issue+fold %.1f%%), "
-      "epilogues %.1f%%, combine %.1f%%; %.0f stages, %.0f tiles a CTA | producer: empty wait %.1f%%, "
+      "epilogues %.1f%%, combine %.1f%%; %.0f stages, %.0f tiles a CTA; issue incl. turn %.1f%% | "
+      "producer: empty wait %.1f%%, "
       "dependency wait %.1f%% of %.0f kcyc\n",
       tokens, n, sum[kPfTotal] / n * 1e-3, mx[kPfTotal] * 1e-3, pct(kPfPhase0, kPfTotal),
       pct(kPfTileStart, kPfTotal), pct(kPfLoop, kPfTotal), pct(kPfFullWait, kPfTotal),
       pct(kPfMmaWait, kPfTotal), 100.0 * loop_rest / sum[kPfTotal], pct(kPfEpilogue, kPfTotal),
-      pct(kPfCombine, kPfTotal), sum[kPfStages] / n, sum[kPfTiles] / n, pct(kPfProdEmpty, kPfProdTotal),
-      pct(kPfProdDep, kPfProdTotal), sum[kPfProdTotal] / n * 1e-3);
+      pct(kPfCombine, kPfTotal), sum[kPfStages] / n, sum[kPfTiles] / n, pct(kPfIssue, kPfTotal),
+      pct(kPfProdEmpty, kPfProdTotal), pct(kPfProdDep, kPfProdTotal), sum[kPfProdTotal] / n * 1e-3);
 #else
   (void)tokens;
 #endif
