@@ -142,7 +142,6 @@ struct KernelArgs {
                        //   bit 2 = no TMA loads (stages complete at once: the consumers' own speed)
   int round_robin;     // MEGAMOE_SCHEDULE=rr: plain round-robin instead of TileSchedule's balance
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
-  int no_issue_turn;   // MEGAMOE_ISSUE_TURN=0: the consumer warpgroups issue without taking turns
   int shared_order;    // MEGAMOE_SHARED_ORDER=nblk / tb: force the shared GEMM1 tile order (0: by size)
   const int* num_tokens;
   const uint16_t* x;
@@ -297,7 +296,7 @@ enum ProfSlot {
   kPfCombine,    // after the last tile: done2 wait + combine
   kPfStages,     // stages consumed
   kPfTiles,      // tiles consumed
-  kPfIssue,      // K loops: the turn wait and the wgmma issue (part of issue+fold)
+  kPfIssue,      // K loops: the wgmma issue (part of issue+fold)
   kPfProdTotal,  // producer thread: after the grid barrier .. sentinel
   kPfProdEmpty,  // waiting for empty stages
   kPfProdDep,    // waiting for a GEMM2 tile's GEMM1 units
@@ -317,31 +316,6 @@ struct Prof {
   __device__ __forceinline__ void store(int lo, int hi) const {
     if (kProfile && blockIdx.x < kProfCtas)
       for (int i = lo; i < hi; ++i) g_profile[blockIdx.x][i] = v[i];
-  }
-};
-
-// The two consumer warpgroups issue their wgmma of a stage in turn (warpgroup 0, then 1,
-// then 0 for the next stage ...), so the tensor pipe runs one warpgroup's chain while
-// the other folds. Without the order both wake on the same full barrier, issue
-// together, finish together and fold together while the tensor pipe idles (v11: per
-// stage ~1000 cycles against 512 of tensor work at T = 16384; the profile put half the
-// consumers' K-loop time outside the data and wgmma waits).
-// Named barriers kTurnBar + wg: "warpgroup wg may issue". Every wait is matched by the
-// other warpgroup's arrival; the last arrival (warpgroup 1's) is taken by finish().
-struct IssueTurn {
-  static constexpr int kTurnBar = 2;  // ids 2, 3 (0: __syncthreads, 1: the consumers' barrier)
-  int wg;
-  bool on;               // MEGAMOE_ISSUE_TURN=0: off (measurement)
-  bool started = false;  // warpgroup 0 issued before (its first turn needs no wait)
-  __device__ __forceinline__ void wait() {
-    if (on && (wg == 1 || started)) sm90::named_barrier(kTurnBar + wg, kConsumerThreads);
-    started = true;
-  }
-  __device__ __forceinline__ void pass() {
-    if (on) sm90::named_barrier_arrive(kTurnBar + (wg ^ 1), kConsumerThreads);
-  }
-  __device__ __forceinline__ void finish() {
-    if (on && wg == 0 && started) sm90::named_barrier(kTurnBar, kConsumerThreads);
   }
 };
 
@@ -671,7 +645,7 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
                                                  RingPos<stages_for(BN)>& rp, uint8_t* smem,
                                                  uint64_t* full_bar, uint64_t* empty_bar, int wg, int lcol,
                                                  const float* lo_scale, const float* hi_scale, int skip,
-                                                 IssueTurn& turn, Prof& pf) {
+                                                 Prof& pf) {
   constexpr int kStages = stages_for(BN);
   constexpr int kStageBytes = stage_bytes(BN);
   constexpr int kWBytes = kBlockM * kBlockK;
@@ -680,12 +654,24 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
   // Scale products per column pair j: (c0, c1) x (lo, hi); pa for half 0, pb for half 1
   // (GEMM1: the same x scale in both halves; GEMM2: lo == hi, one x scale per half).
   float pa[BN / 8][4], pb[BN / 8][4];
-  auto issue = [&](float(&buf)[BN / 2], const uint8_t* st, int half) {
-    const uint8_t* w_s = st + wg * 64 * 128 + half * 64;
-    const uint8_t* x_s = st + kWBytes + half * 64;
+  // Descriptors of stage 0's tiles; a stage and a K step add their offset >> 4 (v11).
+  const uint32_t dw0 = sm90::smem_desc_sw128_lo(smem + wg * 64 * 128);
+  const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes);
+  auto issue = [&](float(&buf)[BN / 2], uint32_t so, int half) {
+    const uint32_t dw = dw0 + so + half * 4, dx = dx0 + so + half * 4;
     sm90::wgmma_fence();
-    sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128(w_s), sm90::smem_desc_sw128(x_s), 0);
-    sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128(w_s + 32), sm90::smem_desc_sw128(x_s + 32), 1);
+    sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128_at(dw), sm90::smem_desc_sw128_at(dx), 0);
+    sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128_at(dw + 2), sm90::smem_desc_sw128_at(dx + 2), 1);
+    sm90::wgmma_commit();
+  };
+  // GEMM1 folding once per stage (num::kFoldK == 128): the stage's four K steps in one chain.
+  constexpr bool kOneChain = kGemm == 1 && num::kFoldK == kBlockK;
+  auto issue_stage = [&](float(&buf)[BN / 2], uint32_t so) {
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128_at(dw0 + so + 2 * k),
+                           sm90::smem_desc_sw128_at(dx0 + so + 2 * k), k > 0);
     sm90::wgmma_commit();
   };
   auto fold = [&](const float(&buf)[BN / 2], const float(&p)[BN / 8][4]) {
@@ -712,10 +698,13 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     const float* s_s = reinterpret_cast<const float*>(st + kWBytes + kXBytes);
     // Both halves queued before either is folded (see the NOTE above the K loops).
     t0 = pf.now();
-    turn.wait();
-    issue(ba, st, 0);
-    issue(bb, st, 1);
-    turn.pass();
+    const uint32_t so = uint32_t(stage) * (kStageBytes >> 4);
+    if constexpr (kOneChain) {
+      issue_stage(ba, so);
+    } else {
+      issue(ba, so, 0);
+      issue(bb, so, 1);
+    }
     pf.add(kPfIssue, t0);
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
@@ -729,6 +718,15 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
       pb[j][1] = kGemm == 2 ? d1 * lo : pa[j][1];
       pb[j][2] = kGemm == 2 ? pb[j][0] : pa[j][2];
       pb[j][3] = kGemm == 2 ? pb[j][1] : pa[j][3];
+    }
+    if constexpr (kOneChain) {
+      t0 = pf.now();
+      sm90::wgmma_wait<0>();
+      pf.add(kPfMmaWait, t0);
+      release_stage(&empty_bar[stage]);
+      fold(ba, pa);
+      pf.count(kPfStages);
+      continue;
     }
     t0 = pf.now();
     sm90::wgmma_wait<1>();
@@ -756,8 +754,7 @@ template <int kGemm>
 __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks, RingPos<stages_for(128)>& rp,
                                                   uint8_t* smem, uint64_t* full_bar, uint64_t* empty_bar,
                                                   int wg, int lrow, const float* gate_scale,
-                                                  const float* up_scale, int skip, IssueTurn& turn,
-                                                  Prof& pf) {
+                                                  const float* up_scale, int skip, Prof& pf) {
   constexpr int BN = 128;
   constexpr int kStageBytes = stage_bytes(BN);
   constexpr int kWBytes = kBlockM * kBlockK;
@@ -771,12 +768,23 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   }
   const int r0 = wg * 64 + lrow, r1 = r0 + 8;
   float ba[64], bb[64];
-  auto issue = [&](float(&buf)[64], const uint8_t* st, int half) {
-    const uint8_t* x_s = st + kWBytes + wg * 64 * 128 + half * 64;
-    const uint8_t* w_s = st + half * 64;
+  // Descriptors of stage 0's tiles; a stage and a K step add their offset >> 4 (v11).
+  const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes + wg * 64 * 128);
+  const uint32_t dw0 = sm90::smem_desc_sw128_lo(smem);
+  auto issue = [&](float(&buf)[64], uint32_t so, int half) {
+    const uint32_t dx = dx0 + so + half * 4, dw = dw0 + so + half * 4;
     sm90::wgmma_fence();
-    sm90::Wgmma<128>::mma(buf, sm90::smem_desc_sw128(x_s), sm90::smem_desc_sw128(w_s), 0);
-    sm90::Wgmma<128>::mma(buf, sm90::smem_desc_sw128(x_s + 32), sm90::smem_desc_sw128(w_s + 32), 1);
+    sm90::Wgmma<128>::mma(buf, sm90::smem_desc_sw128_at(dx), sm90::smem_desc_sw128_at(dw), 0);
+    sm90::Wgmma<128>::mma(buf, sm90::smem_desc_sw128_at(dx + 2), sm90::smem_desc_sw128_at(dw + 2), 1);
+    sm90::wgmma_commit();
+  };
+  constexpr bool kOneChain = kGemm == 1 && num::kFoldK == kBlockK;  // (as in mainloop_swap_ab)
+  auto issue_stage = [&](float(&buf)[64], uint32_t so) {
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      sm90::Wgmma<128>::mma(buf, sm90::smem_desc_sw128_at(dx0 + so + 2 * k),
+                            sm90::smem_desc_sw128_at(dw0 + so + 2 * k), k > 0);
     sm90::wgmma_commit();
   };
   // acc += buf * product; columns 8j..: j even = gate (pg), j odd = up (pu); rows r0 / r1.
@@ -816,16 +824,26 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     pf.add(kPfFullWait, t0);
     const uint8_t* st = smem + rp.stage * kStageBytes;
     t0 = pf.now();
-    turn.wait();
-    issue(ba, st, 0);
-    issue(bb, st, 1);
-    turn.pass();
+    const uint32_t so = uint32_t(rp.stage) * (kStageBytes >> 4);
+    if constexpr (kOneChain) {
+      issue_stage(ba, so);
+    } else {
+      issue(ba, so, 0);
+      issue(bb, so, 1);
+    }
     pf.add(kPfIssue, t0);
-    // The weight scales load while the chains run: loaded before the issue, wgmma.fence
-    // (WARPGROUP.ARRIVE) waited for them and held the other warpgroup's turn.
     float sg, su;
-    w_scales(kb, sg, su);
+    w_scales(kb, sg, su);  // (ptxas hoists these loads above the issue either way)
     products(st, sg, su);
+    if constexpr (kOneChain) {
+      t0 = pf.now();
+      sm90::wgmma_wait<0>();
+      pf.add(kPfMmaWait, t0);
+      release_stage(&empty_bar[rp.stage]);
+      fold(ba, p[0], p[1], p[2], p[3]);
+      pf.count(kPfStages);
+      continue;
+    }
     t0 = pf.now();
     sm90::wgmma_wait<1>();  // half 0 done, half 1 running
     pf.add(kPfMmaWait, t0);
@@ -857,7 +875,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kAcc = BN / 2;  // fp32 accumulators per thread for m64nBN
   constexpr bool kSwapAB = swap_ab(BN);
 
-  static_assert(num::kFoldK * 2 == kBlockK, "a stage is folded in two halves");
+  static_assert(num::kFoldK * 2 == kBlockK || num::kFoldK == kBlockK, "GEMM1 folds per half or per stage");
   static_assert(kSwapAB || BN == 128, "the tokens-in-M layout is built for 128-token tiles");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // NOTE: offset the __shared__ array itself (not a cast integer) so the compiler keeps
@@ -1147,7 +1165,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   float acc[kAcc];
   RingPos<kStages> rp;
-  IssueTurn turn{wg, !a.no_issue_turn};
   int ntile = 0;  // tiles this CTA finished (the done_bar / free_bar slot sequence)
   // This warp's outputs of the tile are written: hand the counter to release (index in
   // a.counters; -1 = no more tiles) to the signal thread.
@@ -1170,7 +1187,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     tile = __shfl_sync(0xffffffffu, tile, 0);
     if (tile < 0) {
       tile_written(-1);
-      turn.finish();
       break;
     }
     const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1, shared_tb_major);
@@ -1197,7 +1213,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             rw[j][c] = n < tl.rows ? __ldcg(a.row_weight + tl.row0 + n) : 0.0f;
           }
         mainloop_swap_ab<BN, 1>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lcol, sg_row, su_row,
-                                a.debug_skip, turn, pf);
+                                a.debug_skip, pf);
         pf.add(kPfLoop, t_loop);
         t_epi = pf.now();
         // ---- GEMM1 epilogue: SwiGLU x routing weight, 1x64 E4M3 quantization ----
@@ -1242,7 +1258,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float rw0 = n0p < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p) : 0.0f;
         const float rw1 = n0p + 8 < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p + 8) : 0.0f;
         mainloop_tokens_m<1>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, sg_row, su_row,
-                             a.debug_skip, turn, pf);
+                             a.debug_skip, pf);
         pf.add(kPfLoop, t_loop);
         t_epi = pf.now();
         // ---- GEMM1 epilogue (tokens in M) ----
@@ -1300,7 +1316,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                 : a.w2_scale + (size_t(tl.e) * (a.H / 128) + tl.nblk) * (a.I / 128);
       if constexpr (kSwapAB) {
         mainloop_swap_ab<BN, 2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lcol, wsc, wsc,
-                                a.debug_skip, turn, pf);
+                                a.debug_skip, pf);
         pf.add(kPfLoop, t_loop);
         t_epi = pf.now();
         // ---- GEMM2 epilogue: BF16 per-slot rows ----
@@ -1319,7 +1335,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       } else {
         mainloop_tokens_m<2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, wsc, wsc, a.debug_skip,
-                             turn, pf);
+                             pf);
         pf.add(kPfLoop, t_loop);
         t_epi = pf.now();
         // ---- GEMM2 epilogue (tokens in M): BF16 pairs of hidden columns ----
@@ -1600,7 +1616,6 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   if (const char* env = std::getenv("MEGAMOE_DEBUG_SKIP")) a.debug_skip = std::atoi(env);
   if (const char* env = std::getenv("MEGAMOE_SCHEDULE")) a.round_robin = std::string(env) == "rr";
   if (const char* env = std::getenv("MEGAMOE_EARLY_WEIGHTS")) a.no_early_loads = std::string(env) == "0";
-  if (const char* env = std::getenv("MEGAMOE_ISSUE_TURN")) a.no_issue_turn = std::string(env) == "0";
   if (const char* env = std::getenv("MEGAMOE_SHARED_ORDER"))
     a.shared_order = std::string(env) == "nblk" ? 1 : std::string(env) == "tb" ? 2 : 0;
   a.counters = reinterpret_cast<int*>(base + ws.counters.offset);
@@ -1650,7 +1665,7 @@ void fused_moe_print_profile(int tokens) {
       stderr,
       "megamoe profile T=%d (%d CTAs, consumer thread 0): total %.0f kcyc (max %.0f); phase0 %.1f%%, "
       "tile start %.1f%%, K loops %.1f%% (data wait %.1f%%, wgmma wait %.1f%%, issue+fold %.1f%%), "
-      "epilogues %.1f%%, combine %.1f%%; %.0f stages, %.0f tiles a CTA; issue incl. turn %.1f%% | "
+      "epilogues %.1f%%, combine %.1f%%; %.0f stages, %.0f tiles a CTA; wgmma issue %.1f%% | "
       "producer: empty wait %.1f%%, "
       "dependency wait %.1f%% of %.0f kcyc\n",
       tokens, n, sum[kPfTotal] / n * 1e-3, mx[kPfTotal] * 1e-3, pct(kPfPhase0, kPfTotal),

@@ -149,12 +149,6 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Arrives on named barrier `id` without waiting (a producer-consumer hand-off: the
-// waiting side calls named_barrier with the same thread count).
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
 // Named barrier that also returns whether `pred` held for any of the threads.
 __device__ __forceinline__ bool named_barrier_or(int id, int threads, bool pred) {
   uint32_t r;
@@ -210,14 +204,19 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a
 // 128-byte swizzle: rows of 128 bytes, 8-row core groups 1024 bytes apart
 // (stride byte offset), tile base 1024-byte aligned. Advancing along K inside
 // the 128-byte row is done by adding bytes to the start address.
+// Split into the low word (start address >> 4, leading byte offset) and the constant
+// high word, so the K loops add a stage's or a K step's byte offset >> 4 to the low
+// word with one 32-bit add: the start-address field cannot carry into the next field
+// (shared-memory addresses are below 256 KB).
+__device__ __forceinline__ uint32_t smem_desc_sw128_lo(const void* p) {
+  return ((smem_u32(p) & 0x3FFFFu) >> 4) | (1u << 16);  // start address, 14 bits; LBO (unused) = 1
+}
+constexpr uint32_t kDescSw128Hi = (1024 >> 4) | (1u << 30);  // SBO: next 8-row group; 128-byte swizzle
+__device__ __forceinline__ uint64_t smem_desc_sw128_at(uint32_t lo) {
+  return (uint64_t(kDescSw128Hi) << 32) | lo;
+}
 __device__ __forceinline__ uint64_t smem_desc_sw128(const void* p) {
-  const uint64_t addr = smem_u32(p);
-  uint64_t desc = 0;
-  desc |= (addr & 0x3FFFFull) >> 4;   // start address, 14 bits
-  desc |= uint64_t(1) << 16;          // leading byte offset (unused for swizzled K-major)
-  desc |= uint64_t(1024 >> 4) << 32;  // stride byte offset: next 8-row group
-  desc |= uint64_t(1) << 62;          // layout: 128-byte swizzle
-  return desc;
+  return smem_desc_sw128_at(smem_desc_sw128_lo(p));
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
