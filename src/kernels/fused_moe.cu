@@ -142,7 +142,6 @@ struct KernelArgs {
                        //   bit 2 = no TMA loads (stages complete at once: the consumers' own speed)
   int round_robin;     // MEGAMOE_SCHEDULE=rr: plain round-robin instead of TileSchedule's balance
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
-  int shared_order;    // MEGAMOE_SHARED_ORDER=nblk / tb: force the shared GEMM1 tile order (0: by size)
   const int* num_tokens;
   const uint16_t* x;
   uint16_t* y;
@@ -199,12 +198,10 @@ __device__ __forceinline__ int largest_le(const int* off, int lo, int hi, int mu
 }
 
 // Tile ids run expert by expert; inside an expert output block major (the token blocks
-// of one weight tile are neighbours, so concurrently running CTAs share it in L2), except
-// the shared expert's GEMM1 tiles when shared_tb_major (token block major: its tokens
-// do not fit in L2 beside the weights, heuristics.h kSharedTbMajorBytes).
+// of one weight tile are neighbours, so concurrently running CTAs share it in L2).
 template <int BN>
 __device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc, int tile, int t1_routed,
-                                            int t1, bool shared_tb_major) {
+                                            int t1) {
   Tile t;
   const int n1 = a.I / 64, n2 = a.H / 128;
   int local, nb;
@@ -226,15 +223,8 @@ __device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc
     t.kblocks = (t.e < a.E ? a.I : a.Is) / 128;
   }
   nb = sc.unit_off[t.e + 1] - sc.unit_off[t.e];
-  int b;
-  if (shared_tb_major && t.gemm == 1 && t.e == a.E) {
-    const int n1s = a.Is / 64;
-    b = local / n1s;
-    t.nblk = local - b * n1s;
-  } else {
-    t.nblk = local / nb;
-    b = local - t.nblk * nb;
-  }
+  t.nblk = local / nb;
+  const int b = local - t.nblk * nb;
   t.unit = sc.unit_off[t.e] + b;
   t.row0 = sc.row_off[t.e] + b * BN;
   t.rows = min(BN, sc.cnt[t.e] - b * BN);
@@ -664,16 +654,6 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128_at(dw + 2), sm90::smem_desc_sw128_at(dx + 2), 1);
     sm90::wgmma_commit();
   };
-  // GEMM1 folding once per stage (num::kFoldK == 128): the stage's four K steps in one chain.
-  constexpr bool kOneChain = kGemm == 1 && num::kFoldK == kBlockK;
-  auto issue_stage = [&](float(&buf)[BN / 2], uint32_t so) {
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128_at(dw0 + so + 2 * k),
-                           sm90::smem_desc_sw128_at(dx0 + so + 2 * k), k > 0);
-    sm90::wgmma_commit();
-  };
   auto fold = [&](const float(&buf)[BN / 2], const float(&p)[BN / 8][4]) {
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j)
@@ -699,12 +679,8 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     // Both halves queued before either is folded (see the NOTE above the K loops).
     t0 = pf.now();
     const uint32_t so = uint32_t(stage) * (kStageBytes >> 4);
-    if constexpr (kOneChain) {
-      issue_stage(ba, so);
-    } else {
-      issue(ba, so, 0);
-      issue(bb, so, 1);
-    }
+    issue(ba, so, 0);
+    issue(bb, so, 1);
     pf.add(kPfIssue, t0);
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
@@ -718,15 +694,6 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
       pb[j][1] = kGemm == 2 ? d1 * lo : pa[j][1];
       pb[j][2] = kGemm == 2 ? pb[j][0] : pa[j][2];
       pb[j][3] = kGemm == 2 ? pb[j][1] : pa[j][3];
-    }
-    if constexpr (kOneChain) {
-      t0 = pf.now();
-      sm90::wgmma_wait<0>();
-      pf.add(kPfMmaWait, t0);
-      release_stage(&empty_bar[stage]);
-      fold(ba, pa);
-      pf.count(kPfStages);
-      continue;
     }
     t0 = pf.now();
     sm90::wgmma_wait<1>();
@@ -778,15 +745,6 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     sm90::Wgmma<128>::mma(buf, sm90::smem_desc_sw128_at(dx + 2), sm90::smem_desc_sw128_at(dw + 2), 1);
     sm90::wgmma_commit();
   };
-  constexpr bool kOneChain = kGemm == 1 && num::kFoldK == kBlockK;  // (as in mainloop_swap_ab)
-  auto issue_stage = [&](float(&buf)[64], uint32_t so) {
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      sm90::Wgmma<128>::mma(buf, sm90::smem_desc_sw128_at(dx0 + so + 2 * k),
-                            sm90::smem_desc_sw128_at(dw0 + so + 2 * k), k > 0);
-    sm90::wgmma_commit();
-  };
   // acc += buf * product; columns 8j..: j even = gate (pg), j odd = up (pu); rows r0 / r1.
   auto fold = [&](const float(&buf)[64], float pg0, float pu0, float pg1, float pu1) {
 #pragma unroll
@@ -825,25 +783,12 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     const uint8_t* st = smem + rp.stage * kStageBytes;
     t0 = pf.now();
     const uint32_t so = uint32_t(rp.stage) * (kStageBytes >> 4);
-    if constexpr (kOneChain) {
-      issue_stage(ba, so);
-    } else {
-      issue(ba, so, 0);
-      issue(bb, so, 1);
-    }
+    issue(ba, so, 0);
+    issue(bb, so, 1);
     pf.add(kPfIssue, t0);
     float sg, su;
     w_scales(kb, sg, su);  // (ptxas hoists these loads above the issue either way)
     products(st, sg, su);
-    if constexpr (kOneChain) {
-      t0 = pf.now();
-      sm90::wgmma_wait<0>();
-      pf.add(kPfMmaWait, t0);
-      release_stage(&empty_bar[rp.stage]);
-      fold(ba, p[0], p[1], p[2], p[3]);
-      pf.count(kPfStages);
-      continue;
-    }
     t0 = pf.now();
     sm90::wgmma_wait<1>();  // half 0 done, half 1 running
     pf.add(kPfMmaWait, t0);
@@ -875,7 +820,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kAcc = BN / 2;  // fp32 accumulators per thread for m64nBN
   constexpr bool kSwapAB = swap_ab(BN);
 
-  static_assert(num::kFoldK * 2 == kBlockK || num::kFoldK == kBlockK, "GEMM1 folds per half or per stage");
+  static_assert(num::kFoldK * 2 == kBlockK, "a stage is folded in two halves");
   static_assert(kSwapAB || BN == 128, "the tokens-in-M layout is built for 128-token tiles");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // NOTE: offset the __shared__ array itself (not a cast integer) so the compiler keeps
@@ -943,8 +888,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int t1 = t1_routed + (a.Is / 64) * nb_shared;
   const int t2 = n2 * sc.unit_off[E_total];
   const int tiles = t1 + t2;
-  const bool shared_tb_major =
-      a.shared_order == 0 ? int64_t(nb_shared) * BN * a.H > kSharedTbMajorBytes : a.shared_order == 2;
 
   // ---- Producer helpers (thread 0 only) ----
   // A stage's weights and its tokens are issued separately: the weights never
@@ -987,7 +930,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     first_tile = sched.next();
     // NOTE: MEGAMOE_DEBUG_STOP=2 exits after phase 0, so it must leave no copy in flight.
     if (first_tile < tiles && a.debug_stop != 2 && !a.no_early_loads) {
-      const Tile tl = decode_tile<BN>(a, sc, first_tile, t1_routed, t1, shared_tb_major);
+      const Tile tl = decode_tile<BN>(a, sc, first_tile, t1_routed, t1);
       // (expert parallelism: the last stage holds the phase-0 tables until the barrier)
       first_issued = min(kStages - (kEp ? 1 : 0), tl.kblocks);
       stage_tile[0] = first_tile;  // published by the full barrier's completion
@@ -1089,7 +1032,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           pf.store(kPfProdTotal, kPfSlots);
           break;
         }
-        const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1, shared_tb_major);
+        const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
         // GEMM2 needs every GEMM1 tile of its (expert, token block).
         const int need = (tl.e == a.E ? a.Is : a.I) / 64;
         uint32_t t0 = pf.now();
@@ -1189,7 +1132,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       tile_written(-1);
       break;
     }
-    const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1, shared_tb_major);
+    const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
     const bool shared = tl.e == a.E;
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
@@ -1616,8 +1559,6 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   if (const char* env = std::getenv("MEGAMOE_DEBUG_SKIP")) a.debug_skip = std::atoi(env);
   if (const char* env = std::getenv("MEGAMOE_SCHEDULE")) a.round_robin = std::string(env) == "rr";
   if (const char* env = std::getenv("MEGAMOE_EARLY_WEIGHTS")) a.no_early_loads = std::string(env) == "0";
-  if (const char* env = std::getenv("MEGAMOE_SHARED_ORDER"))
-    a.shared_order = std::string(env) == "nblk" ? 1 : std::string(env) == "tb" ? 2 : 0;
   a.counters = reinterpret_cast<int*>(base + ws.counters.offset);
   a.topk_ids = reinterpret_cast<const int*>(base + ws.topk_ids.offset);
   a.topk_weights = reinterpret_cast<const float*>(base + ws.topk_weights.offset);

@@ -33,10 +33,6 @@ constexpr int kTileSlots = 4;
 // Slots whose rows a combine lane loads at once (16 x 16 bytes in registers): every
 // slot of the presets (top-8 + shared) in one batch.
 constexpr int kCombineBatch = 16;
-// The shared expert's GEMM1 tiles run token block major once its tokens (E4M3) exceed
-// this: output block major re-reads every token block for each of the I_s / 64 output
-// blocks, from HBM when they do not stay in L2 (50 MB) beside the weights.
-constexpr long long kSharedTbMajorBytes = 24ll << 20;
 // Tile layout by token block: up to 64 tokens "swap AB" (weights in the wgmma M,
 // tokens in N: a decode tile wastes no rows), 128 tokens in M and weights in N
 // (prefill: the fold needs four scale products per thread, not one per token).

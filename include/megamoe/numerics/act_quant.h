@@ -19,11 +19,9 @@ constexpr int kInterGroup = 64;
 // accumulator (times scale_x * scale_w): 64, half a weight block, in both GEMMs.
 // NOTE: shorter chains of FP8 wgmma accumulation track the exact sum more closely
 // (the tensor cores accumulate with reduced precision inside a chain).
-#ifdef MEGAMOE_FOLD_K1_128
-constexpr int kFoldK = 128;  // (experiment: the first GEMM folds once per weight block)
-#else
+// (v11 measured 128 in the first GEMM: 5-8 % faster from T = 1024 on, but relative L2
+// up to 5.5e-3 against this reference on the DeepSeek-V3 shape: bench/results/NOTES.md.)
 constexpr int kFoldK = 64;
-#endif
 
 // s = max(amax, 1e-4) / 448 (IEEE float division; no fast-math anywhere).
 MEGAMOE_HD float act_scale(float amax) { return (amax > kActScaleEps ? amax : kActScaleEps) / kE4M3Max; }
