@@ -660,21 +660,13 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[j * 4 + q] = fmaf(buf[j * 4 + q], p[j][q], acc[j * 4 + q]);
   };
-  // The weight scales of the next stage load during this one: a decode stage's data is
-  // usually in shared memory already (the producer runs up to 12 stages ahead), so a
-  // load issued at the stage's start put one cold global round trip on every stage (v11
-  // profile at T=1: 56 % of the consumers' time outside the data and wgmma waits).
-  // NOTE: v9 held the tile's whole scale rows in registers instead (shuffled out per
-  // stage): T=256 1.4 % slower.
-  float lo_next = __ldg(lo_scale), hi_next = kGemm == 1 ? __ldg(hi_scale) : 0.0f;
   for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
     const int stage = rp.stage;
-    const float lo = lo_next;
-    const float hi = kGemm == 1 ? hi_next : lo;
-    if (kb + 1 < kblocks) {
-      lo_next = __ldg(lo_scale + kb + 1);
-      if (kGemm == 1) hi_next = __ldg(hi_scale + kb + 1);
-    }
+    // NOTE: ncu shows this load as the decode tiles' largest stall, but the wait overlaps
+    // the weight stream: holding the tile's scale rows in registers (v9) made T=256 1.4 %
+    // slower and T=16384 2.7 % (bench/results/NOTES.md).
+    const float lo = __ldg(lo_scale + kb);
+    const float hi = kGemm == 1 ? __ldg(hi_scale + kb) : lo;
     uint32_t t0 = pf.now();
     sm90::mbar_wait(&full_bar[stage], rp.phase);
     pf.add(kPfFullWait, t0);
