@@ -7,6 +7,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 (cd build && ctest --output-on-failure -j"$(nproc)")
+# The fused kernel's profile build (-DMEGAMOE_PROFILE=ON, bench/results/NOTES.md v11) must keep
+# compiling: only that object, where nvcc is installed.
+if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH=/usr/local/cuda/bin:$PATH; fi
+if command -v nvcc >/dev/null; then
+  cmake -S . -B build-prof -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_PROFILE=ON -DMEGAMOE_TESTS=OFF >/dev/null
+  cmake --build build-prof --target CMakeFiles/megamoe.dir/src/kernels/fused_moe.cu.o
+fi
 if [ -x tests/tools/test_forward_float64.sh ]; then
   python3 -c "import numpy" 2>/dev/null || python3 -m pip install -q numpy
   tests/tools/test_forward_float64.sh "$PWD/build/megamoe"
