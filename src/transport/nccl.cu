@@ -66,9 +66,21 @@ struct NcclApi {
     sym(a.GetErrorString, "ncclGetErrorString");
     int v = 0;
     a.GetVersion(&v);
+    Dl_info where{};
+    const std::string file =
+        dladdr(reinterpret_cast<void*>(a.GetVersion), &where) && where.dli_fname ? where.dli_fname : name;
     if (v < 22800)
-      throw std::runtime_error("NCCL transport: " + name + " is version " + std::to_string(v) +
+      throw std::runtime_error("NCCL transport: " + file + " is version " + std::to_string(v) +
                                ", needs >= 2.28");
+    // NOTE: the device API (nccl_device.h) is compiled into our kernels and reads the
+    // library's window structures, so the library must be the headers' release (v11: a
+    // different libnccl >= 2.28 found first on the library path crashed the peer lookup
+    // with an illegal address instead of failing here).
+    if (v / 100 != NCCL_VERSION_CODE / 100)
+      throw std::runtime_error("NCCL transport: " + file + " is version " + std::to_string(v) +
+                               ", built against " + std::to_string(NCCL_VERSION_CODE) +
+                               " (same major.minor needed); put that NCCL's lib/ on LD_LIBRARY_PATH or set "
+                               "MEGAMOE_NCCL_LIB");
     a.lib = h;
     api = a;
     return api;
