@@ -69,18 +69,23 @@ struct NcclApi {
     Dl_info where{};
     const std::string file =
         dladdr(reinterpret_cast<void*>(a.GetVersion), &where) && where.dli_fname ? where.dli_fname : name;
-    if (v < 22800)
+    if (v < 22800) {
+      dlclose(h);
       throw std::runtime_error("NCCL transport: " + file + " is version " + std::to_string(v) +
                                ", needs >= 2.28");
+    }
     // NOTE: the device API (nccl_device.h) is compiled into our kernels and reads the
-    // library's window structures, so the library must be the headers' release (v11: a
-    // different libnccl >= 2.28 found first on the library path crashed the peer lookup
-    // with an illegal address instead of failing here).
-    if (v / 100 != NCCL_VERSION_CODE / 100)
+    // library's window structures, so the library must be the headers' exact release: on
+    // the H200 machine the system's 2.28.3 (first on the default library path) passed a
+    // >= 2.28 check and the peer lookup against our 2.28.9 headers died with an illegal
+    // address (v11); the torch venv's 2.28.9 works.
+    if (v != NCCL_VERSION_CODE) {
+      dlclose(h);
       throw std::runtime_error("NCCL transport: " + file + " is version " + std::to_string(v) +
                                ", built against " + std::to_string(NCCL_VERSION_CODE) +
-                               " (same major.minor needed); put that NCCL's lib/ on LD_LIBRARY_PATH or set "
-                               "MEGAMOE_NCCL_LIB");
+                               " (the device API needs that exact release); put its lib/ on LD_LIBRARY_PATH "
+                               "or set MEGAMOE_NCCL_LIB");
+    }
     a.lib = h;
     api = a;
     return api;
