@@ -215,9 +215,6 @@ constexpr uint32_t kDescSw128Hi = (1024 >> 4) | (1u << 30);  // SBO: next 8-row 
 __device__ __forceinline__ uint64_t smem_desc_sw128_at(uint32_t lo) {
   return (uint64_t(kDescSw128Hi) << 32) | lo;
 }
-__device__ __forceinline__ uint64_t smem_desc_sw128(const void* p) {
-  return smem_desc_sw128_at(smem_desc_sw128_lo(p));
-}
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() {
