@@ -282,7 +282,7 @@ enum ProfSlot {
   kPfFullWait,   // K loops: waiting for a stage's data
   kPfMmaWait,    // K loops: waiting for its own wgmma
   kPfLoop,       // K loops in all
-  kPfEpilogue,   // epilogues incl. tile_written
+  kPfTile,       // whole tiles: start + K loops + the rest (epilogue, tile_written)
   kPfCombine,    // after the last tile: done2 wait + combine
   kPfStages,     // stages consumed
   kPfTiles,      // tiles consumed
@@ -644,6 +644,7 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
   // Scale products per column pair j: (c0, c1) x (lo, hi); pa for half 0, pb for half 1
   // (GEMM1: the same x scale in both halves; GEMM2: lo == hi, one x scale per half).
   float pa[BN / 8][4], pb[BN / 8][4];
+  const uint32_t t_loop = pf.now();
   // Descriptors of stage 0's tiles; a stage and a K step add their offset >> 4 (v11).
   const uint32_t dw0 = sm90::smem_desc_sw128_lo(smem + wg * 64 * 128);
   const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes);
@@ -706,6 +707,7 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     fold(bb, pb);
     pf.count(kPfStages);
   }
+  pf.add(kPfLoop, t_loop);
 }
 
 // Tokens in M (prefill, BN = 128 tokens): A = the warpgroup's 64 token rows, B =
@@ -733,6 +735,7 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     }
     return;
   }
+  const uint32_t t_loop = pf.now();
   const int r0 = wg * 64 + lrow, r1 = r0 + 8;
   float ba[64], bb[64];
   // Descriptors of stage 0's tiles; a stage and a K step add their offset >> 4 (v11).
@@ -800,6 +803,7 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     fold(bb, p[4], p[5], p[6], p[7]);
     pf.count(kPfStages);
   }
+  pf.add(kPfLoop, t_loop);
 }
 
 // Two E4M3 codes in one 16-bit word (lo in the low byte).
@@ -1138,7 +1142,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
     pf.add(kPfTileStart, t_tile);
     pf.count(kPfTiles);
-    uint32_t t_loop = pf.now(), t_epi = 0;
 
     if (tl.gemm == 1) {
       const int I_e = shared ? a.Is : a.I;
@@ -1157,8 +1160,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         mainloop_swap_ab<BN, 1>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lcol, sg_row, su_row,
                                 a.debug_skip, pf);
-        pf.add(kPfLoop, t_loop);
-        t_epi = pf.now();
         // ---- GEMM1 epilogue: SwiGLU x routing weight, 1x64 E4M3 quantization ----
         // Thread holds gate (row lrow) and up (row lrow + 8) of intermediate column
         // wg * 32 + wwarp * 8 + lane / 4 for tokens j * 8 + lcol + {0, 1}.
@@ -1202,8 +1203,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float rw1 = n0p + 8 < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p + 8) : 0.0f;
         mainloop_tokens_m<1>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, sg_row, su_row,
                              a.debug_skip, pf);
-        pf.add(kPfLoop, t_loop);
-        t_epi = pf.now();
         // ---- GEMM1 epilogue (tokens in M) ----
         // Thread holds tokens n0 = wg * 64 + lrow and n0 + 8; for i in 0..7 the gate
         // (acc[8i + c], j = 2i) and up (acc[8i + 4 + c], j = 2i + 1) values of
@@ -1260,8 +1259,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kSwapAB) {
         mainloop_swap_ab<BN, 2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lcol, wsc, wsc,
                                 a.debug_skip, pf);
-        pf.add(kPfLoop, t_loop);
-        t_epi = pf.now();
         // ---- GEMM2 epilogue: BF16 per-slot rows ----
         const int f = tl.nblk * 128 + wg * 64 + lrow;
 #pragma unroll
@@ -1279,8 +1276,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else {
         mainloop_tokens_m<2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, wsc, wsc, a.debug_skip,
                              pf);
-        pf.add(kPfLoop, t_loop);
-        t_epi = pf.now();
         // ---- GEMM2 epilogue (tokens in M): BF16 pairs of hidden columns ----
         const int n0 = wg * 64 + lrow, n1r = n0 + 8;
         const int f0 = tl.nblk * 128 + lcol;
@@ -1305,7 +1300,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       tile_written(MoeWorkspaceLayout::kCounterDone2);
     }
-    pf.add(kPfEpilogue, t_epi);
+    pf.add(kPfTile, t_tile);
   }
 
   if (a.debug_stop == 3) return;
@@ -1602,16 +1597,16 @@ void fused_moe_print_profile(int tokens) {
   if (n == 0) return;
   auto pct = [&](int i, int of) { return 100.0 * sum[i] / sum[of]; };
   const double loop_rest = sum[kPfLoop] - sum[kPfFullWait] - sum[kPfMmaWait];
+  const double epilogues = sum[kPfTile] - sum[kPfTileStart] - sum[kPfLoop];
   std::fprintf(
       stderr,
       "megamoe profile T=%d (%d CTAs, consumer thread 0): total %.0f kcyc (max %.0f); phase0 %.1f%%, "
       "tile start %.1f%%, K loops %.1f%% (data wait %.1f%%, wgmma wait %.1f%%, issue+fold %.1f%%), "
       "epilogues %.1f%%, combine %.1f%%; %.0f stages, %.0f tiles a CTA; wgmma issue %.1f%% | "
-      "producer: empty wait %.1f%%, "
-      "dependency wait %.1f%% of %.0f kcyc\n",
+      "producer: empty wait %.1f%%, dependency wait %.1f%% of %.0f kcyc\n",
       tokens, n, sum[kPfTotal] / n * 1e-3, mx[kPfTotal] * 1e-3, pct(kPfPhase0, kPfTotal),
       pct(kPfTileStart, kPfTotal), pct(kPfLoop, kPfTotal), pct(kPfFullWait, kPfTotal),
-      pct(kPfMmaWait, kPfTotal), 100.0 * loop_rest / sum[kPfTotal], pct(kPfEpilogue, kPfTotal),
+      pct(kPfMmaWait, kPfTotal), 100.0 * loop_rest / sum[kPfTotal], 100.0 * epilogues / sum[kPfTotal],
       pct(kPfCombine, kPfTotal), sum[kPfStages] / n, sum[kPfTiles] / n, pct(kPfIssue, kPfTotal),
       pct(kPfProdEmpty, kPfProdTotal), pct(kPfProdDep, kPfProdTotal), sum[kPfProdTotal] / n * 1e-3);
 #else

@@ -21,6 +21,8 @@
 #include "../kernels/cuda_check.h"
 #include "megamoe/transport/transport.h"
 
+static_assert(NCCL_VERSION_CODE >= 22800, "the NCCL transport needs the 2.28 device API (symmetric windows)");
+
 namespace megamoe::transport {
 namespace {
 
@@ -69,11 +71,6 @@ struct NcclApi {
     Dl_info where{};
     const std::string file =
         dladdr(reinterpret_cast<void*>(a.GetVersion), &where) && where.dli_fname ? where.dli_fname : name;
-    if (v < 22800) {
-      dlclose(h);
-      throw std::runtime_error("NCCL transport: " + file + " is version " + std::to_string(v) +
-                               ", needs >= 2.28");
-    }
     // NOTE: the device API (nccl_device.h) is compiled into our kernels and reads the
     // library's window structures, so the library must be the headers' exact release: on
     // the H200 machine the system's 2.28.3 (first on the default library path) passed a
