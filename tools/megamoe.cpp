@@ -145,7 +145,7 @@ struct BenchArgs {
   std::vector<std::string> presets;
   std::vector<int> tokens;
   std::string json;
-  bool no_baseline = false, no_ep = false;
+  bool no_baseline = false, no_ep = false, diagnostics = false;
   int iters = 15;
   int ranks = 1;
   std::string transport = "virtual";
@@ -161,6 +161,7 @@ int run_bench_cmd(const BenchArgs& a) {
   if (!a.presets.empty()) o.presets = a.presets;
   if (!a.tokens.empty()) o.tokens = a.tokens;
   o.baseline = !a.no_baseline;
+  o.diagnostics = a.diagnostics;
   o.ep8_share = !a.no_ep;
   o.iters = a.iters;
   o.ranks = a.ranks;
@@ -270,6 +271,8 @@ int main(int argc, char** argv) {
   c_bench->add_option("--iters", bench.iters, "timed iterations per case")->capture_default_str();
   c_bench->add_flag("--no-baseline", bench.no_baseline, "skip the cuBLASLt baseline");
   c_bench->add_flag("--no-ep", bench.no_ep, "skip the 8-way expert-parallel share");
+  c_bench->add_flag("--diagnostics", bench.diagnostics,
+                    "also time the routing kernels one by one and a read of each case's weight bytes");
   c_bench
       ->add_option("--ranks", bench.ranks,
                    "expert-parallel ranks (virtual ranks on this GPU; --tokens per rank, default 1 8 64 "

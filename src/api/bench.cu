@@ -266,6 +266,30 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
         const double hbm_floor_us = bytes / read_bw * 1e6;
         const double tc_floor_us = flops / (opt.tc_peak_tflops * 1e12) * 1e6;
         const double floor_us = std::max(hbm_floor_us, tc_floor_us);
+        double diag_logits_us = -1, diag_topk_us = -1, diag_read_us = -1;
+        if (opt.diagnostics && T > 0) {
+          // The routing's kernels alone (after a full routing, so the top-k reads real
+          // logits); each figure includes a graph launch.
+          auto parts = [&](int mask) {
+            kernels::set_route_parts_for_timing(mask);
+            const bench::Timing t =
+                time_graph(stream, opt, [&](cudaStream_t st2) { layer.route(xp, T, dTp, st2); });
+            kernels::set_route_parts_for_timing(kernels::kRoutePartLogits | kernels::kRoutePartTopk);
+            return t.median_us;
+          };
+          const double logits_us = parts(kernels::kRoutePartLogits), topk_us = parts(kernels::kRoutePartTopk);
+          // The streaming read of this case's weight bytes after the same L2 flush: what
+          // reading them costs as a kernel (launch, ramp, the flush's dirty lines), beside
+          // the bandwidth floor.
+          const size_t case_bytes = size_t(bytes) / 16 * 16;
+          const double read_us =
+              case_bytes / bench::measure_read_bandwidth(case_bytes, opt.iters, stream, true) * 1e6;
+          diag_logits_us = logits_us, diag_topk_us = topk_us, diag_read_us = read_us;
+          log(fmt::format(
+              "{:14s} E={:3d} T={:5d}: route {:.1f} us; logits alone {:.1f}, top-k alone {:.1f}; "
+              "reading the case's {:.1f} MB after a flush: {:.1f} us",
+              name, s.experts, T, route.median_us, logits_us, topk_us, case_bytes * 1e-6, read_us));
+        }
 
         double base_us = -1;
         if (opt.baseline && T > 0) {
@@ -298,6 +322,11 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
         c["speedup_vs_baseline"] = base_us > 0 ? base_us / ours.median_us : 0.0;
         c["nonfinite_outputs"] = nonfinite;
         c["config"] = layer.config_for(T);
+        if (diag_read_us > 0) {
+          c["route_logits_alone_us"] = diag_logits_us;
+          c["route_topk_alone_us"] = diag_topk_us;
+          c["read_after_flush_us"] = diag_read_us;
+        }
         out["cases"].push_back(c);
         log(fmt::format(
             "{:14s} E={:3d} T={:5d}: {:9.1f} us (p10 {:.1f}, p90 {:.1f}; route {:.1f}) floor {:8.1f} "

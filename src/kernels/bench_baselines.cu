@@ -74,7 +74,7 @@ double percentile(const std::vector<double>& sorted, double p) {
 
 }  // namespace
 
-double measure_read_bandwidth(size_t bytes, int iters, cudaStream_t stream) {
+double measure_read_bandwidth(size_t bytes, int iters, cudaStream_t stream, bool flush_l2_each) {
   if (bytes < 16 || iters < 1) throw std::invalid_argument("measure_read_bandwidth: bytes >= 16, iters >= 1");
   int dev = 0, sms = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
@@ -98,7 +98,7 @@ double measure_read_bandwidth(size_t bytes, int iters, cudaStream_t stream) {
           stream_read_kernel<<<grid, kReadThreads, 0, s>>>(buf, n, sink);
           MEGAMOE_CUDA_CHECK_LAUNCH();
         },
-        stream, 1, iters, false);
+        stream, 1, iters, flush_l2_each);
     result = double(n * sizeof(uint4)) / (t.median_us * 1e-6);
   } catch (...) {
     cudaFree(sink);

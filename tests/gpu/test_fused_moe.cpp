@@ -191,15 +191,16 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
 }
 
 TEST_F(FusedMoe, RoutingBitsIndependentOfRouterTile) {
-  // The router GEMM picks its tile shape from the token hint (decode, medium,
-  // prefill); every shape must give the same logits, so ids and weights match
+  // The router GEMM picks its path from the token hint (one decode kernel, small,
+  // medium, prefill tiles); every path must give the same logits, so ids and weights match
   // bit for bit, for the F32 (three BF16 terms) and the BF16 router weight.
   MoeShape f32 = reduced_shape();
   MoeShape bf16 = reduced_shape();
   bf16.n_group = 8, bf16.topk_group = 4, bf16.router_dtype = RouterDtype::kBF16;
-  for (const MoeShape& s : {f32, bf16}) {
+  for (const auto& [s, T] :
+       {std::pair{f32, 5}, std::pair{f32, 40}, std::pair{bf16, 5}, std::pair{bf16, 40}}) {
     HostMoeWeights w = make_random_weights(s, 41);
-    const int T = 40, Tmax = 2048;
+    const int Tmax = 2048;
     const auto x = random_x(size_t(T) * s.hidden, 42);
     api::MoeLayerOptions opt;
     opt.max_tokens = Tmax;
@@ -212,7 +213,8 @@ TEST_F(FusedMoe, RoutingBitsIndependentOfRouterTile) {
     CK(cudaMemcpy(dT, &T, sizeof(int), cudaMemcpyHostToDevice));
     std::vector<int32_t> ids0;
     std::vector<float> w0;
-    for (int hint : {T, 512, Tmax}) {
+    // T = 5 at hint T: the one-kernel decode routing; hint 64: the small tiles.
+    for (int hint : {T, 64, 512, Tmax}) {
       layer.route(dx, hint, dT, nullptr);
       CK(cudaDeviceSynchronize());
       std::vector<int32_t> ids(size_t(T) * s.topk);

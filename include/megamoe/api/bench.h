@@ -17,6 +17,9 @@ struct BenchOptions {
   std::vector<int> tokens{1, 8, 64, 256, 1024, 4096, 16384};
   bool ep8_share = true;  // also the one-rank share of an 8-way expert-parallel layer
   bool baseline = true;   // cuBLASLt expert-by-expert baseline
+  // Also time the routing's kernels one by one and a streaming read of each case's
+  // weight bytes after the same L2 flush.
+  bool diagnostics = false;
   // ranks > 1: the expert-parallel layer over that many virtual ranks on this GPU,
   // `tokens` per rank, against one device running all R * T tokens (the
   // virtual-rank overhead); the figures above are not measured then.

@@ -52,7 +52,10 @@ namespace megamoe::bench {
 // Streaming read of a freshly allocated device buffer of `bytes` (make it many
 // times the L2: default 4 GiB), 16-byte loads, many in flight; median of
 // `iters` timed passes after one warm-up. Returns bytes per second.
-double measure_read_bandwidth(size_t bytes = size_t(4) << 30, int iters = 20, cudaStream_t stream = nullptr);
+// flush_l2_each: flush before every pass as the benchmark cases do (for a buffer
+// of a case's size, the read time under the same conditions as the case).
+double measure_read_bandwidth(size_t bytes = size_t(4) << 30, int iters = 20, cudaStream_t stream = nullptr,
+                              bool flush_l2_each = false);
 
 // Writes a buffer of twice the current device's L2 so the next kernel starts
 // cold. The buffer is allocated once per device and kept for the process.

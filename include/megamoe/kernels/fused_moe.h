@@ -67,6 +67,7 @@ struct MoeWorkspaceLayout {
   Region y_rows;          // bf16 [rows_cap][H]    per-slot outputs
   Region row_src;         // i32 [rows_cap]        expert parallelism: (source, token, slot) of a row
   Region ep_state;        // u64 [2]               expert parallelism: epoch, status (EpStatus)
+  Region route_done;      // i32 [1]               route_decode's arrival counter (0 between forwards)
   size_t total_bytes = 0;
 
   int counter_count() const { return kCounterExperts + experts_total + units_cap; }
@@ -134,6 +135,12 @@ void fused_moe_plan_destroy(FusedMoePlan* plan);
 // Where the last fused_moe launch spent its cycles, per role, on stderr (a build with
 // -DMEGAMOE_PROFILE=ON; otherwise nothing).
 void fused_moe_print_profile(int tokens);
+
+// Measurement hook for `megamoe bench --diagnostics`: the routing launches only the
+// kernels in the mask (its outputs are then stale; never set around a forward).
+// Every forward launches kRoutePartLogits | kRoutePartTopk.
+constexpr int kRoutePartLogits = 1, kRoutePartTopk = 2;
+void set_route_parts_for_timing(int parts);
 
 // Enqueues the whole forward (route_logits, route_topk, fused_moe).
 // host_tokens_hint: an upper bound of the device token count (<= max_tokens);
