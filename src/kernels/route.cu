@@ -101,21 +101,43 @@ __global__ void __launch_bounds__(WM* WN * 32) route_logits_kernel(RouteArgs a, 
   auto* ws = reinterpret_cast<WT*>(route_smem + size_t(kStages) * BT * XP * 2);  // [kStages][BE][WP]
 
   const int tid = threadIdx.x;
+  // This thread's 16-byte chunks: the same rows and column every stage (kThreads is a
+  // multiple of the chunks a row), a stage moves the columns by kRouteStepK. Element
+  // offsets from x / W (T * H and E * H < 2^31, checked at launch), -1 for a row past T
+  // or E (zero-filled). Worked out once: per stage and chunk they cost ~35 instructions
+  // (v12, ncu: more than the mma steps of the decode tile).
+  constexpr int kPer = 16 / int(sizeof(WT));
+  constexpr int kXPer = BT * kXChunks / kThreads, kWPer = BE * kWChunks / kThreads;
+  static_assert(kXPer * kThreads == BT * kXChunks && kWPer * kThreads == BE * kWChunks &&
+                    kThreads % kXChunks == 0 && kThreads % kWChunks == 0,
+                "whole chunks a thread, one column per thread");
+  const int xc = (tid % kXChunks) * 8, xr = tid / kXChunks;
+  const int wc = (tid % kWChunks) * kPer, wr = tid / kWChunks;
+  int x_off[kXPer], w_off[kWPer];
+#pragma unroll
+  for (int j = 0; j < kXPer; ++j) {
+    const int t = t0 + xr + j * (kThreads / kXChunks);
+    x_off[j] = t < T ? t * H + h_begin + xc : -1;
+  }
+#pragma unroll
+  for (int j = 0; j < kWPer; ++j) {
+    const int e = e0 + wr + j * (kThreads / kWChunks);
+    w_off[j] = e < E ? e * H + h_begin + wc : -1;
+  }
   auto load_stage = [&](int step, int slot) {
-    const int h0 = h_begin + step * kRouteStepK;
-    for (int i = tid; i < BT * kXChunks; i += kThreads) {
-      const int r = i / kXChunks, c = (i % kXChunks) * 8;
-      const int t = t0 + r, h = h0 + c;
-      const bool ok = t < T && h < h_begin + hs;
-      sm90::cp_async_16(xs + (size_t(slot) * BT + r) * XP + c, ok ? a.x + size_t(t) * H + h : a.x,
-                        ok ? 16 : 0);
+    const int col = step * kRouteStepK;
+    const bool x_in = col + xc < hs, w_in = col + wc < hs;
+    uint16_t* xd = xs + (size_t(slot) * BT + xr) * XP + xc;
+#pragma unroll
+    for (int j = 0; j < kXPer; ++j) {
+      const bool ok = x_in && x_off[j] >= 0;
+      sm90::cp_async_16(xd + j * (kThreads / kXChunks) * XP, ok ? a.x + x_off[j] + col : a.x, ok ? 16 : 0);
     }
-    constexpr int kPer = 16 / int(sizeof(WT));
-    for (int i = tid; i < BE * kWChunks; i += kThreads) {
-      const int r = i / kWChunks, c = (i % kWChunks) * kPer;
-      const int e = e0 + r, h = h0 + c;
-      const bool ok = e < E && h < h_begin + hs;
-      sm90::cp_async_16(ws + (size_t(slot) * BE + r) * WP + c, ok ? W + size_t(e) * H + h : W, ok ? 16 : 0);
+    WT* wd = ws + (size_t(slot) * BE + wr) * WP + wc;
+#pragma unroll
+    for (int j = 0; j < kWPer; ++j) {
+      const bool ok = w_in && w_off[j] >= 0;
+      sm90::cp_async_16(wd + j * (kThreads / kWChunks) * WP, ok ? W + w_off[j] + col : W, ok ? 16 : 0);
     }
   };
 
@@ -609,6 +631,9 @@ void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, i
   MEGAMOE_CHECK(host_tokens_hint >= 0 && host_tokens_hint <= a.max_tokens, "token hint out of range");
   MEGAMOE_CHECK(s.hidden % (kRouterSlices * 32) == 0,
                 "the router splits H into 4 slices of a multiple of 32 columns");
+  MEGAMOE_CHECK(int64_t(a.max_tokens) * s.hidden < (int64_t(1) << 31) &&
+                    int64_t(s.experts) * s.hidden < (int64_t(1) << 31),
+                "the router's element offsets are 32-bit: max_tokens * hidden must stay below 2^31");
   // The decode path is one kernel (logits and top-k): launched for either part.
   if (s.router_dtype == RouterDtype::kBF16 ? use_route_decode<uint16_t>(s, host_tokens_hint)
                                            : use_route_decode<float>(s, host_tokens_hint)) {
