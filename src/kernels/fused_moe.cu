@@ -101,7 +101,6 @@ MoeWorkspaceLayout MoeWorkspaceLayout::compute(const MoeShape& s, int max_tokens
   place(w.y_rows, R * H * 2);
   place(w.row_src, ep_ranks ? R * 4 : 4);
   place(w.ep_state, 16);
-  place(w.route_done, 4);
   w.total_bytes = plan.total();
   return w;
 }
@@ -1537,8 +1536,6 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
                      {R, P / num::kInterGroup}, {R * 4}, {bn, 2}, CU_TENSOR_MAP_SWIZZLE_NONE);
     plan->maps[i] = m;
   }
-  // route_decode's arrival counter: each forward's last block leaves it at 0 again.
-  MEGAMOE_CUDA_CHECK(cudaMemset(base + ws.route_done.offset, 0, ws.route_done.bytes));
   route_prepare();
   set_smem_attr<8>();
   set_smem_attr<16>();
@@ -1672,7 +1669,6 @@ void route_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_token
       reinterpret_cast<int*>(base + p->ws.counters.offset) + MoeWorkspaceLayout::kCounterExperts;
   r.max_tokens = p->ws.max_tokens;
   r.epoch = p->args.ep.state;  // expert parallelism: one epoch per forward (null otherwise)
-  r.done = reinterpret_cast<int*>(base + p->ws.route_done.offset);
   launch_route(p->shape, r, host_tokens_hint, p->num_sms, stream);
 }
 

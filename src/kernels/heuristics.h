@@ -45,11 +45,6 @@ constexpr bool swap_ab(int block_n) { return block_n < 128; }
 // tiles (decode: 64+ blocks stream the router weight at once), up to
 // kRouteMediumTokens 64x32, above 128x64 (fewer L2 re-reads). Every tile computes
 // the same bits, so these only move time.
-// Up to kRouteDecodeTokens one kernel does the whole routing (route_decode: a 16 x 8
-// fragment a block, the last block runs the top-k of every token, one round of its
-// warps): GLM-5 T = 1 24.5 us against 28.4 for the small tiles and route_topk; at
-// T = 8 (two rounds) 31.1 against 28.4 (bench/results/NOTES.md, v12).
-constexpr int kRouteDecodeTokens = 6;
 constexpr int kRouteSmallTokens = 64;
 constexpr int kRouteMediumTokens = 1024;
 

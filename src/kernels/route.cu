@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(WM* WN * 32) route_logits_kernel(RouteArgs a, 
   // multiple of the chunks a row), a stage moves the columns by kRouteStepK. Element
   // offsets from x / W (T * H and E * H < 2^31, checked at launch), -1 for a row past T
   // or E (zero-filled). Worked out once: per stage and chunk they cost ~35 instructions
-  // (v12, ncu: more than the mma steps of the decode tile).
+  // (v12, ncu: more than the mma steps of the 16 x 16 tile).
   constexpr int kPer = 16 / int(sizeof(WT));
   constexpr int kXPer = BT * kXChunks / kThreads, kWPer = BE * kWChunks / kThreads;
   static_assert(kXPer * kThreads == BT * kXChunks && kWPer * kThreads == BE * kWChunks &&
@@ -238,19 +238,14 @@ using RouteMedium = RouteTile<WT, 64, 32, 2, 2, 4>;
 template <typename WT>
 using RouteLarge = RouteTile<WT, 128, 64, 2, 2, 3>;  // prefill: fewer re-reads
 
-// MEGAMOE_ROUTE_TILE=decode|small|medium|large forces a routing path (same bits; for
-// timing), read once per process; decode only up to kRouteDecodeTokens tokens.
-const std::string& forced_route_tile() {
+template <typename WT>
+void launch_route_logits(const RouteArgs& a, const MoeShape& s, int hint, cudaStream_t stream) {
+  // MEGAMOE_ROUTE_TILE=small|medium|large forces a tile shape (same bits; for timing),
+  // read once per process.
   static const std::string forced = [] {
     const char* env = std::getenv("MEGAMOE_ROUTE_TILE");
     return std::string(env ? env : "");
   }();
-  return forced;
-}
-
-template <typename WT>
-void launch_route_logits(const RouteArgs& a, const MoeShape& s, int hint, cudaStream_t stream) {
-  const std::string& forced = forced_route_tile();
   if (forced == "small") return RouteSmall<WT>::launch(a, s, hint, stream);
   if (forced == "medium") return RouteMedium<WT>::launch(a, s, hint, stream);
   if (forced == "large") return RouteLarge<WT>::launch(a, s, hint, stream);
@@ -294,139 +289,6 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// The scores, selection and top-k of token t (SPEC §6) from its split-K partials, by
-// one warp; score / sel: kMaxE floats, group: 32 floats of the warp's scratch.
-__device__ void topk_token(const RouteArgs& a, const MoeShape& s, int t, int lane, float* score, float* sel,
-                           float* group) {
-  const int E = s.experts, K = s.topk;
-  // Logits: sum the split-K partials in split order.
-  // NOTE: all loads of a token first (unrolled, up to kMaxE / 32 experts a lane):
-  // one round trip instead of one per expert and slice (v6: ~30 us at T=1).
-  float zmax = -FLT_MAX;
-  float part[kMaxE / 32][kRouterSlices];
-  float bias[kMaxE / 32];  // with the partials: one round trip (v8 loaded it per expert below)
-#pragma unroll
-  for (int i = 0; i < kMaxE / 32; ++i) {
-    const int e = lane + 32 * i;
-#pragma unroll
-    for (int k = 0; k < kRouterSlices; ++k)
-      part[i][k] = e < E ? __ldcg(a.partial + (size_t(k) * a.max_tokens + t) * E + e) : 0.0f;
-    bias[i] = e < E && a.bias ? __ldg(a.bias + e) : 0.0f;
-  }
-#pragma unroll
-  for (int i = 0; i < kMaxE / 32; ++i) {
-    const int e = lane + 32 * i;
-    if (e < E) {
-      float z = 0.0f;
-#pragma unroll
-      for (int k = 0; k < kRouterSlices; ++k) z += part[i][k];
-      score[e] = z;
-      sel[e] = bias[i];
-      zmax = fmaxf(zmax, z);
-    }
-  }
-  __syncwarp();
-  float denom = 1.0f;
-  if (s.score == ScoreFunc::kSoftmax) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) zmax = fmaxf(zmax, __shfl_xor_sync(0xffffffffu, zmax, o));
-    float sum = 0.0f;
-    for (int e = lane; e < E; e += 32) sum += expf(score[e] - zmax);
-    denom = warp_sum(sum);
-  }
-  for (int e = lane; e < E; e += 32) {
-    const float z = score[e];
-    float p;
-    if (s.score == ScoreFunc::kSigmoid) {
-      p = 1.0f / (1.0f + expf(-z));
-    } else if (s.score == ScoreFunc::kSoftmax) {
-      p = expf(z - zmax) / denom;
-    } else {
-      const float sp = z > 20.0f ? z : log1pf(expf(z));
-      p = sqrtf(sp);
-    }
-    score[e] = p;
-    sel[e] += p;  // sel holds the bias (stored with the logits above)
-  }
-  __syncwarp();
-  if (s.n_group > 1) {
-    const int gsize = E / s.n_group;
-    if (lane < s.n_group) {
-      float b1 = -FLT_MAX, b2 = -FLT_MAX;
-      for (int i = 0; i < gsize; ++i) {
-        const float v = sel[lane * gsize + i];
-        if (v > b1) {
-          b2 = b1;
-          b1 = v;
-        } else if (v > b2) {
-          b2 = v;
-        }
-      }
-      group[lane] = b1 + b2;
-    }
-    __syncwarp();
-    // Keep the topk_group best groups (ties to the lower group id).
-    float gv = lane < s.n_group ? group[lane] : -FLT_MAX;
-    bool keep = false;
-    for (int r = 0; r < s.topk_group; ++r) {
-      float v = keep ? -FLT_MAX : gv;
-      int id = lane < s.n_group && !keep ? lane : 1 << 30;
-      if (lane >= s.n_group) v = -FLT_MAX;
-      warp_argmax(v, id);
-      if (lane == id) keep = true;
-    }
-    const unsigned keep_mask = __ballot_sync(0xffffffffu, keep);
-    for (int e = lane; e < E; e += 32)
-      if (!((keep_mask >> (e / gsize)) & 1u)) sel[e] = -FLT_MAX;
-    __syncwarp();
-  }
-  // Top-K by selection score, ties to the lower id. The candidates stay in registers as
-  // order-preserving keys (a lane's experts lane, lane + 32, ...) with each lane's best
-  // kept: a pick is two warp reductions (the largest key, then the lowest id holding it)
-  // and a rescan by the one lane that gave it (v12; five shuffle rounds a pick before).
-  uint32_t cand[kMaxE / 32];
-#pragma unroll
-  for (int i = 0; i < kMaxE / 32; ++i)
-    cand[i] = order_key(lane + 32 * i < E ? sel[lane + 32 * i] : -INFINITY);
-  auto lane_best = [&](uint32_t& key, int& at) {  // the first of the largest: the lowest id
-    key = cand[0], at = 0;
-#pragma unroll
-    for (int i = 1; i < kMaxE / 32; ++i)
-      if (cand[i] > key) key = cand[i], at = i;
-  };
-  uint32_t best;
-  int best_at;
-  lane_best(best, best_at);
-  float wsum = 0.0f;
-  int my_id = -1;
-  float my_w = 0.0f;
-  for (int k = 0; k < K; ++k) {
-    const uint32_t top = __reduce_max_sync(0xffffffffu, best);
-    const int id = int(__reduce_min_sync(0xffffffffu, best == top ? uint32_t(lane + 32 * best_at) : ~0u));
-    const float w = score[id];
-    wsum += w;
-    if (lane == k) {
-      my_id = id;
-      my_w = w;
-    }
-    if (lane == id % 32) {
-#pragma unroll
-      for (int i = 0; i < kMaxE / 32; ++i)
-        if (i == best_at) cand[i] = 0u;  // below every key of a number
-      lane_best(best, best_at);
-    }
-  }
-  if (lane < K) {
-    float w = my_w;
-    if (s.norm_topk_prob) w = w / (wsum + 1e-20f);
-    w *= s.routed_scaling;
-    a.ids[size_t(t) * K + lane] = my_id;
-    a.weights[size_t(t) * K + lane] = w;
-    a.pos[size_t(t) * K + lane] = atomicAdd(&a.expert_counts[my_id], 1);
-  }
-  __syncwarp();
-}
-
 // One warp per token.
 __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a, MoeShape s) {
   __shared__ float score_s[kTopkWarps][kMaxE];
@@ -434,164 +296,137 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
   __shared__ float group_s[kTopkWarps][32];
   const int T = *a.num_tokens;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int t = blockIdx.x * kTopkWarps + warp; t < T; t += gridDim.x * kTopkWarps)
-    topk_token(a, s, t, lane, score_s[warp], sel_s[warp], group_s[warp]);
-}
-
-// ============================================================================
-// route_decode: logits and top-k of up to kRouteDecodeTokens tokens in one kernel
-// ============================================================================
-// At decode the two-kernel routing is a chain of latencies (per block a 12-stage
-// cp.async ring over 16 experts, a kernel boundary, a top-k warp per token) against
-// ~1.5 us of router bytes. Here block b computes one 16 x 8 mma fragment: experts
-// 8 * (b / kRouterSlices) .. + 8 over K slice b % kRouterSlices, exactly
-// route_logits' float computation (so the same bits as every tile shape), from the
-// whole slice brought into shared memory by bulk copies issued at once (one
-// mbarrier per chunk: the chain starts on the first). The partials go to `partial`
-// as from the tile kernels; the last block to finish (the RouteArgs::done arrival
-// counter, left at 0 again by that block) runs the top-k of every token, a warp a token.
-constexpr int kDecodeWarps = 6;  // ~130 registers: two blocks an SM (E = 288 is 144 blocks)
-static_assert(kRouteDecodeTokens <= kDecodeWarps, "the last block's top-k is one round of its warps");
-constexpr int kDecodeChunks = 4;
-constexpr int kDecodeDataOffset = 128;  // shared memory: mbarriers, then the slice data
-constexpr int kDecodeMaxSmem = 200 * 1024;
-
-// Shared-memory layout of route_decode (host and device): the slice's 8 router rows
-// and the tokens' x rows, each row padded by 8 elements (conflict-free fragment
-// loads); the top-k scratch of the last block reuses the same bytes.
-template <typename WT>
-struct DecodeSmem {
-  int hs, rows;                                              // slice columns, x rows (kRouteDecodeTokens)
-  __host__ __device__ int wpitch() const { return hs + 8; }  // WT elements
-  __host__ __device__ int xpitch() const { return hs + 8; }  // bf16 elements
-  __host__ __device__ size_t x_offset() const {
-    return kDecodeDataOffset + size_t(8) * wpitch() * sizeof(WT);
-  }
-  __host__ __device__ size_t bytes() const {
-    const size_t data = x_offset() + size_t(rows) * xpitch() * 2;
-    const size_t topk = kDecodeDataOffset + size_t(kDecodeWarps) * (2 * kMaxE + 32) * 4;
-    return data > topk ? data : topk;
-  }
-  // Columns of chunk c: [begin, end), multiples of 32 (pairs of 16-column mma K steps;
-  // hs is a multiple of 32).
-  __host__ __device__ int chunk_begin(int c) const {
-    const int cw = (hs / kDecodeChunks + 31) / 32 * 32;
-    const int b = c * cw;
-    return b < hs ? b : hs;
-  }
-};
-
-template <typename WT>
-__global__ void __launch_bounds__(kDecodeWarps * 32) route_decode_kernel(RouteArgs a, MoeShape s) {
-  constexpr int kTerms = RouterTerms<WT>::kTerms;
-  const int E = s.experts, H = s.hidden;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  // The forward's counters are zeroed here, as in route_logits_kernel (a slice a block,
-  // before the block arrives on `done`, so before any top-k counts).
-  {
-    const int per = (a.zero_words + gridDim.x - 1) / gridDim.x;
-    const int end = min(a.zero_words, int(blockIdx.x + 1) * per);
-    for (int i = blockIdx.x * per + tid; i < end; i += kDecodeWarps * 32) a.zero[i] = 0;
-    if (a.epoch && blockIdx.x == 0 && tid == 0) *a.epoch += 1;
-  }
-  // The count is at most the hint (<= kRouteDecodeTokens, the rows shared memory holds);
-  // a larger one breaks the forward's contract, and only the first tokens are routed.
-  const int T = min(*a.num_tokens, kRouteDecodeTokens);
-  if (T == 0) return;  // (every block: nobody arrives, `done` stays 0)
-  const int slice = blockIdx.x % kRouterSlices, e0 = (blockIdx.x / kRouterSlices) * 8;
-  const int ne = min(8, E - e0);
-  const DecodeSmem<WT> L{H / kRouterSlices, 16};
-  const int h_begin = slice * L.hs;
-
-  extern __shared__ __align__(128) uint8_t decode_smem[];
-  auto* bar = reinterpret_cast<uint64_t*>(decode_smem);
-  auto* ws = reinterpret_cast<WT*>(decode_smem + kDecodeDataOffset);
-  auto* xs = reinterpret_cast<uint16_t*>(decode_smem + L.x_offset());
-  __shared__ int is_last;
-
-  if (warp == 0) {
-    // ---- the slice into shared memory: every copy issued at once, chunk by chunk ----
-    if (lane == 0) {
-      for (int c = 0; c < kDecodeChunks; ++c) sm90::mbar_init(&bar[c], 1);
-      sm90::mbar_init_fence();
-    }
-    __syncwarp();
-    if (lane < kDecodeChunks) {
-      const int cols = L.chunk_begin(lane + 1) - L.chunk_begin(lane);
-      sm90::mbar_arrive_expect_tx(&bar[lane], uint32_t(cols) * (ne * sizeof(WT) + T * 2));
-    }
-    __syncwarp();
-    const WT* W = static_cast<const WT*>(a.router);
-    const int per_chunk = ne + T;
-    for (int i = lane; i < kDecodeChunks * per_chunk; i += 32) {
-      const int c = i / per_chunk, r = i % per_chunk;
-      const int c0 = L.chunk_begin(c), cols = L.chunk_begin(c + 1) - c0;
-      if (cols == 0) continue;
-      if (r < ne)
-        sm90::bulk_load(ws + size_t(r) * L.wpitch() + c0, W + size_t(e0 + r) * H + h_begin + c0,
-                        uint32_t(cols * sizeof(WT)), &bar[c]);
-      else
-        sm90::bulk_load(xs + size_t(r - ne) * L.xpitch() + c0, a.x + size_t(r - ne) * H + h_begin + c0,
-                        uint32_t(cols * 2), &bar[c]);
-    }
-
-    // ---- the mma chain: route_logits' per-fragment computation, step by step ----
-    const int g = lane / 4, tq = lane % 4;
-    float acc[2][4] = {};
-    // One 16-column K step into `d`. Rows past T and experts past E are zeros, as the
-    // tile kernels' zero-filled rows.
-    auto step = [&](float(&d)[4], int kk) {
-      uint32_t af[4] = {0u, 0u, 0u, 0u};
-      const uint16_t* p = xs + size_t(g) * L.xpitch() + kk * 16 + 2 * tq;
-      if (g < T) {
-        af[0] = *reinterpret_cast<const uint32_t*>(p);
-        af[2] = *reinterpret_cast<const uint32_t*>(p + 8);
-      }
-      if (g + 8 < T) {
-        af[1] = *reinterpret_cast<const uint32_t*>(p + 8 * L.xpitch());
-        af[3] = *reinterpret_cast<const uint32_t*>(p + 8 * L.xpitch() + 8);
-      }
-      uint32_t bf[kTerms][2] = {};
-      if (g < ne) router_b_frags(ws + size_t(g) * L.wpitch() + kk * 16 + 2 * tq, bf);
+  const int E = s.experts, K = s.topk;
+  float* score = score_s[warp];
+  float* sel = sel_s[warp];
+  for (int t = blockIdx.x * kTopkWarps + warp; t < T; t += gridDim.x * kTopkWarps) {
+    // Logits: sum the split-K partials in split order.
+    // NOTE: all loads of a token first (unrolled, up to kMaxE / 32 experts a lane):
+    // one round trip instead of one per expert and slice (v6: ~30 us at T=1).
+    float zmax = -FLT_MAX;
+    float part[kMaxE / 32][kRouterSlices];
+    float bias[kMaxE / 32];  // with the partials: one round trip (v8 loaded it per expert below)
 #pragma unroll
-      for (int term = 0; term < kTerms; ++term) sm90::mma_bf16_16816(d, af, bf[term][0], bf[term][1]);
+    for (int i = 0; i < kMaxE / 32; ++i) {
+      const int e = lane + 32 * i;
+#pragma unroll
+      for (int k = 0; k < kRouterSlices; ++k)
+        part[i][k] = e < E ? __ldcg(a.partial + (size_t(k) * a.max_tokens + t) * E + e) : 0.0f;
+      bias[i] = e < E && a.bias ? __ldg(a.bias + e) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kMaxE / 32; ++i) {
+      const int e = lane + 32 * i;
+      if (e < E) {
+        float z = 0.0f;
+#pragma unroll
+        for (int k = 0; k < kRouterSlices; ++k) z += part[i][k];
+        score[e] = z;
+        sel[e] = bias[i];
+        zmax = fmaxf(zmax, z);
+      }
+    }
+    __syncwarp();
+    float denom = 1.0f;
+    if (s.score == ScoreFunc::kSoftmax) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) zmax = fmaxf(zmax, __shfl_xor_sync(0xffffffffu, zmax, o));
+      float sum = 0.0f;
+      for (int e = lane; e < E; e += 32) sum += expf(score[e] - zmax);
+      denom = warp_sum(sum);
+    }
+    for (int e = lane; e < E; e += 32) {
+      const float z = score[e];
+      float p;
+      if (s.score == ScoreFunc::kSigmoid) {
+        p = 1.0f / (1.0f + expf(-z));
+      } else if (s.score == ScoreFunc::kSoftmax) {
+        p = expf(z - zmax) / denom;
+      } else {
+        const float sp = z > 20.0f ? z : log1pf(expf(z));
+        p = sqrtf(sp);
+      }
+      score[e] = p;
+      sel[e] += p;  // sel holds the bias (stored with the logits above)
+    }
+    __syncwarp();
+    if (s.n_group > 1) {
+      const int gsize = E / s.n_group;
+      if (lane < s.n_group) {
+        float b1 = -FLT_MAX, b2 = -FLT_MAX;
+        for (int i = 0; i < gsize; ++i) {
+          const float v = sel[lane * gsize + i];
+          if (v > b1) {
+            b2 = b1;
+            b1 = v;
+          } else if (v > b2) {
+            b2 = v;
+          }
+        }
+        group_s[warp][lane] = b1 + b2;
+      }
+      __syncwarp();
+      // Keep the topk_group best groups (ties to the lower group id).
+      float gv = lane < s.n_group ? group_s[warp][lane] : -FLT_MAX;
+      bool keep = false;
+      for (int r = 0; r < s.topk_group; ++r) {
+        float v = keep ? -FLT_MAX : gv;
+        int id = lane < s.n_group && !keep ? lane : 1 << 30;
+        if (lane >= s.n_group) v = -FLT_MAX;
+        warp_argmax(v, id);
+        if (lane == id) keep = true;
+      }
+      const unsigned keep_mask = __ballot_sync(0xffffffffu, keep);
+      for (int e = lane; e < E; e += 32)
+        if (!((keep_mask >> (e / gsize)) & 1u)) sel[e] = -FLT_MAX;
+      __syncwarp();
+    }
+    // Top-K by selection score, ties to the lower id. The candidates stay in registers as
+    // order-preserving keys (a lane's experts lane, lane + 32, ...) with each lane's best
+    // kept: a pick is two warp reductions (the largest key, then the lowest id holding it)
+    // and a rescan by the one lane that gave it (v12; five shuffle rounds a pick before).
+    uint32_t cand[kMaxE / 32];
+#pragma unroll
+    for (int i = 0; i < kMaxE / 32; ++i)
+      cand[i] = order_key(lane + 32 * i < E ? sel[lane + 32 * i] : -INFINITY);
+    auto lane_best = [&](uint32_t& key, int& at) {  // the first of the largest: the lowest id
+      key = cand[0], at = 0;
+#pragma unroll
+      for (int i = 1; i < kMaxE / 32; ++i)
+        if (cand[i] > key) key = cand[i], at = i;
     };
-    for (int c = 0; c < kDecodeChunks; ++c) {
-      sm90::mbar_wait(&bar[c], 0);
-      // Even / odd steps into acc[0] / acc[1] (chunks start on even steps), unrolled so
-      // the next steps' loads and term splits overlap the two mma chains.
-#pragma unroll 2
-      for (int kk = L.chunk_begin(c) / 16; kk < L.chunk_begin(c + 1) / 16; kk += 2) {
-        step(acc[0], kk);
-        step(acc[1], kk + 1);
+    uint32_t best;
+    int best_at;
+    lane_best(best, best_at);
+    float wsum = 0.0f;
+    int my_id = -1;
+    float my_w = 0.0f;
+    for (int k = 0; k < K; ++k) {
+      const uint32_t top = __reduce_max_sync(0xffffffffu, best);
+      const int id = int(__reduce_min_sync(0xffffffffu, best == top ? uint32_t(lane + 32 * best_at) : ~0u));
+      const float w = score[id];
+      wsum += w;
+      if (lane == k) {
+        my_id = id;
+        my_w = w;
+      }
+      if (lane == id % 32) {
+#pragma unroll
+        for (int i = 0; i < kMaxE / 32; ++i)
+          if (i == best_at) cand[i] = 0u;  // below every key of a number
+        lane_best(best, best_at);
       }
     }
-    float* out = a.partial + size_t(slice) * a.max_tokens * E;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int t = g + (q / 2) * 8, e = e0 + 2 * tq + (q % 2);
-      if (t < T && e < E) out[size_t(t) * E + e] = acc[0][q] + acc[1][q];
+    if (lane < K) {
+      float w = my_w;
+      if (s.norm_topk_prob) w = w / (wsum + 1e-20f);
+      w *= s.routed_scaling;
+      a.ids[size_t(t) * K + lane] = my_id;
+      a.weights[size_t(t) * K + lane] = w;
+      a.pos[size_t(t) * K + lane] = atomicAdd(&a.expert_counts[my_id], 1);
     }
-    __threadfence();  // the partials before this block's arrival
+    __syncwarp();
   }
-  __syncthreads();
-  if (tid == 0) is_last = atomicAdd(a.done, 1) == int(gridDim.x) - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();  // every block's partials (they fenced before arriving)
-  auto* scratch = reinterpret_cast<float*>(decode_smem + kDecodeDataOffset);
-  float* score = scratch + warp * (2 * kMaxE + 32);
-  for (int t = warp; t < T; t += kDecodeWarps)
-    topk_token(a, s, t, lane, score, score + kMaxE, score + 2 * kMaxE);
-  if (tid == 0) *a.done = 0;  // every block has arrived: ready for the next forward
-}
-
-template <typename WT>
-void launch_route_decode(const RouteArgs& a, const MoeShape& s, int hint, cudaStream_t stream) {
-  const DecodeSmem<WT> L{s.hidden / kRouterSlices, kRouteDecodeTokens};
-  const int blocks = (s.experts + 7) / 8 * kRouterSlices;
-  route_decode_kernel<WT><<<blocks, kDecodeWarps * 32, L.bytes(), stream>>>(a, s);
-  MEGAMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
@@ -605,23 +440,7 @@ int g_route_parts = kRoutePartLogits | kRoutePartTopk;
 void route_prepare() {
   RouteSmall<float>::prepare(), RouteMedium<float>::prepare(), RouteLarge<float>::prepare();
   RouteSmall<uint16_t>::prepare(), RouteMedium<uint16_t>::prepare(), RouteLarge<uint16_t>::prepare();
-  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(route_decode_kernel<float>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, kDecodeMaxSmem));
-  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(route_decode_kernel<uint16_t>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, kDecodeMaxSmem));
 }
-
-namespace {
-// The one-kernel decode routing when the hint allows it and its slice fits shared memory
-// (else the tile kernels: the same bits either way).
-template <typename WT>
-bool use_route_decode(const MoeShape& s, int hint) {
-  const std::string& forced = forced_route_tile();
-  if (!forced.empty() && forced != "decode") return false;
-  return hint <= kRouteDecodeTokens &&
-         DecodeSmem<WT>{s.hidden / kRouterSlices, kRouteDecodeTokens}.bytes() <= kDecodeMaxSmem;
-}
-}  // namespace
 
 void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms,
                   cudaStream_t stream) {
@@ -634,16 +453,6 @@ void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, i
   MEGAMOE_CHECK(int64_t(a.max_tokens) * s.hidden < (int64_t(1) << 31) &&
                     int64_t(s.experts) * s.hidden < (int64_t(1) << 31),
                 "the router's element offsets are 32-bit: max_tokens * hidden must stay below 2^31");
-  // The decode path is one kernel (logits and top-k): launched for either part.
-  if (s.router_dtype == RouterDtype::kBF16 ? use_route_decode<uint16_t>(s, host_tokens_hint)
-                                           : use_route_decode<float>(s, host_tokens_hint)) {
-    if (g_route_parts == 0) return;
-    if (s.router_dtype == RouterDtype::kBF16)
-      launch_route_decode<uint16_t>(a, s, host_tokens_hint, stream);
-    else
-      launch_route_decode<float>(a, s, host_tokens_hint, stream);
-    return;
-  }
   if (g_route_parts & kRoutePartLogits) {
     if (s.router_dtype == RouterDtype::kBF16)
       launch_route_logits<uint16_t>(a, s, host_tokens_hint, stream);

@@ -29,7 +29,6 @@ struct RouteArgs {
   int zero_words = 0;
   int max_tokens = 0;
   uint64_t* epoch = nullptr;  // expert parallelism: bumped once per forward (ep_layout.h)
-  int* done = nullptr;        // route_decode: blocks finished (0 before and after a forward)
 };
 
 // Raises the router kernels' shared-memory limits (once per device, before launches).

@@ -191,8 +191,8 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
 }
 
 TEST_F(FusedMoe, RoutingBitsIndependentOfRouterTile) {
-  // The router GEMM picks its path from the token hint (one decode kernel, small,
-  // medium, prefill tiles); every path must give the same logits, so ids and weights match
+  // The router GEMM picks its tile shape from the token hint (decode, medium,
+  // prefill); every shape must give the same logits, so ids and weights match
   // bit for bit, for the F32 (three BF16 terms) and the BF16 router weight.
   MoeShape f32 = reduced_shape();
   MoeShape bf16 = reduced_shape();
@@ -213,7 +213,6 @@ TEST_F(FusedMoe, RoutingBitsIndependentOfRouterTile) {
     CK(cudaMemcpy(dT, &T, sizeof(int), cudaMemcpyHostToDevice));
     std::vector<int32_t> ids0;
     std::vector<float> w0;
-    // T = 5 at hint T: the one-kernel decode routing; hint 64: the small tiles.
     for (int hint : {T, 64, 512, Tmax}) {
       layer.route(dx, hint, dT, nullptr);
       CK(cudaDeviceSynchronize());

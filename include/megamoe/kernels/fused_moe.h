@@ -67,7 +67,6 @@ struct MoeWorkspaceLayout {
   Region y_rows;          // bf16 [rows_cap][H]    per-slot outputs
   Region row_src;         // i32 [rows_cap]        expert parallelism: (source, token, slot) of a row
   Region ep_state;        // u64 [2]               expert parallelism: epoch, status (EpStatus)
-  Region route_done;      // i32 [1]               route_decode's arrival counter (0 between forwards)
   size_t total_bytes = 0;
 
   int counter_count() const { return kCounterExperts + experts_total + units_cap; }
