@@ -44,9 +44,12 @@ constexpr bool swap_ab(int block_n) { return block_n < 128; }
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
 // tiles (decode: 64+ blocks stream the router weight at once), up to
 // kRouteMediumTokens 64x32, above 128x64 (fewer L2 re-reads). Every tile computes
-// the same bits, so these only move time.
+// the same bits, so these only move time. Measured (v12, bench/results/ab/v12_route_tiles.log,
+// v12_route_threshold.log; GLM-5 / DeepSeek-V3 / GLM-5.3-Flash route us): 512 tokens medium 38.3 /
+// 32.8 / 35.5 against large 47.4 / 35.3 / 37.2; 1024 tokens medium 69.3 / 51.1 / 53.6 against
+// large 51.4 / 39.6 / 57.3; the small tiles only win up to 64.
 constexpr int kRouteSmallTokens = 64;
-constexpr int kRouteMediumTokens = 1024;
+constexpr int kRouteMediumTokens = 512;
 
 // Pipeline depth for a token block: as many stages as fit the budget, at most 12.
 constexpr int stage_bytes(int block_n) {
