@@ -47,9 +47,13 @@ constexpr bool swap_ab(int block_n) { return block_n < 128; }
 // the same bits, so these only move time. Measured (v12, bench/results/ab/v12_route_tiles.log,
 // v12_route_threshold.log; GLM-5 / DeepSeek-V3 / GLM-5.3-Flash route us): 512 tokens medium 38.3 /
 // 32.8 / 35.5 against large 47.4 / 35.3 / 37.2; 1024 tokens medium 69.3 / 51.1 / 53.6 against
-// large 51.4 / 39.6 / 57.3; the small tiles only win up to 64.
+// large 51.4 / 39.6 / 57.3; the small tiles only win up to 64. With fewer than
+// kRouteLargeMinExperts experts (the 8-way shares: 32, 36) the large tile's 64 expert rows
+// are half empty: 1024 tokens took 46 / 32 / 36 us there against 32 / 25 / 27 medium.
 constexpr int kRouteSmallTokens = 64;
 constexpr int kRouteMediumTokens = 512;
+constexpr int kRouteMediumTokensFewExperts = 1024;
+constexpr int kRouteLargeMinExperts = 128;
 
 // Pipeline depth for a token block: as many stages as fit the budget, at most 12.
 constexpr int stage_bytes(int block_n) {

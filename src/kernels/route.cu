@@ -251,7 +251,7 @@ void launch_route_logits(const RouteArgs& a, const MoeShape& s, int hint, cudaSt
   if (forced == "large") return RouteLarge<WT>::launch(a, s, hint, stream);
   if (hint <= kRouteSmallTokens)
     RouteSmall<WT>::launch(a, s, hint, stream);
-  else if (hint <= kRouteMediumTokens)
+  else if (hint <= (s.experts >= kRouteLargeMinExperts ? kRouteMediumTokens : kRouteMediumTokensFewExperts))
     RouteMedium<WT>::launch(a, s, hint, stream);
   else
     RouteLarge<WT>::launch(a, s, hint, stream);
