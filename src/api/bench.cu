@@ -277,18 +277,19 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
             kernels::set_route_parts_for_timing(kernels::kRoutePartLogits | kernels::kRoutePartTopk);
             return t.median_us;
           };
-          const double logits_us = parts(kernels::kRoutePartLogits), topk_us = parts(kernels::kRoutePartTopk);
+          diag_logits_us = parts(kernels::kRoutePartLogits);
+          diag_topk_us = parts(kernels::kRoutePartTopk);
           // The streaming read of this case's weight bytes after the same L2 flush: what
           // reading them costs as a kernel (launch, ramp, the flush's dirty lines), beside
           // the bandwidth floor.
           const size_t case_bytes = size_t(bytes) / 16 * 16;
-          const double read_us =
+          diag_read_us =
               case_bytes / bench::measure_read_bandwidth(case_bytes, opt.iters, stream, true) * 1e6;
-          diag_logits_us = logits_us, diag_topk_us = topk_us, diag_read_us = read_us;
-          log(fmt::format(
-              "{:14s} E={:3d} T={:5d}: route {:.1f} us; logits alone {:.1f}, top-k alone {:.1f}; "
-              "reading the case's {:.1f} MB after a flush: {:.1f} us",
-              name, s.experts, T, route.median_us, logits_us, topk_us, case_bytes * 1e-6, read_us));
+          log(
+              fmt::format("{:14s} E={:3d} T={:5d}: route {:.1f} us; logits alone {:.1f}, top-k alone {:.1f}; "
+                          "reading the case's {:.1f} MB after a flush: {:.1f} us",
+                          name, s.experts, T, route.median_us, diag_logits_us, diag_topk_us,
+                          case_bytes * 1e-6, diag_read_us));
         }
 
         double base_us = -1;
