@@ -1536,6 +1536,11 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
                      {R, P / num::kInterGroup}, {R * 4}, {bn, 2}, CU_TENSOR_MAP_SWIZZLE_NONE);
     plan->maps[i] = m;
   }
+  // The router kernels address x and the router weight with 32-bit element offsets.
+  MEGAMOE_CHECK(int64_t(ws.max_tokens) * s.hidden < (int64_t(1) << 31) &&
+                    int64_t(s.experts) * s.hidden < (int64_t(1) << 31),
+                "max_tokens * hidden = " + std::to_string(int64_t(ws.max_tokens) * s.hidden) +
+                    " exceeds the routing's 32-bit offsets (at most 2^31 - 1): use a smaller max_tokens");
   route_prepare();
   set_smem_attr<8>();
   set_smem_attr<16>();

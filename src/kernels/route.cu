@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(WM* WN * 32) route_logits_kernel(RouteArgs a, 
   const int tid = threadIdx.x;
   // This thread's 16-byte chunks: the same rows and column every stage (kThreads is a
   // multiple of the chunks a row), a stage moves the columns by kRouteStepK. Element
-  // offsets from x / W (T * H and E * H < 2^31, checked at launch), -1 for a row past T
+  // offsets from x / W (T * H and E * H < 2^31, fused_moe_plan_create), -1 for a row past T
   // or E (zero-filled). Worked out once: per stage and chunk they cost ~35 instructions
   // (v12, ncu: more than the mma steps of the 16 x 16 tile).
   constexpr int kPer = 16 / int(sizeof(WT));
@@ -450,9 +450,6 @@ void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, i
   MEGAMOE_CHECK(host_tokens_hint >= 0 && host_tokens_hint <= a.max_tokens, "token hint out of range");
   MEGAMOE_CHECK(s.hidden % (kRouterSlices * 32) == 0,
                 "the router splits H into 4 slices of a multiple of 32 columns");
-  MEGAMOE_CHECK(int64_t(a.max_tokens) * s.hidden < (int64_t(1) << 31) &&
-                    int64_t(s.experts) * s.hidden < (int64_t(1) << 31),
-                "the router's element offsets are 32-bit: max_tokens * hidden must stay below 2^31");
   if (g_route_parts & kRoutePartLogits) {
     if (s.router_dtype == RouterDtype::kBF16)
       launch_route_logits<uint16_t>(a, s, host_tokens_hint, stream);
