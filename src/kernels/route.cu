@@ -435,7 +435,7 @@ void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int
                 cudaStream_t stream);
 
 // Which routing kernels launch_route launches (set_route_parts_for_timing; all in a forward).
-int g_route_parts = kRoutePartLogits | kRoutePartTopk;
+static int g_route_parts = kRoutePartLogits | kRoutePartTopk;
 
 void route_prepare() {
   RouteSmall<float>::prepare(), RouteMedium<float>::prepare(), RouteLarge<float>::prepare();
