@@ -323,7 +323,7 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
         c["speedup_vs_baseline"] = base_us > 0 ? base_us / ours.median_us : 0.0;
         c["nonfinite_outputs"] = nonfinite;
         c["config"] = layer.config_for(T);
-        if (diag_read_us > 0) {
+        if (opt.diagnostics && T > 0) {
           c["route_logits_alone_us"] = diag_logits_us;
           c["route_topk_alone_us"] = diag_topk_us;
           c["read_after_flush_us"] = diag_read_us;

@@ -1537,9 +1537,9 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
     plan->maps[i] = m;
   }
   // The router kernels address x and the router weight with 32-bit element offsets.
-  MEGAMOE_CHECK(int64_t(ws.max_tokens) * s.hidden < (int64_t(1) << 31) &&
-                    int64_t(s.experts) * s.hidden < (int64_t(1) << 31),
-                "max_tokens * hidden = " + std::to_string(int64_t(ws.max_tokens) * s.hidden) +
+  const int64_t route_elems = std::max<int64_t>(ws.max_tokens, s.experts) * s.hidden;
+  MEGAMOE_CHECK(route_elems < (int64_t(1) << 31),
+                "max(max_tokens, experts) * hidden = " + std::to_string(route_elems) +
                     " exceeds the routing's 32-bit offsets (at most 2^31 - 1): use a smaller max_tokens");
   route_prepare();
   set_smem_attr<8>();

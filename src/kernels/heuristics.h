@@ -54,6 +54,10 @@ constexpr int kRouteSmallTokens = 64;
 constexpr int kRouteMediumTokens = 512;
 constexpr int kRouteMediumTokensFewExperts = 1024;
 constexpr int kRouteLargeMinExperts = 128;
+// The largest token hint the 64x32 router tile takes for `experts` experts.
+constexpr int route_medium_max_tokens(int experts) {
+  return experts >= kRouteLargeMinExperts ? kRouteMediumTokens : kRouteMediumTokensFewExperts;
+}
 
 // Pipeline depth for a token block: as many stages as fit the budget, at most 12.
 constexpr int stage_bytes(int block_n) {

@@ -251,7 +251,7 @@ void launch_route_logits(const RouteArgs& a, const MoeShape& s, int hint, cudaSt
   if (forced == "large") return RouteLarge<WT>::launch(a, s, hint, stream);
   if (hint <= kRouteSmallTokens)
     RouteSmall<WT>::launch(a, s, hint, stream);
-  else if (hint <= (s.experts >= kRouteLargeMinExperts ? kRouteMediumTokens : kRouteMediumTokensFewExperts))
+  else if (hint <= route_medium_max_tokens(s.experts))
     RouteMedium<WT>::launch(a, s, hint, stream);
   else
     RouteLarge<WT>::launch(a, s, hint, stream);
