@@ -138,7 +138,7 @@ struct KernelArgs {
   float swiglu_limit;
   int debug_stop;  // MEGAMOE_DEBUG_STOP: 0 = full kernel; 1/2/3 stop after tables / phase 0 / the mainloop
   // Measurement switches (wrong outputs when set; for timing the parts of the kernel):
-  int debug_skip;      // MEGAMOE_DEBUG_SKIP: bit 0 = no wgmma and no fold, bit 1 = no fold,
+  int debug_skip;      // MEGAMOE_DEBUG_SKIP: bit 0 = no wgmma and no fold,
                        //   bit 2 = no TMA loads (stages complete at once: the consumers' own speed)
   int round_robin;     // MEGAMOE_SCHEDULE=rr: plain round-robin instead of TileSchedule's balance
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
@@ -287,10 +287,15 @@ enum ProfSlot {
   kPfStages,     // stages consumed
   kPfTiles,      // tiles consumed
   kPfIssue,      // K loops: the wgmma issue (part of issue+fold)
+  kPfEpi1,       // GEMM1 epilogues up to the proxy fence
+  kPfFence,      // GEMM1 epilogues: the generic -> async proxy fence
+  kPfEpi2,       // GEMM2 epilogues (the BF16 stores)
+  kPfSlotWait,   // tile_written: waiting for a free slot of the signal thread
+  kPfDone2,      // combine: waiting for every GEMM2 tile
   kPfProdTotal,  // producer thread: after the grid barrier .. sentinel
   kPfProdEmpty,  // waiting for empty stages
   kPfProdDep,    // waiting for a GEMM2 tile's GEMM1 units
-  kPfSlots = 16
+  kPfSlots = 20
 };
 constexpr int kProfCtas = 1024;
 __device__ uint32_t g_profile[kProfCtas][kPfSlots];
@@ -621,8 +626,14 @@ __device__ __forceinline__ uint16_t* out_row(const KernelArgs& a, const Tile& tl
 // each other's second fold.
 // NOTE: ptxas (nvcc 13.0) serializes the wgmma chains (C7514) when a group stays in
 // flight across a loop back-edge, so the next stage cannot be queued before this
-// stage's second fold; and (C7518) when a wgmma sits on a path it cannot prove
-// uniform. Check the build log for both after changing these loops.
+// stage's second fold inside a one-stage loop; and (C7518) when a wgmma sits on a path
+// it cannot prove uniform. Check the build log for both after changing these loops.
+// The decode loop therefore takes two stages an iteration (v13). A stage handed back
+// (release_stage: one lane's arrive) while a group is in flight made ptxas give the
+// next chain a third register buffer and spill the accumulator, so both stages of an
+// iteration are released after its last wait. The prefill loop keeps one stage an
+// iteration: two (same structure, 6 stages in the ring) measured 10 % slower at
+// T = 16384 (bench/results/NOTES.md, v13).
 // ---------------------------------------------------------------------------
 
 // Swap AB (decode, BN <= 64 tokens): A = 64 weight rows of the warpgroup, B = the
@@ -661,28 +672,8 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[j * 4 + q] = fmaf(buf[j * 4 + q], p[j][q], acc[j * 4 + q]);
   };
-  for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
-    const int stage = rp.stage;
-    // NOTE: ncu shows this load as the decode tiles' largest stall, but the wait overlaps
-    // the weight stream: holding the tile's scale rows in registers (v9) made T=256 1.4 %
-    // slower and T=16384 2.7 % (bench/results/NOTES.md).
-    const float lo = __ldg(lo_scale + kb);
-    const float hi = kGemm == 1 ? __ldg(hi_scale + kb) : lo;
-    uint32_t t0 = pf.now();
-    sm90::mbar_wait(&full_bar[stage], rp.phase);
-    pf.add(kPfFullWait, t0);
-    if (skip & 1) {
-      release_stage(&empty_bar[stage]);
-      continue;
-    }
-    const uint8_t* st = smem + stage * kStageBytes;
+  auto products = [&](const uint8_t* st, float lo, float hi) {
     const float* s_s = reinterpret_cast<const float*>(st + kWBytes + kXBytes);
-    // Both halves queued before either is folded (see the NOTE above the K loops).
-    t0 = pf.now();
-    const uint32_t so = uint32_t(stage) * (kStageBytes >> 4);
-    issue(ba, so, 0);
-    issue(bb, so, 1);
-    pf.add(kPfIssue, t0);
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
       const float c0 = s_s[j * 8 + lcol], c1 = s_s[j * 8 + lcol + 1];
@@ -696,6 +687,73 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
       pb[j][2] = kGemm == 2 ? pb[j][0] : pa[j][2];
       pb[j][3] = kGemm == 2 ? pb[j][1] : pa[j][3];
     }
+  };
+  auto wait_full = [&](const RingPos<kStages>& r) {
+    const uint32_t t0 = pf.now();
+    sm90::mbar_wait(&full_bar[r.stage], r.phase);
+    pf.add(kPfFullWait, t0);
+  };
+  auto stage_ptr = [&](const RingPos<kStages>& r) { return smem + r.stage * kStageBytes; };
+  auto stage_off = [&](const RingPos<kStages>& r) { return uint32_t(r.stage) * (kStageBytes >> 4); };
+  if (skip & 1) {
+    for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
+      wait_full(rp);
+      release_stage(&empty_bar[rp.stage]);
+    }
+    pf.add(kPfLoop, t_loop);
+    return;
+  }
+  // NOTE: ncu shows the weight-scale loads as the decode tiles' largest stall, but the
+  // wait overlaps the weight stream: holding the tile's scale rows in registers (v9) made
+  // T=256 1.4 % slower and T=16384 2.7 % (bench/results/NOTES.md).
+  int kb = 0;
+  // Two stages an iteration (v13): stage 1's halves are queued while stage 0's are
+  // folded, so the warpgroup's tensor work drains once per two stages, not per stage.
+  // Both stages are waited for before the first issue: no wgmma is in flight across
+  // the mbarrier's retry loop (see the NOTE above the K loops).
+  for (; kb + 2 <= kblocks; kb += 2) {
+    const float lo0 = __ldg(lo_scale + kb), lo1 = __ldg(lo_scale + kb + 1);
+    const float hi0 = kGemm == 1 ? __ldg(hi_scale + kb) : lo0;
+    const float hi1 = kGemm == 1 ? __ldg(hi_scale + kb + 1) : lo1;
+    RingPos<kStages> r1 = rp;
+    r1.advance();
+    wait_full(rp);
+    wait_full(r1);
+    uint32_t t0 = pf.now();
+    issue(ba, stage_off(rp), 0);
+    issue(bb, stage_off(rp), 1);
+    pf.add(kPfIssue, t0);
+    products(stage_ptr(rp), lo0, hi0);
+    sm90::wgmma_wait<1>();  // stage 0 half 0 done
+    fold(ba, pa);
+    issue(ba, stage_off(r1), 0);
+    sm90::wgmma_wait<1>();  // stage 0 half 1 done
+    fold(bb, pb);
+    issue(bb, stage_off(r1), 1);
+    products(stage_ptr(r1), lo1, hi1);
+    sm90::wgmma_wait<1>();
+    fold(ba, pa);
+    t0 = pf.now();
+    sm90::wgmma_wait<0>();
+    pf.add(kPfMmaWait, t0);
+    release_stage(&empty_bar[rp.stage]);
+    release_stage(&empty_bar[r1.stage]);
+    fold(bb, pb);
+    rp = r1;
+    rp.advance();
+    pf.count(kPfStages);
+    pf.count(kPfStages);
+  }
+  if (kb < kblocks) {  // an odd last stage
+    const float lo = __ldg(lo_scale + kb);
+    const float hi = kGemm == 1 ? __ldg(hi_scale + kb) : lo;
+    wait_full(rp);
+    // Both halves queued before either is folded (see the NOTE above the K loops).
+    uint32_t t0 = pf.now();
+    issue(ba, stage_off(rp), 0);
+    issue(bb, stage_off(rp), 1);
+    pf.add(kPfIssue, t0);
+    products(stage_ptr(rp), lo, hi);
     t0 = pf.now();
     sm90::wgmma_wait<1>();
     pf.add(kPfMmaWait, t0);
@@ -703,8 +761,9 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     t0 = pf.now();
     sm90::wgmma_wait<0>();
     pf.add(kPfMmaWait, t0);
-    release_stage(&empty_bar[stage]);
+    release_stage(&empty_bar[rp.stage]);
     fold(bb, pb);
+    rp.advance();
     pf.count(kPfStages);
   }
   pf.add(kPfLoop, t_loop);
@@ -843,6 +902,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int* tables = reinterpret_cast<int*>(tail + SmemTail::kTables);
   Sched sc{tables, tables + (kMaxExpertsTotal + 1), tables + 2 * (kMaxExpertsTotal + 1)};
   float* red = reinterpret_cast<float*>(tail + SmemTail::kRed);  // [8 warps][BN]
+  float* tok_scale = reinterpret_cast<float*>(tail + SmemTail::scales(BN));  // [2][BN]
 
   Prof pf;
   const uint32_t t_start = pf.now();
@@ -1117,7 +1177,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // a.counters; -1 = no more tiles) to the signal thread.
   auto tile_written = [&](int counter) {
     const int slot = ntile % kTileSlots, use = ntile / kTileSlots;
+    const uint32_t t0 = pf.now();
     if (use > 0) sm90::mbar_wait(&free_bar[slot], (use - 1) & 1);  // the slot's last tile is published
+    pf.add(kPfSlotWait, t0);
     if (cwarp == 0 && lane == 0) slot_counter[slot] = counter;
     __syncwarp();
     if (lane == 0) sm90::mbar_arrive(&done_bar[slot]);
@@ -1143,6 +1205,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     pf.add(kPfTileStart, t_tile);
     pf.count(kPfTiles);
 
+    uint32_t t_epi = 0;
     if (tl.gemm == 1) {
       const int I_e = shared ? a.Is : a.I;
       const float* wsc = shared ? a.sw13_scale : a.w13_scale + size_t(tl.e) * (2 * (a.I / 128)) * (a.H / 128);
@@ -1160,6 +1223,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         mainloop_swap_ab<BN, 1>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lcol, sg_row, su_row,
                                 a.debug_skip, pf);
+        t_epi = pf.now();
         // ---- GEMM1 epilogue: SwiGLU x routing weight, 1x64 E4M3 quantization ----
         // Thread holds gate (row lrow) and up (row lrow + 8) of intermediate column
         // wg * 32 + wwarp * 8 + lane / 4 for tokens j * 8 + lcol + {0, 1}.
@@ -1180,21 +1244,26 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
         sm90::named_barrier(1, kConsumerThreads);
+        // One thread a token works out its scale and reciprocal once (v13: every thread
+        // did it for each of its tokens, 8 loads and two divisions an element).
+        if (ctid < BN) {
+          float amax = red[ctid];
+#pragma unroll
+          for (int w = 1; w < 8; ++w) amax = fmaxf(amax, red[w * BN + ctid]);
+          const float s = num::act_scale(amax);
+          tok_scale[ctid] = s;
+          tok_scale[BN + ctid] = 1.0f / s;
+          if (ctid < tl.rows) a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + ctid] = s;
+        }
+        sm90::named_barrier(1, kConsumerThreads);
         const int col = tl.nblk * 64 + wg * 32 + wwarp * 8 + lane / 4;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int n = j * 8 + lcol + c;
-            float amax = red[n];
-#pragma unroll
-            for (int w = 1; w < 8; ++w) amax = fmaxf(amax, red[w * BN + n]);
-            const float s = num::act_scale(amax);
-            const float inv = 1.0f / s;
-            if (n < tl.rows) {
-              a.act2[size_t(tl.row0 + n) * a.inter_pitch + col] = to_e4m3(acc[j * 4 + c] * inv);
-              if (cwarp == 0 && lane < 4) a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + n] = s;
-            }
+            if (n < tl.rows)
+              a.act2[size_t(tl.row0 + n) * a.inter_pitch + col] = to_e4m3(acc[j * 4 + c] * tok_scale[BN + n]);
           }
         }
       } else {
@@ -1203,6 +1272,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float rw1 = n0p + 8 < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p + 8) : 0.0f;
         mainloop_tokens_m<1>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, sg_row, su_row,
                              a.debug_skip, pf);
+        t_epi = pf.now();
         // ---- GEMM1 epilogue (tokens in M) ----
         // Thread holds tokens n0 = wg * 64 + lrow and n0 + 8; for i in 0..7 the gate
         // (acc[8i + c], j = 2i) and up (acc[8i + 4 + c], j = 2i + 1) values of
@@ -1250,7 +1320,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       // act2 is read next by other CTAs' TMA (async proxy): the proxy fence, then the
       // signal thread's release of done1 (see tile_written).
+      pf.add(kPfEpi1, t_epi);
+      const uint32_t t_fence = pf.now();
       sm90::fence_proxy_async_global();
+      pf.add(kPfFence, t_fence);
       if constexpr (kSwapAB) sm90::named_barrier(1, kConsumerThreads);  // red[] is free for the next tile
       tile_written(a.units_base + tl.unit);                             // done1[unit]
     } else {
@@ -1259,6 +1332,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kSwapAB) {
         mainloop_swap_ab<BN, 2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lcol, wsc, wsc,
                                 a.debug_skip, pf);
+        t_epi = pf.now();
         // ---- GEMM2 epilogue: BF16 per-slot rows ----
         const int f = tl.nblk * 128 + wg * 64 + lrow;
 #pragma unroll
@@ -1276,6 +1350,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else {
         mainloop_tokens_m<2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, wsc, wsc, a.debug_skip,
                              pf);
+        t_epi = pf.now();
         // ---- GEMM2 epilogue (tokens in M): BF16 pairs of hidden columns ----
         const int n0 = wg * 64 + lrow, n1r = n0 + 8;
         const int f0 = tl.nblk * 128 + lcol;
@@ -1298,6 +1373,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 uint32_t(bf16_encode(acc[4 * j + 2])) | (uint32_t(bf16_encode(acc[4 * j + 3])) << 16);
         }
       }
+      pf.add(kPfEpi2, t_epi);
       tile_written(MoeWorkspaceLayout::kCounterDone2);
     }
     pf.add(kPfTile, t_tile);
@@ -1308,6 +1384,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // ---- Combine: y[t] = bf16(sum over slots, ascending, of the BF16 slot rows) ----
   if (ctid == 0) sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2], t2);
   sm90::named_barrier(1, kConsumerThreads);
+  pf.add(kPfDone2, t_comb);
   const uint16_t* ep_combine = nullptr;  // expert parallelism: routed slot rows, [T][K][H]
   if (kEp) {
     // Step 4's end: every GEMM2 tile of this rank is done (its rows are in the sources'
@@ -1607,12 +1684,14 @@ void fused_moe_print_profile(int tokens) {
       stderr,
       "megamoe profile T=%d (%d CTAs, consumer thread 0): total %.0f kcyc (max %.0f); phase0 %.1f%%, "
       "tile start %.1f%%, K loops %.1f%% (data wait %.1f%%, wgmma wait %.1f%%, issue+fold %.1f%%), "
-      "epilogues %.1f%%, combine %.1f%%; %.0f stages, %.0f tiles a CTA; wgmma issue %.1f%% | "
+      "epilogues %.1f%% (GEMM1 %.1f%% + proxy fence %.1f%%, GEMM2 %.1f%%, slot waits %.1f%%), combine %.1f%% "
+      "(waiting for the last GEMM2 tile %.1f%%); %.0f stages, %.0f tiles a CTA; wgmma issue %.1f%% | "
       "producer: empty wait %.1f%%, dependency wait %.1f%% of %.0f kcyc\n",
       tokens, n, sum[kPfTotal] / n * 1e-3, mx[kPfTotal] * 1e-3, pct(kPfPhase0, kPfTotal),
       pct(kPfTileStart, kPfTotal), pct(kPfLoop, kPfTotal), pct(kPfFullWait, kPfTotal),
       pct(kPfMmaWait, kPfTotal), 100.0 * loop_rest / sum[kPfTotal], 100.0 * epilogues / sum[kPfTotal],
-      pct(kPfCombine, kPfTotal), sum[kPfStages] / n, sum[kPfTiles] / n, pct(kPfIssue, kPfTotal),
+      pct(kPfEpi1, kPfTotal), pct(kPfFence, kPfTotal), pct(kPfEpi2, kPfTotal), pct(kPfSlotWait, kPfTotal),
+      pct(kPfCombine, kPfTotal), pct(kPfDone2, kPfTotal), sum[kPfStages] / n, sum[kPfTiles] / n, pct(kPfIssue, kPfTotal),
       pct(kPfProdEmpty, kPfProdTotal), pct(kPfProdDep, kPfProdTotal), sum[kPfProdTotal] / n * 1e-3);
 #else
   (void)tokens;
