@@ -901,7 +901,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int* stage_tile = reinterpret_cast<int*>(tail + SmemTail::kStageTile);  // -1: no more tiles
   int* tables = reinterpret_cast<int*>(tail + SmemTail::kTables);
   Sched sc{tables, tables + (kMaxExpertsTotal + 1), tables + 2 * (kMaxExpertsTotal + 1)};
-  float* red = reinterpret_cast<float*>(tail + SmemTail::kRed);  // [8 warps][BN]
+  float* red = reinterpret_cast<float*>(tail + SmemTail::kRed);              // [8 warps][BN]
   float* tok_scale = reinterpret_cast<float*>(tail + SmemTail::scales(BN));  // [2][BN]
 
   Prof pf;
@@ -1691,8 +1691,9 @@ void fused_moe_print_profile(int tokens) {
       pct(kPfTileStart, kPfTotal), pct(kPfLoop, kPfTotal), pct(kPfFullWait, kPfTotal),
       pct(kPfMmaWait, kPfTotal), 100.0 * loop_rest / sum[kPfTotal], 100.0 * epilogues / sum[kPfTotal],
       pct(kPfEpi1, kPfTotal), pct(kPfFence, kPfTotal), pct(kPfEpi2, kPfTotal), pct(kPfSlotWait, kPfTotal),
-      pct(kPfCombine, kPfTotal), pct(kPfDone2, kPfTotal), sum[kPfStages] / n, sum[kPfTiles] / n, pct(kPfIssue, kPfTotal),
-      pct(kPfProdEmpty, kPfProdTotal), pct(kPfProdDep, kPfProdTotal), sum[kPfProdTotal] / n * 1e-3);
+      pct(kPfCombine, kPfTotal), pct(kPfDone2, kPfTotal), sum[kPfStages] / n, sum[kPfTiles] / n,
+      pct(kPfIssue, kPfTotal), pct(kPfProdEmpty, kPfProdTotal), pct(kPfProdDep, kPfProdTotal),
+      sum[kPfProdTotal] / n * 1e-3);
 #else
   (void)tokens;
 #endif
