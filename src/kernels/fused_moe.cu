@@ -84,7 +84,7 @@ MoeWorkspaceLayout MoeWorkspaceLayout::compute(const MoeShape& s, int max_tokens
   if (w.rows_cap == 0) w.rows_cap = 128;
   w.units_cap = w.local_experts + shared + int(rows / 8);
   w.inter_pitch = std::max(s.inter, s.shared_inter());
-  w.max_ksplit = kRouterSlices;
+  w.max_ksplit = kRouterGroups;
   RegionPlanner plan(1024);
   auto place = [&](Region& r, size_t bytes) { plan.place(r, bytes); };
   const size_t T = std::max(1, max_tokens), K = s.topk, H = s.hidden, E = s.experts, R = w.rows_cap;
@@ -1006,26 +1006,37 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ---- Phase 0: quantize x (1x128 E4M3) and scatter each token to its rows. ----
-  // A warp task is one token's 128-column group. The next task's loads (its x group
-  // and its slot rows) are issued before this task is quantized and stored, so a warp
-  // keeps one load round trip in flight instead of two dependent ones per task.
+  // A warp task is up to kPhase0Groups of one token's 128-column groups (v13: one group a
+  // task kept 256 bytes of loads in flight a warp, a load round trip a group, and loaded
+  // the token's slot rows once a group). With fewer groups than warps to spread them over
+  // (decode), a task stays one group: the grid barrier waits for the slowest warp. The
+  // next task's loads (its x groups and its slot rows) are issued before this task is
+  // quantized and stored.
   if (!kEp) {
+    constexpr int kG = kPhase0Groups;
     const int hb = a.H / 128;
-    const int tasks = T * hb;
     const int warps_total = gridDim.x * (kThreads / 32);
+    const int G = T * hb >= kG * warps_total ? kG : 1;
+    const int chunks = (hb + G - 1) / G;
+    const int tasks = T * chunks;
     const int slots = a.K + a.has_shared;
     struct Task {
-      int g;
-      uint2 raw;
+      int t, g0;
+      uint2 raw[kG];
       int row;  // this lane's slot row (-1: none)
       float w;  // its routing weight
     };
     auto load_task = [&](int task) {
       Task k;
-      const int t = task / hb;
-      k.g = task - t * hb;
-      k.raw = *reinterpret_cast<const uint2*>(a.x + size_t(t) * a.H + k.g * 128 + lane * 4);
-      k.row = slot_row<kEp>(a, sc, t, lane, k.w);
+      k.t = task / chunks;
+      k.g0 = (task - k.t * chunks) * G;
+#pragma unroll
+      for (int g = 0; g < kG; ++g)
+        k.raw[g] =
+            g < G && k.g0 + g < hb
+                ? *reinterpret_cast<const uint2*>(a.x + size_t(k.t) * a.H + (k.g0 + g) * 128 + lane * 4)
+                : make_uint2(0, 0);
+      k.row = slot_row<kEp>(a, sc, k.t, lane, k.w);
       return k;
     };
     int task = blockIdx.x * (kThreads / 32) + warp;
@@ -1035,17 +1046,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int next = task + warps_total;
       Task nxt{};
       if (next < tasks) nxt = load_task(next);
-      float s;
-      const uint32_t q = quantize_group(cur.raw, s);
+      uint32_t q[kG];
+      float sg[kG], my_scale = 0.0f;  // lane g < G: group g0 + g's scale
+#pragma unroll
+      for (int g = 0; g < kG; ++g) {
+        if (g >= G) break;
+        q[g] = quantize_group(cur.raw[g], sg[g]);
+        if (lane == g) my_scale = sg[g];
+      }
+      const int groups = min(G, hb - cur.g0);
       for (int k = 0; k < slots; ++k) {
         const int r = __shfl_sync(0xffffffffu, cur.row, k);
         const float w = __shfl_sync(0xffffffffu, cur.w, k);
         if (r < 0) continue;
-        *reinterpret_cast<uint32_t*>(a.x_sorted + size_t(r) * a.H + cur.g * 128 + lane * 4) = q;
-        if (lane == 0) {
-          a.x_sorted_scale[size_t(cur.g) * a.rows_cap + r] = s;
-          if (cur.g == 0) a.row_weight[r] = w;
-        }
+        uint8_t* dst = a.x_sorted + size_t(r) * a.H + cur.g0 * 128 + lane * 4;
+#pragma unroll
+        for (int g = 0; g < kG; ++g)
+          if (g < groups) *reinterpret_cast<uint32_t*>(dst + g * 128) = q[g];
+        if (lane < groups) a.x_sorted_scale[size_t(cur.g0 + lane) * a.rows_cap + r] = my_scale;
+        if (lane == 0 && cur.g0 == 0) a.row_weight[r] = w;
       }
       cur = nxt;
     }

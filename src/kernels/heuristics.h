@@ -31,8 +31,12 @@ constexpr int kRowAlign = 8;
 // a consumer warp blocks on it.
 constexpr int kTileSlots = 4;
 // Slots whose rows a combine lane loads at once (16 x 16 bytes in registers): every
-// slot of the presets (top-8 + shared) in one batch.
+// slot of the presets (top-8 + shared) in one batch. (v13: two units a warp at once,
+// twice the loads in flight, did not move the combine's time.)
 constexpr int kCombineBatch = 16;
+// 128-column groups of one token a phase-0 warp task quantizes and scatters (its loads
+// in flight at once: 4 x 256 bytes a warp).
+constexpr int kPhase0Groups = 4;
 // Tile layout by token block: up to 64 tokens "swap AB" (weights in the wgmma M,
 // tokens in N: a decode tile wastes no rows), 128 tokens in M and weights in N
 // (prefill: the fold needs four scale products per thread, not one per token).

@@ -25,9 +25,12 @@ namespace {
 // NOTE: every logit is the same float computation whatever the tile configuration:
 // per K slice (kRouterSlices, fixed) two accumulators (even / odd 16-column steps),
 // per step in ascending order mma(hi), mma(mid), mma(lo), the two added at the end;
-// the slices are summed in order by route_topk. The tile shape (picked from the token hint) only changes
-// which threads do the work, so a graph captured at a large hint replays bit-identically at any smaller
-// count.
+// a group's kSlicesPerGroup slices summed in order (0 + s0 + s1 + ...) into one partial
+// by the block, the groups summed in order by route_topk. A block covers one group:
+// its WK warp slices run the group's slices side by side (the decode tile: a shorter
+// dependent chain a warp, v13) or one after the other (WK = 1). The tile shape (picked from the token hint)
+// only changes which threads do the work, so a graph captured at a large hint replays bit-identically at any
+// smaller count.
 constexpr int kRouteStepK = 64;  // columns per pipeline stage
 constexpr int kRoutePad = 8;     // row padding (elements): conflict-free fragment loads
 
@@ -64,11 +67,14 @@ __device__ __forceinline__ void router_b_frags(const uint16_t* w, uint32_t (&b)[
   b[0][1] = *reinterpret_cast<const uint32_t*>(w + 8);
 }
 
-// Block tile BT tokens x BE experts x one K slice; WM x WN warps, each MI x NI
-// fragments of 16 x 8; `kStages`-deep cp.async ring of kRouteStepK columns.
-template <typename WT, int BT, int BE, int WM, int WN, int kStages>
-__global__ void __launch_bounds__(WM* WN * 32) route_logits_kernel(RouteArgs a, int H, int E) {
-  constexpr int kThreads = WM * WN * 32;
+// Block tile BT tokens x BE experts x one group of K slices; WK x WM x WN warps, each
+// MI x NI fragments of 16 x 8 of one slice (warp slice wk takes slices wk, wk + WK, ...
+// of the group); `kStages`-deep cp.async ring, a stage kRouteStepK columns of WK slices.
+template <typename WT, int BT, int BE, int WK, int WM, int WN, int kStages>
+__global__ void __launch_bounds__(WK* WM* WN * 32) route_logits_kernel(RouteArgs a, int H, int E) {
+  constexpr int kThreads = WK * WM * WN * 32;
+  constexpr int kRounds = kSlicesPerGroup / WK;  // slices a warp slice takes one after the other
+  static_assert(kRounds * WK == kSlicesPerGroup, "warp slices divide the group");
   constexpr int MI = BT / WM / 16, NI = BE / WN / 8;
   constexpr int kTerms = RouterTerms<WT>::kTerms;
   constexpr int XP = kRouteStepK + kRoutePad;  // x row pitch (bf16)
@@ -84,7 +90,7 @@ __global__ void __launch_bounds__(WM* WN * 32) route_logits_kernel(RouteArgs a, 
     const int b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
     const int per = (a.zero_words + nblocks - 1) / nblocks;
     const int end = min(a.zero_words, (b + 1) * per);
-    for (int i = b * per + int(threadIdx.x); i < end; i += WM * WN * 32) a.zero[i] = 0;
+    for (int i = b * per + int(threadIdx.x); i < end; i += kThreads) a.zero[i] = 0;
     if (a.epoch && b == 0 && threadIdx.x == 0) *a.epoch += 1;
   }
   const int T = *a.num_tokens;
@@ -92,57 +98,81 @@ __global__ void __launch_bounds__(WM* WN * 32) route_logits_kernel(RouteArgs a, 
   if (t0 >= T) return;
   const int e0 = blockIdx.x * BE;
   const int hs = H / kRouterSlices;
-  const int h_begin = blockIdx.z * hs;
-  const int steps = (hs + kRouteStepK - 1) / kRouteStepK;
+  const int h_begin = blockIdx.z * kSlicesPerGroup * hs;
+  const int slice_steps = (hs + kRouteStepK - 1) / kRouteStepK;
+  const int steps = kRounds * slice_steps;
   const WT* W = static_cast<const WT*>(a.router);
 
+  // A stage holds kRouteStepK columns of each of the WK slices: rows [WK][BT] of x and
+  // [WK][BE] of W.
   extern __shared__ __align__(16) uint8_t route_smem[];
-  auto* xs = reinterpret_cast<uint16_t*>(route_smem);                            // [kStages][BT][XP]
-  auto* ws = reinterpret_cast<WT*>(route_smem + size_t(kStages) * BT * XP * 2);  // [kStages][BE][WP]
+  auto* xs = reinterpret_cast<uint16_t*>(route_smem);                                 // [kStages][WK*BT][XP]
+  auto* ws = reinterpret_cast<WT*>(route_smem + size_t(kStages) * WK * BT * XP * 2);  // [kStages][WK*BE][WP]
 
   const int tid = threadIdx.x;
   // This thread's 16-byte chunks: the same rows and column every stage (kThreads is a
-  // multiple of the chunks a row), a stage moves the columns by kRouteStepK. Element
-  // offsets from x / W (T * H and E * H < 2^31, fused_moe_plan_create), -1 for a row past T
-  // or E (zero-filled). Worked out once: per stage and chunk they cost ~35 instructions
-  // (v12, ncu: more than the mma steps of the 16 x 16 tile).
+  // multiple of the chunks a row), a stage moves the columns by kRouteStepK. Worked out
+  // once: per stage and chunk they cost ~35 instructions (v12, ncu: more than the mma
+  // steps of the 16 x 16 tile). A stage row r of x is token r % BT of slice r / BT
+  // (likewise for W); a thread's rows are r0 + j * RS, so its chunks are one element
+  // offset from x / W plus j times a fixed step (T * H and E * H < 2^31,
+  // fused_moe_plan_create), valid while the token (expert) is below T (E).
   constexpr int kPer = 16 / int(sizeof(WT));
-  constexpr int kXPer = BT * kXChunks / kThreads, kWPer = BE * kWChunks / kThreads;
-  static_assert(kXPer * kThreads == BT * kXChunks && kWPer * kThreads == BE * kWChunks &&
+  constexpr int kXPer = WK * BT * kXChunks / kThreads, kWPer = WK * BE * kWChunks / kThreads;
+  static_assert(kXPer * kThreads == WK * BT * kXChunks && kWPer * kThreads == WK * BE * kWChunks &&
                     kThreads % kXChunks == 0 && kThreads % kWChunks == 0,
                 "whole chunks a thread, one column per thread");
   const int xc = (tid % kXChunks) * 8, xr = tid / kXChunks;
   const int wc = (tid % kWChunks) * kPer, wr = tid / kWChunks;
-  int x_off[kXPer], w_off[kWPer];
-#pragma unroll
-  for (int j = 0; j < kXPer; ++j) {
-    const int t = t0 + xr + j * (kThreads / kXChunks);
-    x_off[j] = t < T ? t * H + h_begin + xc : -1;
-  }
-#pragma unroll
-  for (int j = 0; j < kWPer; ++j) {
-    const int e = e0 + wr + j * (kThreads / kWChunks);
-    w_off[j] = e < E ? e * H + h_begin + wc : -1;
-  }
-  auto load_stage = [&](int step, int slot) {
-    const int col = step * kRouteStepK;
-    const bool x_in = col + xc < hs, w_in = col + wc < hs;
-    uint16_t* xd = xs + (size_t(slot) * BT + xr) * XP + xc;
+  // Rows r0 + j * RS of a [WK][N] stage tile: either every j the same token of the next
+  // slices (RS a multiple of N) or, in one slice, tokens RS apart (N a multiple of RS).
+  struct Rows {
+    int off0;  // element offset of row r0's chunk (column 0 of the block's group)
+    int left;  // tokens (experts) valid from row r0 on, in steps of RS: j valid while j * RS < left
+  };
+  auto rows = [&](int r0, int N, int RS, int first, int count, int c) {
+    const int idx = first + r0 % N;
+    return Rows{idx * H + h_begin + (r0 / N) * hs + c, count - idx};
+  };
+  constexpr int kXRS = kThreads / kXChunks, kWRS = kThreads / kWChunks;
+  static_assert(
+      (kXRS % BT == 0 || (BT % kXRS == 0 && WK == 1)) && (kWRS % BE == 0 || (BE % kWRS == 0 && WK == 1)),
+      "a thread's rows: one token of several slices, or several tokens of one slice");
+  const Rows xrow = rows(xr, BT, kXRS, t0, T, xc), wrow = rows(wr, BE, kWRS, e0, E, wc);
+  auto chunk = [&](const Rows& r, int j, int N, int RS, int& off) {
+    if (RS % N == 0) {  // the same token, slice (r0 / N) + j * RS / N
+      off = r.off0 + j * (RS / N) * hs;
+      return r.left > 0;
+    }
+    off = r.off0 + j * RS * H;
+    return j * RS < r.left;
+  };
+  // The next stage to load: round ld_round of the warp slices, step ld_step of their slices
+  // (counted, not divided out of the step index: a division a stage cost the prefill tiles).
+  int ld_round = 0, ld_step = 0;
+  auto load_stage = [&](int slot) {
+    const int c = ld_step * kRouteStepK;
+    const int col = ld_round * WK * hs + c;
+    if (++ld_step == slice_steps) ld_step = 0, ++ld_round;
+    const bool x_in = c + xc < hs, w_in = c + wc < hs;
+    uint16_t* xd = xs + (size_t(slot) * WK * BT + xr) * XP + xc;
 #pragma unroll
     for (int j = 0; j < kXPer; ++j) {
-      const bool ok = x_in && x_off[j] >= 0;
-      sm90::cp_async_16(xd + j * (kThreads / kXChunks) * XP, ok ? a.x + x_off[j] + col : a.x, ok ? 16 : 0);
+      int off;
+      const bool ok = chunk(xrow, j, BT, kXRS, off) && x_in;
+      sm90::cp_async_16(xd + j * kXRS * XP, ok ? a.x + off + col : a.x, ok ? 16 : 0);
     }
-    WT* wd = ws + (size_t(slot) * BE + wr) * WP + wc;
+    WT* wd = ws + (size_t(slot) * WK * BE + wr) * WP + wc;
 #pragma unroll
     for (int j = 0; j < kWPer; ++j) {
-      const bool ok = w_in && w_off[j] >= 0;
-      sm90::cp_async_16(wd + j * (kThreads / kWChunks) * WP, ok ? W + w_off[j] + col : W, ok ? 16 : 0);
+      int off;
+      const bool ok = chunk(wrow, j, BE, kWRS, off) && w_in;
+      sm90::cp_async_16(wd + j * kWRS * WP, ok ? W + off + col : W, ok ? 16 : 0);
     }
   };
 
   const int warp = tid / 32, lane = tid % 32;
-  const int wm = warp / WN, wn = warp % WN;
+  const int wk = warp / (WM * WN), wm = (warp / WN) % WM, wn = warp % WN;
   const int g = lane / 4, tq = lane % 4;
   // Two accumulators per output: even and odd 16-column steps (halves the dependent
   // mma chain of a decode warp), added once at the end.
@@ -155,23 +185,26 @@ __global__ void __launch_bounds__(WM* WN * 32) route_logits_kernel(RouteArgs a, 
       for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
         for (int q = 0; q < 4; ++q) acc[par][mi][ni][q] = 0.0f;
+  // The slices this warp finished, summed in order (kRounds > 1 only).
+  float zsum[kRounds > 1 ? MI : 1][kRounds > 1 ? NI : 1][4] = {};
+  int done_steps = 0;  // of the slice in progress
 
 #pragma unroll 1
   for (int s = 0; s < kStages - 1; ++s) {
     // NOTE: not unrolled: unrolled, the 12-stage decode tile's prologue made the kernel
     // 6200 instructions, and a cold instruction cache (the fused kernel runs between two
     // routings) was a third of its stall samples at T = 1 (ncu).
-    if (s < steps) load_stage(s, s);
+    if (s < steps) load_stage(s);
     sm90::cp_async_commit();
   }
   for (int step = 0; step < steps; ++step) {
     sm90::cp_async_wait<kStages - 2>();
     __syncthreads();  // stage `step` visible to all; slot (step - 1) % kStages free
-    if (step + kStages - 1 < steps) load_stage(step + kStages - 1, (step + kStages - 1) % kStages);
+    if (step + kStages - 1 < steps) load_stage((step + kStages - 1) % kStages);
     sm90::cp_async_commit();
     const int slot = step % kStages;
-    const uint16_t* xb = xs + (size_t(slot) * BT + wm * (BT / WM)) * XP;
-    const WT* wb = ws + (size_t(slot) * BE + wn * (BE / WN)) * WP;
+    const uint16_t* xb = xs + (size_t(slot) * WK * BT + wk * BT + wm * (BT / WM)) * XP;
+    const WT* wb = ws + (size_t(slot) * WK * BE + wk * BE + wn * (BE / WN)) * WP;
 #pragma unroll
     for (int kk = 0; kk < kRouteStepK / 16; ++kk) {
       uint32_t af[MI][4];
@@ -194,49 +227,94 @@ __global__ void __launch_bounds__(WM* WN * 32) route_logits_kernel(RouteArgs a, 
             sm90::mma_bf16_16816(acc[kk % 2][mi][ni], af[mi], bf[term][0], bf[term][1]);
       }
     }
+    if (kRounds > 1 && ++done_steps == slice_steps) {  // a slice done: into the running sum
+      done_steps = 0;
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            zsum[kRounds > 1 ? mi : 0][kRounds > 1 ? ni : 0][q] += acc[0][mi][ni][q] + acc[1][mi][ni][q];
+            acc[0][mi][ni][q] = acc[1][mi][ni][q] = 0.0f;
+          }
+    }
   }
   sm90::cp_async_wait<0>();
 
+  // One slice a warp slice (WK = kSlicesPerGroup): the block sums them in slice order
+  // through shared memory (the ring is free now).
+  float* red = reinterpret_cast<float*>(route_smem);  // [WK][BT][BE]
+  if constexpr (WK > 1) {
+    __syncthreads();
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int t = wm * (BT / WM) + mi * 16 + g + (q / 2) * 8;
+          const int e = wn * (BE / WN) + ni * 8 + 2 * tq + (q % 2);
+          red[(wk * BT + t) * BE + e] = acc[0][mi][ni][q] + acc[1][mi][ni][q];
+        }
+    __syncthreads();
+  }
   float* out = a.partial + size_t(blockIdx.z) * a.max_tokens * E;
+  if constexpr (WK > 1) {
+    for (int i = tid; i < BT * BE; i += kThreads) {
+      const int t = t0 + i / BE, e = e0 + i % BE;
+      float z = 0.0f;
 #pragma unroll
-  for (int mi = 0; mi < MI; ++mi)
+      for (int k = 0; k < WK; ++k) z += red[k * BT * BE + i];
+      if (t < T && e < E) out[size_t(t) * E + e] = z;
+    }
+  } else {
 #pragma unroll
-    for (int ni = 0; ni < NI; ++ni)
+    for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int t = t0 + wm * (BT / WM) + mi * 16 + g + (q / 2) * 8;
-        const int e = e0 + wn * (BE / WN) + ni * 8 + 2 * tq + (q % 2);
-        if (t < T && e < E) out[size_t(t) * E + e] = acc[0][mi][ni][q] + acc[1][mi][ni][q];
-      }
+      for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int t = t0 + wm * (BT / WM) + mi * 16 + g + (q / 2) * 8;
+          const int e = e0 + wn * (BE / WN) + ni * 8 + 2 * tq + (q % 2);
+          const float z = kRounds > 1 ? zsum[kRounds > 1 ? mi : 0][kRounds > 1 ? ni : 0][q]
+                                      : 0.0f + (acc[0][mi][ni][q] + acc[1][mi][ni][q]);
+          if (t < T && e < E) out[size_t(t) * E + e] = z;
+        }
+  }
 }
 
-template <typename WT, int BT, int BE, int WM, int WN, int kStages>
+template <typename WT, int BT, int BE, int WK, int WM, int WN, int kStages>
 struct RouteTile {
   static constexpr size_t smem() {
-    return size_t(kStages) *
-           (size_t(BT) * (kRouteStepK + kRoutePad) * 2 + size_t(BE) * (kRouteStepK + kRoutePad) * sizeof(WT));
+    const size_t ring =
+        size_t(kStages) * WK *
+        (size_t(BT) * (kRouteStepK + kRoutePad) * 2 + size_t(BE) * (kRouteStepK + kRoutePad) * sizeof(WT));
+    const size_t red = WK > 1 ? size_t(WK) * BT * BE * 4 : 0;
+    return ring > red ? ring : red;
   }
   static void prepare() {
-    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(route_logits_kernel<WT, BT, BE, WM, WN, kStages>,
+    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(route_logits_kernel<WT, BT, BE, WK, WM, WN, kStages>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem())));
   }
   static void launch(const RouteArgs& a, const MoeShape& s, int hint, cudaStream_t stream) {
-    auto kernel = route_logits_kernel<WT, BT, BE, WM, WN, kStages>;
+    auto kernel = route_logits_kernel<WT, BT, BE, WK, WM, WN, kStages>;
     // NOTE: the grid covers the host hint, an upper bound of the device token count: blocks
     // past the device count exit at once, so a graph captured at a hint serves any count below it.
-    const dim3 grid((s.experts + BE - 1) / BE, std::max(1, (hint + BT - 1) / BT), kRouterSlices);
-    kernel<<<grid, WM * WN * 32, smem(), stream>>>(a, s.hidden, s.experts);
+    const dim3 grid((s.experts + BE - 1) / BE, std::max(1, (hint + BT - 1) / BT), kRouterGroups);
+    kernel<<<grid, WK * WM * WN * 32, smem(), stream>>>(a, s.hidden, s.experts);
     MEGAMOE_CUDA_CHECK_LAUNCH();
   }
 };
 
 // Tile configurations by token hint (see heuristics.h for the thresholds).
 template <typename WT>
-using RouteSmall = RouteTile<WT, 16, 16, 1, 2, 12>;  // decode: 64+ blocks, deep ring
+using RouteSmall = RouteTile<WT, 16, 16, kSlicesPerGroup, 1, 2, 6>;  // decode: a warp slice a slice
 template <typename WT>
-using RouteMedium = RouteTile<WT, 64, 32, 2, 2, 4>;
+using RouteMedium = RouteTile<WT, 64, 32, 1, 2, 2, 4>;
 template <typename WT>
-using RouteLarge = RouteTile<WT, 128, 64, 2, 2, 3>;  // prefill: fewer re-reads
+using RouteLarge = RouteTile<WT, 128, 64, 1, 2, 4, 3>;  // prefill: fewer re-reads
+// NOTE: 2 x 4 warps (v13): at 2 x 2 the running sum of the slices spilled on an F32 router.
 
 template <typename WT>
 void launch_route_logits(const RouteArgs& a, const MoeShape& s, int hint, cudaStream_t stream) {
@@ -304,13 +382,13 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
     // NOTE: all loads of a token first (unrolled, up to kMaxE / 32 experts a lane):
     // one round trip instead of one per expert and slice (v6: ~30 us at T=1).
     float zmax = -FLT_MAX;
-    float part[kMaxE / 32][kRouterSlices];
+    float part[kMaxE / 32][kRouterGroups];
     float bias[kMaxE / 32];  // with the partials: one round trip (v8 loaded it per expert below)
 #pragma unroll
     for (int i = 0; i < kMaxE / 32; ++i) {
       const int e = lane + 32 * i;
 #pragma unroll
-      for (int k = 0; k < kRouterSlices; ++k)
+      for (int k = 0; k < kRouterGroups; ++k)
         part[i][k] = e < E ? __ldcg(a.partial + (size_t(k) * a.max_tokens + t) * E + e) : 0.0f;
       bias[i] = e < E && a.bias ? __ldg(a.bias + e) : 0.0f;
     }
@@ -320,7 +398,7 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
       if (e < E) {
         float z = 0.0f;
 #pragma unroll
-        for (int k = 0; k < kRouterSlices; ++k) z += part[i][k];
+        for (int k = 0; k < kRouterGroups; ++k) z += part[i][k];
         score[e] = z;
         sel[e] = bias[i];
         zmax = fmaxf(zmax, z);
@@ -448,8 +526,9 @@ void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, i
   MEGAMOE_CHECK(s.topk <= 32, "route_topk supports top-k <= 32");
   MEGAMOE_CHECK(s.n_group <= 32, "route_topk supports n_group <= 32");
   MEGAMOE_CHECK(host_tokens_hint >= 0 && host_tokens_hint <= a.max_tokens, "token hint out of range");
-  MEGAMOE_CHECK(s.hidden % (kRouterSlices * 32) == 0,
-                "the router splits H into 4 slices of a multiple of 32 columns");
+  MEGAMOE_CHECK(
+      s.hidden % (kRouterSlices * 8) == 0,
+      "the router splits H into " + std::to_string(kRouterSlices) + " slices of a multiple of 8 columns");
   if (g_route_parts & kRoutePartLogits) {
     if (s.router_dtype == RouterDtype::kBF16)
       launch_route_logits<uint16_t>(a, s, host_tokens_hint, stream);

@@ -11,16 +11,19 @@
 
 namespace megamoe::kernels {
 
-// The router's K is cut into this many slices (partial logits summed in order).
-// Fixed per shape, never chosen from the token count: see route.cu's NOTE.
-constexpr int kRouterSlices = 4;
+// The router's K is cut into this many slices, summed in order kSlicesPerGroup at a time
+// into kRouterGroups partial logits (route.cu's NOTE). Fixed per shape, never chosen
+// from the token count.
+constexpr int kRouterSlices = 16;
+constexpr int kSlicesPerGroup = 4;
+constexpr int kRouterGroups = kRouterSlices / kSlicesPerGroup;
 
 struct RouteArgs {
   const uint16_t* x = nullptr;   // bf16 [T][H]
   const void* router = nullptr;  // bf16 or f32 [E][H]
   const float* bias = nullptr;   // [E] or null
   const int* num_tokens = nullptr;
-  float* partial = nullptr;      // [kRouterSlices][max_tokens][E]
+  float* partial = nullptr;      // [kRouterGroups][max_tokens][E]
   int32_t* ids = nullptr;        // [T][K]
   float* weights = nullptr;      // [T][K]
   int32_t* pos = nullptr;        // [T][K]

@@ -52,7 +52,7 @@ struct MoeWorkspaceLayout {
   int rows_cap = 0;       // sorted rows: max_tokens * slots, rounded up to 128
   int units_cap = 0;      // (expert, token block) units at the smallest block
   int inter_pitch = 0;    // max(I, Is): row pitch of the intermediate
-  int max_ksplit = 0;     // router K slices (kRouterSlices)
+  int max_ksplit = 0;     // partial router logits a token (kRouterGroups)
 
   Region counters;        // int32 [counter_count()]
   Region logits_partial;  // f32 [max_ksplit][max_tokens][E]
