@@ -313,8 +313,10 @@ using RouteSmall = RouteTile<WT, 16, 16, kSlicesPerGroup, 1, 2, 6>;  // decode: 
 template <typename WT>
 using RouteMedium = RouteTile<WT, 64, 32, 1, 2, 2, 4>;
 template <typename WT>
-using RouteLarge = RouteTile<WT, 128, 64, 1, 2, 4, 3>;  // prefill: fewer re-reads
-// NOTE: 2 x 4 warps (v13): at 2 x 2 the running sum of the slices spilled on an F32 router.
+using RouteLarge = RouteTile<WT, 128, 64, 1, 2, 2, 3>;  // prefill: fewer re-reads
+// NOTE: with the running sum of the slices the F32 router's 2 x 2 warps spill six ints,
+// reloaded once per 64-column step (~1100 instructions); 2 x 4 warps (no spill) measured
+// slower (v13: GLM-5 16384 tokens 745 vs 721 us, DeepSeek-V3 567 vs 477).
 
 template <typename WT>
 void launch_route_logits(const RouteArgs& a, const MoeShape& s, int hint, cudaStream_t stream) {
