@@ -695,6 +695,13 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
   };
   auto stage_ptr = [&](const RingPos<kStages>& r) { return smem + r.stage * kStageBytes; };
   auto stage_off = [&](const RingPos<kStages>& r) { return uint32_t(r.stage) * (kStageBytes >> 4); };
+  // Both halves of a stage queued before either is folded (see the NOTE above the K loops).
+  auto issue_stage = [&](const RingPos<kStages>& r) {
+    const uint32_t t0 = pf.now();
+    issue(ba, stage_off(r), 0);
+    issue(bb, stage_off(r), 1);
+    pf.add(kPfIssue, t0);
+  };
   if (skip & 1) {
     for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
       wait_full(rp);
@@ -719,10 +726,7 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     r1.advance();
     wait_full(rp);
     wait_full(r1);
-    uint32_t t0 = pf.now();
-    issue(ba, stage_off(rp), 0);
-    issue(bb, stage_off(rp), 1);
-    pf.add(kPfIssue, t0);
+    issue_stage(rp);
     products(stage_ptr(rp), lo0, hi0);
     sm90::wgmma_wait<1>();  // stage 0 half 0 done
     fold(ba, pa);
@@ -733,7 +737,7 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     products(stage_ptr(r1), lo1, hi1);
     sm90::wgmma_wait<1>();
     fold(ba, pa);
-    t0 = pf.now();
+    const uint32_t t0 = pf.now();
     sm90::wgmma_wait<0>();
     pf.add(kPfMmaWait, t0);
     release_stage(&empty_bar[rp.stage]);
@@ -748,13 +752,9 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     const float lo = __ldg(lo_scale + kb);
     const float hi = kGemm == 1 ? __ldg(hi_scale + kb) : lo;
     wait_full(rp);
-    // Both halves queued before either is folded (see the NOTE above the K loops).
-    uint32_t t0 = pf.now();
-    issue(ba, stage_off(rp), 0);
-    issue(bb, stage_off(rp), 1);
-    pf.add(kPfIssue, t0);
+    issue_stage(rp);
     products(stage_ptr(rp), lo, hi);
-    t0 = pf.now();
+    uint32_t t0 = pf.now();
     sm90::wgmma_wait<1>();
     pf.add(kPfMmaWait, t0);
     fold(ba, pa);

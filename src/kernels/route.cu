@@ -176,15 +176,17 @@ __global__ void __launch_bounds__(WK* WM* WN * 32) route_logits_kernel(RouteArgs
   const int g = lane / 4, tq = lane % 4;
   // Two accumulators per output: even and odd 16-column steps (halves the dependent
   // mma chain of a decode warp), added once at the end.
-  float acc[2][MI][NI][4];
-#pragma unroll
-  for (int par = 0; par < 2; ++par)
+  // f(mi, ni, q) for every element of this warp's fragments.
+  auto each_frag = [&](auto f) {
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
       for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) acc[par][mi][ni][q] = 0.0f;
+        for (int q = 0; q < 4; ++q) f(mi, ni, q);
+  };
+  float acc[2][MI][NI][4];
+  each_frag([&](int mi, int ni, int q) { acc[0][mi][ni][q] = acc[1][mi][ni][q] = 0.0f; });
   // The slices this warp finished, summed in order (kRounds > 1 only).
   float zsum[kRounds > 1 ? MI : 1][kRounds > 1 ? NI : 1][4] = {};
   int done_steps = 0;  // of the slice in progress
@@ -229,34 +231,25 @@ __global__ void __launch_bounds__(WK* WM* WN * 32) route_logits_kernel(RouteArgs
     }
     if (kRounds > 1 && ++done_steps == slice_steps) {  // a slice done: into the running sum
       done_steps = 0;
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            zsum[kRounds > 1 ? mi : 0][kRounds > 1 ? ni : 0][q] += acc[0][mi][ni][q] + acc[1][mi][ni][q];
-            acc[0][mi][ni][q] = acc[1][mi][ni][q] = 0.0f;
-          }
+      each_frag([&](int mi, int ni, int q) {
+        zsum[kRounds > 1 ? mi : 0][kRounds > 1 ? ni : 0][q] += acc[0][mi][ni][q] + acc[1][mi][ni][q];
+        acc[0][mi][ni][q] = acc[1][mi][ni][q] = 0.0f;
+      });
     }
   }
   sm90::cp_async_wait<0>();
 
+  // Token and expert (within the block tile) of this thread's fragment element q.
+  auto frag_t = [&](int mi, int q) { return wm * (BT / WM) + mi * 16 + g + (q / 2) * 8; };
+  auto frag_e = [&](int ni, int q) { return wn * (BE / WN) + ni * 8 + 2 * tq + (q % 2); };
   // One slice a warp slice (WK = kSlicesPerGroup): the block sums them in slice order
   // through shared memory (the ring is free now).
   float* red = reinterpret_cast<float*>(route_smem);  // [WK][BT][BE]
   if constexpr (WK > 1) {
     __syncthreads();
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int t = wm * (BT / WM) + mi * 16 + g + (q / 2) * 8;
-          const int e = wn * (BE / WN) + ni * 8 + 2 * tq + (q % 2);
-          red[(wk * BT + t) * BE + e] = acc[0][mi][ni][q] + acc[1][mi][ni][q];
-        }
+    each_frag([&](int mi, int ni, int q) {
+      red[(wk * BT + frag_t(mi, q)) * BE + frag_e(ni, q)] = acc[0][mi][ni][q] + acc[1][mi][ni][q];
+    });
     __syncthreads();
   }
   float* out = a.partial + size_t(blockIdx.z) * a.max_tokens * E;
@@ -269,18 +262,12 @@ __global__ void __launch_bounds__(WK* WM* WN * 32) route_logits_kernel(RouteArgs
       if (t < T && e < E) out[size_t(t) * E + e] = z;
     }
   } else {
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int t = t0 + wm * (BT / WM) + mi * 16 + g + (q / 2) * 8;
-          const int e = e0 + wn * (BE / WN) + ni * 8 + 2 * tq + (q % 2);
-          const float z = kRounds > 1 ? zsum[kRounds > 1 ? mi : 0][kRounds > 1 ? ni : 0][q]
-                                      : 0.0f + (acc[0][mi][ni][q] + acc[1][mi][ni][q]);
-          if (t < T && e < E) out[size_t(t) * E + e] = z;
-        }
+    each_frag([&](int mi, int ni, int q) {
+      const int t = t0 + frag_t(mi, q), e = e0 + frag_e(ni, q);
+      const float z = kRounds > 1 ? zsum[kRounds > 1 ? mi : 0][kRounds > 1 ? ni : 0][q]
+                                  : 0.0f + (acc[0][mi][ni][q] + acc[1][mi][ni][q]);
+      if (t < T && e < E) out[size_t(t) * E + e] = z;
+    });
   }
 }
 
