@@ -35,7 +35,8 @@ constexpr int kTileSlots = 4;
 // twice the loads in flight, did not move the combine's time.)
 constexpr int kCombineBatch = 16;
 // 128-column groups of one token a phase-0 warp task quantizes and scatters (its loads
-// in flight at once: 4 x 256 bytes a warp).
+// in flight at once: 4 x 256 bytes a warp), once a launch has kPhase0Groups times more
+// groups than warps; below that (decode) one group a task (fused_moe.cu, v13).
 constexpr int kPhase0Groups = 4;
 // Tile layout by token block: up to 64 tokens "swap AB" (weights in the wgmma M,
 // tokens in N: a decode tile wastes no rows), 128 tokens in M and weights in N

@@ -21,4 +21,13 @@ inline MoeShape reduced_shape() {
   return s;
 }
 
+// Odd K-block counts (H 1152 = 9 x 128, I 384 = 3 x 128): the K loops' last single stage
+// after their two-stage iterations, and router slices of 72 columns (a 64-column step and
+// a zero-filled partial one).
+inline MoeShape odd_blocks_shape() {
+  MoeShape s = reduced_shape();
+  s.hidden = 1152, s.inter = 384;
+  return s;
+}
+
 }  // namespace megamoe::testutil

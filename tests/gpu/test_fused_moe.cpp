@@ -19,6 +19,7 @@
 namespace megamoe {
 namespace {
 
+using testutil::odd_blocks_shape;
 using testutil::random_x;
 using testutil::reduced_shape;
 
@@ -142,6 +143,11 @@ TEST_F(FusedMoe, ReducedShapeLargeT) {
   for (int T : {512, 2048}) check_against_reference(reduced_shape(), T, 200 + T);
 }
 
+TEST_F(FusedMoe, OddKBlockCounts) {
+  // Decode (swap AB, two stages an iteration plus an odd last one) and prefill tiles.
+  for (int T : {3, 40, 300}) check_against_reference(odd_blocks_shape(), T, 300 + T);
+}
+
 TEST_F(FusedMoe, DeepSeekStyleGroupedBf16Router) {
   MoeShape s = reduced_shape();
   s.n_group = 8, s.topk_group = 4, s.router_dtype = RouterDtype::kBF16, s.swiglu_limit = 0;
@@ -171,34 +177,39 @@ TEST_F(FusedMoe, ZeroTokens) {
 }
 
 TEST_F(FusedMoe, DeterministicAndTileIndependent) {
-  const MoeShape s = reduced_shape();
-  HostMoeWeights w = make_random_weights(s, 21);
-  const int T = 200;
-  const auto x = random_x(size_t(T) * s.hidden, 22);
-  api::MoeLayerOptions opt;
-  opt.max_tokens = T;
-  api::CudaMoeLayer layer(w, opt);
-  const GpuRun a = run_gpu(layer, x, T);
-  const GpuRun b = run_gpu(layer, x, T);
-  EXPECT_EQ(0, std::memcmp(a.y.data(), b.y.data(), a.y.size() * 2)) << "two runs differ";
-  for (const char* bn : {"8", "16", "32", "64", "128"}) {
-    setenv("MEGAMOE_BLOCK_N", bn, 1);
-    const GpuRun c = run_gpu(layer, x, T);
-    EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
-        << "block_n " << bn << " changes the bytes";
+  for (const MoeShape& s : {reduced_shape(), odd_blocks_shape()}) {
+    HostMoeWeights w = make_random_weights(s, 21);
+    const int T = 200;
+    const auto x = random_x(size_t(T) * s.hidden, 22);
+    api::MoeLayerOptions opt;
+    opt.max_tokens = T;
+    api::CudaMoeLayer layer(w, opt);
+    const GpuRun a = run_gpu(layer, x, T);
+    const GpuRun b = run_gpu(layer, x, T);
+    EXPECT_EQ(0, std::memcmp(a.y.data(), b.y.data(), a.y.size() * 2)) << s.describe() << ": two runs differ";
+    for (const char* bn : {"8", "16", "32", "64", "128"}) {
+      setenv("MEGAMOE_BLOCK_N", bn, 1);
+      const GpuRun c = run_gpu(layer, x, T);
+      EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
+          << s.describe() << ": block_n " << bn << " changes the bytes";
+    }
+    unsetenv("MEGAMOE_BLOCK_N");
   }
-  unsetenv("MEGAMOE_BLOCK_N");
 }
 
 TEST_F(FusedMoe, RoutingBitsIndependentOfRouterTile) {
   // The router GEMM picks its tile shape from the token hint (decode, medium,
   // prefill); every shape must give the same logits, so ids and weights match
   // bit for bit, for the F32 (three BF16 terms) and the BF16 router weight.
+  // The odd shape's router slices are 72 columns: two steps each, the second zero-filled.
   MoeShape f32 = reduced_shape();
   MoeShape bf16 = reduced_shape();
   bf16.n_group = 8, bf16.topk_group = 4, bf16.router_dtype = RouterDtype::kBF16;
-  for (const auto& [s, T] :
-       {std::pair{f32, 5}, std::pair{f32, 40}, std::pair{bf16, 5}, std::pair{bf16, 40}}) {
+  MoeShape odd = odd_blocks_shape();
+  MoeShape odd_bf16 = odd;
+  odd_bf16.router_dtype = RouterDtype::kBF16;
+  for (const auto& [s, T] : {std::pair{f32, 5}, std::pair{f32, 40}, std::pair{bf16, 5}, std::pair{bf16, 40},
+                             std::pair{odd, 5}, std::pair{odd, 40}, std::pair{odd_bf16, 40}}) {
     HostMoeWeights w = make_random_weights(s, 41);
     const int Tmax = 2048;
     const auto x = random_x(size_t(T) * s.hidden, 42);
