@@ -84,12 +84,12 @@ MoeWorkspaceLayout MoeWorkspaceLayout::compute(const MoeShape& s, int max_tokens
   if (w.rows_cap == 0) w.rows_cap = 128;
   w.units_cap = w.local_experts + shared + int(rows / 8);
   w.inter_pitch = std::max(s.inter, s.shared_inter());
-  w.max_ksplit = kRouterGroups;
+  w.router_partials = kRouterGroups;
   RegionPlanner plan(1024);
   auto place = [&](Region& r, size_t bytes) { plan.place(r, bytes); };
   const size_t T = std::max(1, max_tokens), K = s.topk, H = s.hidden, E = s.experts, R = w.rows_cap;
   place(w.counters, size_t(w.counter_count()) * 4);
-  place(w.logits_partial, size_t(w.max_ksplit) * T * E * 4);
+  place(w.logits_partial, size_t(w.router_partials) * T * E * 4);
   place(w.topk_ids, T * K * 4);
   place(w.topk_weights, T * K * 4);
   place(w.topk_pos, T * K * 4);
@@ -695,12 +695,21 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
   };
   auto stage_ptr = [&](const RingPos<kStages>& r) { return smem + r.stage * kStageBytes; };
   auto stage_off = [&](const RingPos<kStages>& r) { return uint32_t(r.stage) * (kStageBytes >> 4); };
-  // Until at most one group is in flight (the profile counts the wait).
+  // Until at most one group (or none) is in flight; the profile counts the wait.
   auto mma_wait_one = [&] {
     const uint32_t t0 = pf.now();
     sm90::wgmma_wait<1>();
     pf.add(kPfMmaWait, t0);
   };
+  auto mma_wait_all = [&] {
+    const uint32_t t0 = pf.now();
+    sm90::wgmma_wait<0>();
+    pf.add(kPfMmaWait, t0);
+  };
+  // A K block's weight scales: lo = gate (GEMM1) or the block's one scale (GEMM2), hi = up
+  // (GEMM1) or lo again.
+  auto w_lo = [&](int kb) { return __ldg(lo_scale + kb); };
+  auto w_hi = [&](int kb, float lo) { return kGemm == 1 ? __ldg(hi_scale + kb) : lo; };
   // Both halves of a stage queued before either is folded (see the NOTE above the K loops).
   auto issue_stage = [&](const RingPos<kStages>& r) {
     const uint32_t t0 = pf.now();
@@ -725,9 +734,8 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
   // Both stages are waited for before the first issue: no wgmma is in flight across
   // the mbarrier's retry loop (see the NOTE above the K loops).
   for (; kb + 2 <= kblocks; kb += 2) {
-    const float lo0 = __ldg(lo_scale + kb), lo1 = __ldg(lo_scale + kb + 1);
-    const float hi0 = kGemm == 1 ? __ldg(hi_scale + kb) : lo0;
-    const float hi1 = kGemm == 1 ? __ldg(hi_scale + kb + 1) : lo1;
+    const float lo0 = w_lo(kb), lo1 = w_lo(kb + 1);
+    const float hi0 = w_hi(kb, lo0), hi1 = w_hi(kb + 1, lo1);
     RingPos<kStages> r1 = rp;
     r1.advance();
     wait_full(rp);
@@ -743,9 +751,7 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     products(stage_ptr(r1), lo1, hi1);
     mma_wait_one();
     fold(ba, pa);
-    const uint32_t t0 = pf.now();
-    sm90::wgmma_wait<0>();
-    pf.add(kPfMmaWait, t0);
+    mma_wait_all();
     release_stage(&empty_bar[rp.stage]);
     release_stage(&empty_bar[r1.stage]);
     fold(bb, pb);
@@ -755,16 +761,13 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     pf.count(kPfStages);
   }
   if (kb < kblocks) {  // an odd last stage
-    const float lo = __ldg(lo_scale + kb);
-    const float hi = kGemm == 1 ? __ldg(hi_scale + kb) : lo;
+    const float lo = w_lo(kb), hi = w_hi(kb, lo);
     wait_full(rp);
     issue_stage(rp);
     products(stage_ptr(rp), lo, hi);
     mma_wait_one();
     fold(ba, pa);
-    const uint32_t t0 = pf.now();
-    sm90::wgmma_wait<0>();
-    pf.add(kPfMmaWait, t0);
+    mma_wait_all();
     release_stage(&empty_bar[rp.stage]);
     fold(bb, pb);
     rp.advance();

@@ -73,8 +73,10 @@ __device__ __forceinline__ void router_b_frags(const uint16_t* w, uint32_t (&b)[
 template <typename WT, int BT, int BE, int WK, int WM, int WN, int kStages>
 __global__ void __launch_bounds__(WK* WM* WN * 32) route_logits_kernel(RouteArgs a, int H, int E) {
   constexpr int kThreads = WK * WM * WN * 32;
-  constexpr int kRounds = kSlicesPerGroup / WK;  // slices a warp slice takes one after the other
-  static_assert(kRounds * WK == kSlicesPerGroup, "warp slices divide the group");
+  // A group's slices side by side (one a warp slice) or one after the other (a running sum).
+  static_assert(WK == 1 || WK == kSlicesPerGroup, "one warp slice, or one a slice");
+  constexpr bool kSeq = WK == 1;
+  constexpr int kRounds = kSeq ? kSlicesPerGroup : 1;  // slices a warp slice takes in turn
   constexpr int MI = BT / WM / 16, NI = BE / WN / 8;
   constexpr int kTerms = RouterTerms<WT>::kTerms;
   constexpr int XP = kRouteStepK + kRoutePad;  // x row pitch (bf16)
@@ -130,7 +132,7 @@ __global__ void __launch_bounds__(WK* WM* WN * 32) route_logits_kernel(RouteArgs
     int off0;  // element offset of row r0's chunk (column 0 of the block's group)
     int left;  // tokens (experts) valid from row r0 on, in steps of RS: j valid while j * RS < left
   };
-  auto rows = [&](int r0, int N, int RS, int first, int count, int c) {
+  auto rows = [&](int r0, int N, int first, int count, int c) {
     const int idx = first + r0 % N;
     return Rows{idx * H + h_begin + (r0 / N) * hs + c, count - idx};
   };
@@ -138,7 +140,7 @@ __global__ void __launch_bounds__(WK* WM* WN * 32) route_logits_kernel(RouteArgs
   static_assert(
       (kXRS % BT == 0 || (BT % kXRS == 0 && WK == 1)) && (kWRS % BE == 0 || (BE % kWRS == 0 && WK == 1)),
       "a thread's rows: one token of several slices, or several tokens of one slice");
-  const Rows xrow = rows(xr, BT, kXRS, t0, T, xc), wrow = rows(wr, BE, kWRS, e0, E, wc);
+  const Rows xrow = rows(xr, BT, t0, T, xc), wrow = rows(wr, BE, e0, E, wc);
   auto chunk = [&](const Rows& r, int j, int N, int RS, int& off) {
     if (RS % N == 0) {  // the same token, slice (r0 / N) + j * RS / N
       off = r.off0 + j * (RS / N) * hs;
@@ -187,8 +189,8 @@ __global__ void __launch_bounds__(WK* WM* WN * 32) route_logits_kernel(RouteArgs
   };
   float acc[2][MI][NI][4];
   each_frag([&](int mi, int ni, int q) { acc[0][mi][ni][q] = acc[1][mi][ni][q] = 0.0f; });
-  // The slices this warp finished, summed in order (kRounds > 1 only).
-  float zsum[kRounds > 1 ? MI : 1][kRounds > 1 ? NI : 1][4] = {};
+  // The slices this warp finished, summed in order (kSeq only).
+  float zsum[kSeq ? MI : 1][kSeq ? NI : 1][4] = {};
   int done_steps = 0;  // of the slice in progress
 
 #pragma unroll 1
@@ -229,10 +231,10 @@ __global__ void __launch_bounds__(WK* WM* WN * 32) route_logits_kernel(RouteArgs
             sm90::mma_bf16_16816(acc[kk % 2][mi][ni], af[mi], bf[term][0], bf[term][1]);
       }
     }
-    if (kRounds > 1 && ++done_steps == slice_steps) {  // a slice done: into the running sum
+    if (kSeq && ++done_steps == slice_steps) {  // a slice done: into the running sum
       done_steps = 0;
       each_frag([&](int mi, int ni, int q) {
-        zsum[kRounds > 1 ? mi : 0][kRounds > 1 ? ni : 0][q] += acc[0][mi][ni][q] + acc[1][mi][ni][q];
+        zsum[kSeq ? mi : 0][kSeq ? ni : 0][q] += acc[0][mi][ni][q] + acc[1][mi][ni][q];
         acc[0][mi][ni][q] = acc[1][mi][ni][q] = 0.0f;
       });
     }
@@ -242,10 +244,10 @@ __global__ void __launch_bounds__(WK* WM* WN * 32) route_logits_kernel(RouteArgs
   // Token and expert (within the block tile) of this thread's fragment element q.
   auto frag_t = [&](int mi, int q) { return wm * (BT / WM) + mi * 16 + g + (q / 2) * 8; };
   auto frag_e = [&](int ni, int q) { return wn * (BE / WN) + ni * 8 + 2 * tq + (q % 2); };
-  // One slice a warp slice (WK = kSlicesPerGroup): the block sums them in slice order
-  // through shared memory (the ring is free now).
+  // One slice a warp slice: the block sums them in slice order through shared memory
+  // (the ring is free now).
   float* red = reinterpret_cast<float*>(route_smem);  // [WK][BT][BE]
-  if constexpr (WK > 1) {
+  if constexpr (!kSeq) {
     __syncthreads();
     each_frag([&](int mi, int ni, int q) {
       red[(wk * BT + frag_t(mi, q)) * BE + frag_e(ni, q)] = acc[0][mi][ni][q] + acc[1][mi][ni][q];
@@ -253,7 +255,7 @@ __global__ void __launch_bounds__(WK* WM* WN * 32) route_logits_kernel(RouteArgs
     __syncthreads();
   }
   float* out = a.partial + size_t(blockIdx.z) * a.max_tokens * E;
-  if constexpr (WK > 1) {
+  if constexpr (!kSeq) {
     for (int i = tid; i < BT * BE; i += kThreads) {
       const int t = t0 + i / BE, e = e0 + i % BE;
       float z = 0.0f;
@@ -264,9 +266,7 @@ __global__ void __launch_bounds__(WK* WM* WN * 32) route_logits_kernel(RouteArgs
   } else {
     each_frag([&](int mi, int ni, int q) {
       const int t = t0 + frag_t(mi, q), e = e0 + frag_e(ni, q);
-      const float z = kRounds > 1 ? zsum[kRounds > 1 ? mi : 0][kRounds > 1 ? ni : 0][q]
-                                  : 0.0f + (acc[0][mi][ni][q] + acc[1][mi][ni][q]);
-      if (t < T && e < E) out[size_t(t) * E + e] = z;
+      if (t < T && e < E) out[size_t(t) * E + e] = zsum[kSeq ? mi : 0][kSeq ? ni : 0][q];
     });
   }
 }
@@ -277,7 +277,7 @@ struct RouteTile {
     const size_t ring =
         size_t(kStages) * WK *
         (size_t(BT) * (kRouteStepK + kRoutePad) * 2 + size_t(BE) * (kRouteStepK + kRoutePad) * sizeof(WT));
-    const size_t red = WK > 1 ? size_t(WK) * BT * BE * 4 : 0;
+    const size_t red = WK > 1 ? size_t(WK) * BT * BE * 4 : 0;  // the block's slice sum
     return ring > red ? ring : red;
   }
   static void prepare() {

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -98,12 +99,26 @@ GpuRun run_gpu(api::CudaMoeLayer& layer, const std::vector<num::bf16_t>& x, int 
   return r;
 }
 
-void check_against_reference(const MoeShape& s, int T, uint64_t seed, double l2_tol = 5e-3) {
-  HostMoeWeights w = make_random_weights(s, seed);
-  const auto x = random_x(size_t(T) * s.hidden, seed + 1);
+// Random weights (seed) and T tokens (seed + 1) of shape s, and the CUDA layer built
+// from those weights for up to max_tokens (it uploads them).
+struct TestCase {
+  HostMoeWeights w;
+  std::vector<num::bf16_t> x;
+  std::unique_ptr<api::CudaMoeLayer> layer;
+};
+TestCase make_case(const MoeShape& s, uint64_t seed, int T, int max_tokens) {
+  TestCase c{make_random_weights(s, seed), random_x(size_t(T) * s.hidden, seed + 1), nullptr};
   api::MoeLayerOptions opt;
-  opt.max_tokens = std::max(T, 1);
-  api::CudaMoeLayer layer(w, opt);
+  opt.max_tokens = max_tokens;
+  c.layer = std::make_unique<api::CudaMoeLayer>(c.w, opt);
+  return c;
+}
+
+void check_against_reference(const MoeShape& s, int T, uint64_t seed, double l2_tol = 5e-3) {
+  const TestCase tc = make_case(s, seed, T, std::max(T, 1));
+  const HostMoeWeights& w = tc.w;
+  const auto& x = tc.x;
+  api::CudaMoeLayer& layer = *tc.layer;
   const GpuRun g = run_gpu(layer, x, T);
 
   std::vector<int32_t> ids(size_t(T) * s.topk);
@@ -178,12 +193,10 @@ TEST_F(FusedMoe, ZeroTokens) {
 
 TEST_F(FusedMoe, DeterministicAndTileIndependent) {
   for (const MoeShape& s : {reduced_shape(), odd_blocks_shape()}) {
-    HostMoeWeights w = make_random_weights(s, 21);
     const int T = 200;
-    const auto x = random_x(size_t(T) * s.hidden, 22);
-    api::MoeLayerOptions opt;
-    opt.max_tokens = T;
-    api::CudaMoeLayer layer(w, opt);
+    const TestCase tc = make_case(s, 21, T, T);
+    const auto& x = tc.x;
+    api::CudaMoeLayer& layer = *tc.layer;
     const GpuRun a = run_gpu(layer, x, T);
     const GpuRun b = run_gpu(layer, x, T);
     EXPECT_EQ(0, std::memcmp(a.y.data(), b.y.data(), a.y.size() * 2)) << s.describe() << ": two runs differ";
@@ -210,12 +223,11 @@ TEST_F(FusedMoe, RoutingBitsIndependentOfRouterTile) {
   odd_bf16.router_dtype = RouterDtype::kBF16;
   for (const auto& [s, T] : {std::pair{f32, 5}, std::pair{f32, 40}, std::pair{bf16, 5}, std::pair{bf16, 40},
                              std::pair{odd, 5}, std::pair{odd, 40}, std::pair{odd_bf16, 40}}) {
-    HostMoeWeights w = make_random_weights(s, 41);
     const int Tmax = 2048;
-    const auto x = random_x(size_t(T) * s.hidden, 42);
-    api::MoeLayerOptions opt;
-    opt.max_tokens = Tmax;
-    api::CudaMoeLayer layer(w, opt);
+    const TestCase tc = make_case(s, 41, T, Tmax);
+    const HostMoeWeights& w = tc.w;
+    const auto& x = tc.x;
+    api::CudaMoeLayer& layer = *tc.layer;
     num::bf16_t* dx = nullptr;
     int* dT = nullptr;
     CK(cudaMalloc(&dx, x.size() * 2));

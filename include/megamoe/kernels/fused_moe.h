@@ -45,17 +45,17 @@ struct MoeWorkspaceLayout {
   static constexpr int kCounterDone2 = 1;
   static constexpr int kCounterExperts = 3;
 
-  int max_tokens = 0;     // per rank under expert parallelism
-  int ep_ranks = 0;       // 0: all experts here; R >= 1: this rank owns E/R experts
-  int experts_total = 0;  // routed (all E: routing counts every expert) + (1 if shared)
-  int local_experts = 0;  // experts this rank computes (E, or E/R)
-  int rows_cap = 0;       // sorted rows: max_tokens * slots, rounded up to 128
-  int units_cap = 0;      // (expert, token block) units at the smallest block
-  int inter_pitch = 0;    // max(I, Is): row pitch of the intermediate
-  int max_ksplit = 0;     // partial router logits a token (kRouterGroups)
+  int max_tokens = 0;       // per rank under expert parallelism
+  int ep_ranks = 0;         // 0: all experts here; R >= 1: this rank owns E/R experts
+  int experts_total = 0;    // routed (all E: routing counts every expert) + (1 if shared)
+  int local_experts = 0;    // experts this rank computes (E, or E/R)
+  int rows_cap = 0;         // sorted rows: max_tokens * slots, rounded up to 128
+  int units_cap = 0;        // (expert, token block) units at the smallest block
+  int inter_pitch = 0;      // max(I, Is): row pitch of the intermediate
+  int router_partials = 0;  // partial router logits a token (kRouterGroups)
 
   Region counters;        // int32 [counter_count()]
-  Region logits_partial;  // f32 [max_ksplit][max_tokens][E]
+  Region logits_partial;  // f32 [router_partials][max_tokens][E]
   Region topk_ids;        // i32 [max_tokens][K]
   Region topk_weights;    // f32 [max_tokens][K]
   Region topk_pos;        // i32 [max_tokens][K]   position inside the expert's row segment
