@@ -292,16 +292,24 @@ enum ProfSlot {
   kPfEpi2,       // GEMM2 epilogues (the BF16 stores)
   kPfSlotWait,   // tile_written: waiting for a free slot of the signal thread
   kPfDone2,      // combine: waiting for every GEMM2 tile
+  kPfSched,      // phase 0: kernel start .. schedule tables built (barrier init, table scan)
+  kPfTasks,      // phase 0: .. this CTA's quantize / scatter tasks done (the rest: grid barrier)
+  kPfStartNs,    // global timer (ns, low 32 bits) at the CTA's start: the launch's spread
+  kPfArriveNs,   // .. when it arrives at phase 0's grid barrier
+  kPfPassNs,     // .. when it leaves it
   kPfProdTotal,  // producer thread: after the grid barrier .. sentinel
   kPfProdEmpty,  // waiting for empty stages
   kPfProdDep,    // waiting for a GEMM2 tile's GEMM1 units
-  kPfSlots = 20
+  kPfSlots = 24
 };
 constexpr int kProfCtas = 1024;
 __device__ uint32_t g_profile[kProfCtas][kPfSlots];
 struct Prof {
   uint32_t v[kPfSlots] = {};
   __device__ __forceinline__ uint32_t now() const { return kProfile ? uint32_t(clock()) : 0u; }
+  __device__ __forceinline__ void stamp(int slot) {
+    if (kProfile) v[slot] = uint32_t(sm90::globaltimer_ns());
+  }
   __device__ __forceinline__ void add(int slot, uint32_t since) {
     if (kProfile) v[slot] += uint32_t(clock()) - since;
   }
@@ -913,6 +921,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   Prof pf;
   const uint32_t t_start = pf.now();
+  pf.stamp(kPfStartNs);
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
   const int T = *a.num_tokens;
@@ -951,6 +960,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;  // a peer did not arrive (status set); nothing is in flight yet
   }
   if (a.debug_stop == 1) return;
+  pf.add(kPfSched, t_start);
 
   // ---- Tile schedule (identical in every role) ----
   const int n1 = a.I / 64, n2 = a.H / 128;
@@ -1079,6 +1089,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     ep_pull(a, et);  // step 3: the rows of the local experts into the ring
   }
   // Grid barrier: every sorted row is written before any TMA reads one.
+  pf.add(kPfTasks, t_start);
+  pf.v[kPfTasks] -= pf.v[kPfSched];
+  pf.stamp(kPfArriveNs);
   sm90::fence_proxy_async_global();
   __threadfence();
   __syncthreads();
@@ -1100,6 +1113,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if (a.debug_stop == 2) return;  // (no early weight loads in this mode: see above)
   pf.add(kPfPhase0, t_start);
+  pf.stamp(kPfPassNs);
 
   if (warp < 4) {
     // ======================= producer warpgroup =======================
@@ -1526,13 +1540,11 @@ CUtensorMap make_map(const char* what, CUtensorMapDataType dtype, int rank, cons
   return m;
 }
 
-constexpr int kBlockNs[] = {8, 16, 32, 64, 128};
-
 int block_n_index(int bn) {
-  for (int i = 0; i < 5; ++i)
+  for (int i = 0; i < kNumBlockNs; ++i)
     if (kBlockNs[i] == bn) return i;
   throw std::invalid_argument("fused_moe: unsupported block_n " + std::to_string(bn) +
-                              " (8, 16, 32, 64, 128)");
+                              " (8, 16, 32, 48, 64, 128)");
 }
 
 __global__ void set_int_kernel(int* p, int v) { *p = v; }
@@ -1562,7 +1574,7 @@ struct FusedMoePlan {
   MoeWeightsView w;
   void* workspace = nullptr;
   int num_sms = 0;
-  TensorMaps maps[5];
+  TensorMaps maps[kNumBlockNs];
   KernelArgs args{};
 };
 
@@ -1626,7 +1638,7 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
     wm.sw13 = wm.w13;
     wm.sw2 = wm.w2;
   }
-  for (int i = 0; i < 5; ++i) {
+  for (int i = 0; i < kNumBlockNs; ++i) {
     const uint32_t bn = kBlockNs[i];
     TensorMaps m = wm;
     m.x = make_map("x_sorted", CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base + ws.x_sorted.offset, {H, R}, {H},
@@ -1648,6 +1660,7 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   set_smem_attr<8>();
   set_smem_attr<16>();
   set_smem_attr<32>();
+  set_smem_attr<48>();
   set_smem_attr<64>();
   set_smem_attr<128>();
 
@@ -1720,6 +1733,27 @@ void fused_moe_print_profile(int tokens) {
       pct(kPfCombine, kPfTotal), pct(kPfDone2, kPfTotal), sum[kPfStages] / n, sum[kPfTiles] / n,
       pct(kPfIssue, kPfTotal), pct(kPfProdEmpty, kPfProdTotal), pct(kPfProdDep, kPfProdTotal),
       sum[kPfProdTotal] / n * 1e-3);
+  // Phase 0 by part, and the launch on the global timer (ns, relative to the first CTA's start).
+  uint32_t first = 0;
+  bool have = false;
+  for (int c = 0; c < kProfCtas; ++c)
+    if (h[c][kPfTotal] != 0 && (!have || int32_t(h[c][kPfStartNs] - first) < 0))
+      first = h[c][kPfStartNs], have = true;
+  double start_max = 0, arrive_min = 1e30, arrive_max = 0, pass_max = 0;
+  for (int c = 0; c < kProfCtas; ++c) {
+    if (h[c][kPfTotal] == 0) continue;
+    start_max = std::max(start_max, double(int32_t(h[c][kPfStartNs] - first)));
+    arrive_min = std::min(arrive_min, double(int32_t(h[c][kPfArriveNs] - first)));
+    arrive_max = std::max(arrive_max, double(int32_t(h[c][kPfArriveNs] - first)));
+    pass_max = std::max(pass_max, double(int32_t(h[c][kPfPassNs] - first)));
+  }
+  std::fprintf(stderr,
+               "megamoe profile T=%d phase 0: tables %.1f%%, tasks %.1f%%, grid barrier %.1f%% of the total; "
+               "global timer from the first CTA's start: last start %.2f us, arrivals %.2f..%.2f us, last "
+               "leaves %.2f us\n",
+               tokens, pct(kPfSched, kPfTotal), pct(kPfTasks, kPfTotal),
+               100.0 * (sum[kPfPhase0] - sum[kPfSched] - sum[kPfTasks]) / sum[kPfTotal], start_max * 1e-3,
+               arrive_min * 1e-3, arrive_max * 1e-3, pass_max * 1e-3);
 #else
   (void)tokens;
 #endif
@@ -1800,6 +1834,7 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
     case 8: launch_fused<8>(a, maps, p->num_sms, stream); break;
     case 16: launch_fused<16>(a, maps, p->num_sms, stream); break;
     case 32: launch_fused<32>(a, maps, p->num_sms, stream); break;
+    case 48: launch_fused<48>(a, maps, p->num_sms, stream); break;
     case 64: launch_fused<64>(a, maps, p->num_sms, stream); break;
     default: launch_fused<128>(a, maps, p->num_sms, stream); break;
   }

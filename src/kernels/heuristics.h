@@ -45,6 +45,12 @@ constexpr int kPhase0Groups = 4;
 // byte-balanced (TileSchedule); an atomic-counter schedule was measured ~5 %
 // slower at T >= 64 (bench/results/NOTES.md, v4) and is gone.
 constexpr bool swap_ab(int block_n) { return block_n < 128; }
+// The token blocks the kernel is built for (one instantiation each). 48 sits between
+// 32 and 64 for ~32 rows an expert (GLM-5 and DeepSeek-V3 at 1024 tokens): the decode
+// loop is bound by its own instructions there (v13), which scale with block_n, and
+// 32 splits half of the experts into two blocks (v13: +14 %).
+constexpr int kBlockNs[] = {8, 16, 32, 48, 64, 128};
+constexpr int kNumBlockNs = 6;
 
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
 // tiles (decode: 64+ blocks stream the router weight at once), up to
@@ -92,9 +98,10 @@ constexpr int smem_bytes(int block_n) {
   return fixed_smem_bytes(block_n) + stages_for(block_n) * stage_bytes(block_n);
 }
 
-// Token block (wgmma N): the smallest of 8..128 that holds twice the average
-// rows per routed expert, so decode tiles waste few columns, most experts take
-// one block, and prefill tiles reuse each weight tile over up to 128 tokens.
+// Token block (wgmma N): the smallest of kBlockNs that holds the average rows per
+// routed expert plus its spread (choose_config), so decode tiles waste few columns,
+// nearly every expert takes one block, and prefill tiles reuse each weight tile over
+// up to 128 tokens.
 FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms);
 
 std::string describe(const FusedMoeConfig& c);

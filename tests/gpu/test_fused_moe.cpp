@@ -200,7 +200,7 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
     const GpuRun a = run_gpu(layer, x, T);
     const GpuRun b = run_gpu(layer, x, T);
     EXPECT_EQ(0, std::memcmp(a.y.data(), b.y.data(), a.y.size() * 2)) << s.describe() << ": two runs differ";
-    for (const char* bn : {"8", "16", "32", "64", "128"}) {
+    for (const char* bn : {"8", "16", "32", "48", "64", "128"}) {
       setenv("MEGAMOE_BLOCK_N", bn, 1);
       const GpuRun c = run_gpu(layer, x, T);
       EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))

@@ -77,7 +77,7 @@ struct MoeWorkspaceLayout {
 
 // Tile configuration of the fused kernel (chosen in heuristics, one place).
 struct FusedMoeConfig {
-  int block_n = 8;  // tokens per tile (wgmma N): 8, 16, 32, 64 or 128
+  int block_n = 8;  // tokens per tile (wgmma N): 8, 16, 32, 48, 64 or 128
   int stages = 8;   // shared-memory ring depth
   int num_sms = 0;  // persistent grid
   int router_ksplit = 1;
