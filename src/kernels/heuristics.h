@@ -30,6 +30,9 @@ constexpr int kRowAlign = 8;
 // Finished tiles that may wait for the signal thread's release (fused_moe.cu) before
 // a consumer warp blocks on it.
 constexpr int kTileSlots = 4;
+// Stages of a CTA's first tile whose weights are loaded before phase 0 (they stream
+// while the tokens are quantized).
+constexpr int kEarlyStages = 12;
 // Slots whose rows a combine lane loads at once (16 x 16 bytes in registers): every
 // slot of the presets (top-8 + shared) in one batch. (v13: two units a warp at once,
 // twice the loads in flight, did not move the combine's time.)
