@@ -143,6 +143,7 @@ struct KernelArgs {
   int round_robin;     // MEGAMOE_SCHEDULE=rr: plain round-robin instead of TileSchedule's balance
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
   int early_stages;    // stages of the first tile's weights issued before phase 0 (kEarlyStages)
+  int tail_pool;       // GEMM2 tiles a CTA left to claims at the end (kTailPool)
   const int* num_tokens;
   const uint16_t* x;
   uint16_t* y;
@@ -1003,13 +1004,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
 
+  // A CTA's next tile: its own list's, then claims of the pool (TileSchedule).
+  auto next_tile = [&](TileSchedule& sch) {
+    const int t = sch.next();
+    return t == sch.pool_begin() && t < tiles
+               ? t + atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterPool], 1)
+               : t;
+  };
+
   // The first tile's weights go out before phase 0: they stream while the tokens
   // are quantized and the grid meets at the barrier (the ring is empty, no waits).
   TileSchedule sched;
   int first_tile = tiles, first_issued = 0;
   if (tid == 0) {
-    sched.init(blockIdx.x, gridDim.x, t1, t2, a.H / 128, a.I / 128, !a.round_robin);
-    first_tile = sched.next();
+    sched.init(blockIdx.x, gridDim.x, t1, t2, a.H / 128, a.I / 128, !a.round_robin,
+               a.round_robin ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
+    first_tile = next_tile(sched);
     // NOTE: MEGAMOE_DEBUG_STOP=2 exits after phase 0, so it must leave no copy in flight.
     if (first_tile < tiles && a.debug_stop != 2 && !a.no_early_loads && a.early_stages > 0) {
       const Tile tl = decode_tile<BN>(a, sc, first_tile, t1_routed, t1);
@@ -1138,6 +1148,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           break;
         }
         const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
+        // The tile after this one, chosen now: a pool claim's round trip overlaps this
+        // tile's loads (it is used at the end of the loop).
+        const int next = next_tile(sched);
         // GEMM2 needs every GEMM1 tile of its (expert, token block).
         const int need = (tl.e == a.E ? a.Is : a.I) / 64;
         uint32_t t0 = pf.now();
@@ -1181,7 +1194,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           rp.advance();
         }
         kb0 = 0;
-        tile = sched.next();
+        tile = next;
       }
     } else if (tid == 32) {
       // ---- Signal thread: publishes each finished tile to the other CTAs. ----
@@ -1678,6 +1691,8 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   if (const char* env = std::getenv("MEGAMOE_EARLY_WEIGHTS")) a.no_early_loads = std::string(env) == "0";
   a.early_stages = kEarlyStages;
   if (const char* env = std::getenv("MEGAMOE_EARLY_STAGES")) a.early_stages = std::atoi(env);
+  a.tail_pool = kTailPool;
+  if (const char* env = std::getenv("MEGAMOE_TAIL_POOL")) a.tail_pool = std::atoi(env);
   a.counters = reinterpret_cast<int*>(base + ws.counters.offset);
   a.topk_ids = reinterpret_cast<const int*>(base + ws.topk_ids.offset);
   a.topk_weights = reinterpret_cast<const float*>(base + ws.topk_weights.offset);

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <random>
 #include <vector>
 
 #include "megamoe/kernels/tile_schedule.h"
@@ -59,6 +60,43 @@ TEST(TileSchedule, EveryTileOnceInOrder) {
     check_schedule(k);
     k.balanced = false;
     check_schedule(k);
+  }
+}
+
+TEST(TileSchedule, PoolTilesClaimedAfterEachList) {
+  // The kernel's claims: a CTA whose own list is done takes pool_begin() + k for the
+  // k-th claim of the grid, in any interleaving of the CTAs (here a random one). Every
+  // tile once, each CTA's tiles in increasing order, the pool only GEMM2 tiles.
+  const Case cases[] = {{132, 288, 432, 48, 16}, {132, 1920, 2880, 48, 16}, {132, 40, 40, 8, 4},
+                        {132, 0, 0, 48, 16},     {1, 7, 5, 3, 2},           {132, 135, 3, 56, 16}};
+  for (const Case& k : cases) {
+    for (const int per_cta : {1, 2, 4, 100}) {
+      const int pool = std::min(k.t2, per_cta * k.G);
+      std::vector<kernels::TileSchedule> s(k.G);
+      std::vector<int> prev(k.G, -1), seen(size_t(k.t1) + k.t2, 0);
+      std::vector<bool> done(k.G, false);
+      for (int c = 0; c < k.G; ++c) s[c].init(c, k.G, k.t1, k.t2, k.cost1, k.cost2, true, pool);
+      EXPECT_EQ(s[0].pool_begin(), k.t1 + k.t2 - pool);
+      std::mt19937 rng(7);
+      int claims = 0, active = k.G;
+      while (active > 0) {
+        const int c = int(rng() % unsigned(k.G));
+        if (done[c]) continue;
+        int t = s[c].next();
+        if (t == s[c].pool_begin() && t < k.t1 + k.t2) t += claims++;
+        if (t >= k.t1 + k.t2) {
+          done[c] = true, --active;
+          continue;
+        }
+        EXPECT_GT(t, prev[c]) << "CTA " << c << " takes tiles out of order";
+        if (t >= s[c].pool_begin()) {
+          EXPECT_GE(t, k.t1) << "a GEMM1 tile in the pool";
+        }
+        prev[c] = t;
+        ++seen[t];
+      }
+      for (size_t t = 0; t < seen.size(); ++t) EXPECT_EQ(seen[t], 1) << "tile " << t << " pool " << pool;
+    }
   }
 }
 

@@ -38,11 +38,12 @@ namespace megamoe::kernels {
 // Workspace of one layer object, sized once from (shape, max_tokens). All
 // regions live in one device allocation; `counters` is zeroed per forward.
 struct MoeWorkspaceLayout {
-  // counters (int32): [0] grid barrier, [1] GEMM2 tiles done, [2] unused,
+  // counters (int32): [0] grid barrier, [1] GEMM2 tiles done, [2] pool tiles claimed,
   // [3, 3 + E_total) rows per expert (E_total = E + shared), then one GEMM1-done
   // counter per (expert, token block) unit.
   static constexpr int kCounterBarrier = 0;
   static constexpr int kCounterDone2 = 1;
+  static constexpr int kCounterPool = 2;
   static constexpr int kCounterExperts = 3;
 
   int max_tokens = 0;       // per rank under expert parallelism

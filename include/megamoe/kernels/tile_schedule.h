@@ -9,9 +9,15 @@
 // weight bytes: at T = 1 on GLM-5 (288 GEMM1 tiles of 48 stages, 432 GEMM2
 // tiles of 16, 132 CTAs) at most 2.62 MB a CTA against a 2.57 MB mean, where
 // plain round-robin put 3.15 MB on 24 of them.
+// The last `pool` GEMM2 tiles are no CTA's: a CTA whose list is done claims them
+// one at a time from a counter in the order of their ids (pool_begin() + k for
+// the k-th claim), so the CTAs that streamed faster take more of the tail and the
+// grid finishes together (v14: a static tail left CTAs idle 2-7 % of a decode
+// layer waiting for the slowest).
 // NOTE: deadlock-free: each CTA takes its tiles in increasing order and every
-// GEMM1 tile precedes every GEMM2 tile, so a GEMM2 tile only waits for GEMM1
-// tiles that running CTAs take before any GEMM2 tile, and GEMM1 tiles never wait.
+// GEMM1 tile precedes every GEMM2 tile (the pool holds GEMM2 tiles only, claimed
+// after a CTA's own list), so a GEMM2 tile only waits for GEMM1 tiles that
+// running CTAs take before any GEMM2 tile, and GEMM1 tiles never wait.
 #pragma once
 
 #include "megamoe/numerics/fp8.h"  // MEGAMOE_HD
@@ -22,10 +28,11 @@ struct TileSchedule {
   int c, G, t1, t2, r1, light, extra, p1, j2, phase, m;
 
   // cost1, cost2: weight stages of a GEMM1 and of a (routed) GEMM2 tile;
-  // balanced = false: plain round-robin over all tiles (for comparison).
-  MEGAMOE_HD void init(int cta, int grid, int tiles1, int tiles2, int cost1, int cost2,
-                       bool balanced = true) {
-    c = cta, G = grid, t1 = tiles1, t2 = tiles2;
+  // balanced = false: plain round-robin over all tiles (for comparison);
+  // pool: GEMM2 tiles at the end left to claims (at most tiles2).
+  MEGAMOE_HD void init(int cta, int grid, int tiles1, int tiles2, int cost1, int cost2, bool balanced = true,
+                       int pool = 0) {
+    c = cta, G = grid, t1 = tiles1, t2 = tiles2 - pool;
     r1 = t1 % G;
     light = r1 ? G - r1 : 0;
     extra = r1 && balanced ? (cost1 + cost2 / 2) / cost2 : 0;
@@ -36,7 +43,10 @@ struct TileSchedule {
     phase = 0, m = 0;
   }
 
-  // The next tile id of this CTA; t1 + t2 once there is none.
+  // The first tile of the pool (= the end of the tiles when the pool is empty).
+  MEGAMOE_HD int pool_begin() const { return t1 + t2; }
+
+  // The next tile id of this CTA's own list; pool_begin() once there is none.
   MEGAMOE_HD int next() {
     if (phase == 0) {
       const int t = c + m * G;
