@@ -142,7 +142,6 @@ struct KernelArgs {
                        //   bit 2 = no TMA loads (stages complete at once: the consumers' own speed)
   int round_robin;     // MEGAMOE_SCHEDULE=rr: plain round-robin instead of TileSchedule's balance
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
-  int early_stages;    // stages of the first tile's weights issued before phase 0 (kEarlyStages)
   int tail_pool;       // GEMM2 tiles a CTA left to claims at the end (kTailPool)
   const int* num_tokens;
   const uint16_t* x;
@@ -1021,10 +1020,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                a.round_robin ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
     first_tile = next_tile(sched);
     // NOTE: MEGAMOE_DEBUG_STOP=2 exits after phase 0, so it must leave no copy in flight.
-    if (first_tile < tiles && a.debug_stop != 2 && !a.no_early_loads && a.early_stages > 0) {
+    if (first_tile < tiles && a.debug_stop != 2 && !a.no_early_loads && kEarlyStages > 0) {
       const Tile tl = decode_tile<BN>(a, sc, first_tile, t1_routed, t1);
       // (expert parallelism: the last stage holds the phase-0 tables until the barrier)
-      first_issued = min(min(a.early_stages, kStages - (kEp ? 1 : 0)), tl.kblocks);
+      first_issued = min(min(kEarlyStages, kStages - (kEp ? 1 : 0)), tl.kblocks);
       stage_tile[0] = first_tile;  // published by the full barrier's completion
       for (int kb = 0; kb < first_issued; ++kb) {
         sm90::mbar_arrive_expect_tx(&full_bar[kb], stage_tx(tl));
@@ -1689,8 +1688,6 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   if (const char* env = std::getenv("MEGAMOE_DEBUG_SKIP")) a.debug_skip = std::atoi(env);
   if (const char* env = std::getenv("MEGAMOE_SCHEDULE")) a.round_robin = std::string(env) == "rr";
   if (const char* env = std::getenv("MEGAMOE_EARLY_WEIGHTS")) a.no_early_loads = std::string(env) == "0";
-  a.early_stages = kEarlyStages;
-  if (const char* env = std::getenv("MEGAMOE_EARLY_STAGES")) a.early_stages = std::atoi(env);
   a.tail_pool = kTailPool;
   if (const char* env = std::getenv("MEGAMOE_TAIL_POOL")) a.tail_pool = std::atoi(env);
   a.counters = reinterpret_cast<int*>(base + ws.counters.offset);
