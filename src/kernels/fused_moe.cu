@@ -31,12 +31,13 @@
 // count.
 //
 // Schedule: GEMM1 tiles, then GEMM2 tiles, in a static byte-balanced order
-// (TileSchedule); the producer carries each tile's id to the consumers in the
-// first stage it fills. Weights and tokens of a stage are issued separately:
-// the first tile's weights stream during phase 0, and a GEMM2 tile's weights
-// while its token loads wait for the completion counter of its (expert, token
-// block). Expert row segments start on multiples of 8 rows (kRowAlign: TMA
-// boxes start 16-byte aligned).
+// (TileSchedule) but for a pool of the last GEMM2 tiles, which CTAs claim from a
+// counter once their own list is done; the producer carries each tile's id to the
+// consumers in the first stage it fills. Weights and tokens of a stage are issued
+// separately (kEarlyStages of the first tile's weights may stream during phase 0),
+// and a GEMM2 tile's weights while its token loads wait for the completion counter
+// of its (expert, token block). Expert row segments start on multiples of 8 rows
+// (kRowAlign: TMA boxes start 16-byte aligned).
 #include <cuda.h>
 #include <cuda_fp8.h>
 

@@ -55,8 +55,9 @@ constexpr int kPhase0Groups = 4;
 // tokens in N: a decode tile wastes no rows), 128 tokens in M and weights in N
 // (prefill: the fold needs four scale products per thread, not one per token).
 // Both give the same bytes (fused_moe.cu). The tile schedule is static and
-// byte-balanced (TileSchedule); an atomic-counter schedule was measured ~5 %
-// slower at T >= 64 (bench/results/NOTES.md, v4) and is gone.
+// byte-balanced (TileSchedule) up to its last kTailPool tiles a CTA, claimed from a
+// counter (v14); an atomic counter for every tile was measured ~5 % slower at
+// T >= 64 (bench/results/NOTES.md, v4) and is gone.
 constexpr bool swap_ab(int block_n) { return block_n < 128; }
 // The token blocks the kernel is built for (one instantiation each). 48 sits between
 // 32 and 64 for ~32 rows an expert (GLM-5 and DeepSeek-V3 at 1024 tokens): the decode
