@@ -1012,8 +1012,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                : t;
   };
 
-  // The first tile's weights go out before phase 0: they stream while the tokens
-  // are quantized and the grid meets at the barrier (the ring is empty, no waits).
+  // kEarlyStages of the first tile's weights may go out before phase 0, to stream while
+  // the tokens are quantized and the grid meets at the barrier (the ring is empty, no
+  // waits); none since v14 (heuristics.h).
   TileSchedule sched;
   int first_tile = tiles, first_issued = 0;
   if (tid == 0) {
@@ -1690,7 +1691,7 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   if (const char* env = std::getenv("MEGAMOE_SCHEDULE")) a.round_robin = std::string(env) == "rr";
   if (const char* env = std::getenv("MEGAMOE_EARLY_WEIGHTS")) a.no_early_loads = std::string(env) == "0";
   a.tail_pool = kTailPool;
-  if (const char* env = std::getenv("MEGAMOE_TAIL_POOL")) a.tail_pool = std::atoi(env);
+  if (const char* env = std::getenv("MEGAMOE_TAIL_POOL")) a.tail_pool = std::max(0, std::atoi(env));
   a.counters = reinterpret_cast<int*>(base + ws.counters.offset);
   a.topk_ids = reinterpret_cast<const int*>(base + ws.topk_ids.offset);
   a.topk_weights = reinterpret_cast<const float*>(base + ws.topk_weights.offset);
