@@ -34,9 +34,8 @@
 // (TileSchedule) but for a pool of the last GEMM2 tiles, which CTAs claim from a
 // counter once their own list is done; the producer carries each tile's id to the
 // consumers in the first stage it fills. Weights and tokens of a stage are issued
-// separately (kEarlyStages of the first tile's weights may stream during phase 0),
-// and a GEMM2 tile's weights while its token loads wait for the completion counter
-// of its (expert, token block). Expert row segments start on multiples of 8 rows
+// separately: a GEMM2 tile's weights go out while its token loads wait for the
+// completion counter of its (expert, token block). Expert row segments start on multiples of 8 rows
 // (kRowAlign: TMA boxes start 16-byte aligned).
 #include <cuda.h>
 #include <cuda_fp8.h>
@@ -963,6 +962,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if (a.debug_stop == 1) return;
   pf.add(kPfSched, t_start);
+  const uint32_t t_tasks = pf.now();
 
   // ---- Tile schedule (identical in every role) ----
   const int n1 = a.I / 64, n2 = a.H / 128;
@@ -1012,26 +1012,17 @@ __global__ void __launch_bounds__(kThreads, 1)
                : t;
   };
 
-  // kEarlyStages of the first tile's weights may go out before phase 0, to stream while
-  // the tokens are quantized and the grid meets at the barrier (the ring is empty, no
-  // waits); none since v14 (heuristics.h).
+  // NOTE: no weight load goes out before phase 0. v5 to v13 issued the first tile's 12
+  // stages here to stream while the tokens were quantized; with the ring full the grid
+  // barrier's L2 round trips waited behind them (the last CTA left it 8 us after the last
+  // arrival at T = 1, against 1 us without), and 0 early stages measured faster than 3,
+  // 6 or 12 at T <= 256, level above (v14, bench/results/ab/v14_pool.log).
   TileSchedule sched;
-  int first_tile = tiles, first_issued = 0;
+  int first_tile = tiles;
   if (tid == 0) {
     sched.init(blockIdx.x, gridDim.x, t1, t2, a.H / 128, a.I / 128, !a.round_robin,
                a.round_robin ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
     first_tile = next_tile(sched);
-    // NOTE: MEGAMOE_DEBUG_STOP=2 exits after phase 0, so it must leave no copy in flight.
-    if (first_tile < tiles && a.debug_stop != 2 && !a.no_early_loads && kEarlyStages > 0) {
-      const Tile tl = decode_tile<BN>(a, sc, first_tile, t1_routed, t1);
-      // (expert parallelism: the last stage holds the phase-0 tables until the barrier)
-      first_issued = min(min(kEarlyStages, kStages - (kEp ? 1 : 0)), tl.kblocks);
-      stage_tile[0] = first_tile;  // published by the full barrier's completion
-      for (int kb = 0; kb < first_issued; ++kb) {
-        sm90::mbar_arrive_expect_tx(&full_bar[kb], stage_tx(tl));
-        issue_weights(tl, kb, kb);
-      }
-    }
   }
 
   // ---- Phase 0: quantize x (1x128 E4M3) and scatter each token to its rows. ----
@@ -1101,8 +1092,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     ep_pull(a, et);  // step 3: the rows of the local experts into the ring
   }
   // Grid barrier: every sorted row is written before any TMA reads one.
-  pf.add(kPfTasks, t_start);
-  pf.v[kPfTasks] -= pf.v[kPfSched];
+  pf.add(kPfTasks, t_tasks);
   pf.stamp(kPfArriveNs);
   sm90::fence_proxy_async_global();
   __threadfence();
@@ -1117,13 +1107,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // (the second barrier of the rank's CTAs: ep_exchange met at gridDim.x)
     const bool ok =
         tid != 0 || ep_grid_barrier(a.ep, &a.counters[MoeWorkspaceLayout::kCounterBarrier], 2 * gridDim.x);
-    if (__syncthreads_or(!ok)) {
-      if (tid == 0)  // the early weight loads land before the CTA leaves
-        for (int kb = 0; kb < first_issued; ++kb) sm90::mbar_wait(&full_bar[kb], 0);
-      return;
-    }
+    if (__syncthreads_or(!ok)) return;  // (nothing is in flight: no load went out yet)
   }
-  if (a.debug_stop == 2) return;  // (no early weight loads in this mode: see above)
+  if (a.debug_stop == 2) return;
   pf.add(kPfPhase0, t_start);
   pf.stamp(kPfPassNs);
 
@@ -1135,8 +1121,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::fence_proxy_async_global();
       sm90::fence_proxy_async_shared();  // the phase-0 tables (generic writes) before TMA fills the stage
       RingPos<kStages> rp;               // the next stage to fill
-      for (int i = 0; i < first_issued; ++i) rp.advance();
-      int kb0 = first_issued;  // weights already issued for kb < kb0 of the first tile
       int tile = first_tile;
       for (;;) {
         if (tile >= tiles) {
@@ -1161,8 +1145,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           ready = true;
         }
         pf.add(kPfProdDep, t0);
-        int deferred = kb0;  // the last `deferred` stages filled: weights issued, tokens not yet
-        for (int kb = kb0;; ++kb) {
+        int deferred = 0;  // the last `deferred` stages filled: weights issued, tokens not yet
+        for (int kb = 0;; ++kb) {
           // NOTE: at most kStages deferred stages: the next empty-wait must concern a stage
           // whose tokens were issued, or the consumers could never free it.
           if (!ready && (deferred == kStages || kb == tl.kblocks)) {
@@ -1194,7 +1178,6 @@ __global__ void __launch_bounds__(kThreads, 1)
             ++deferred;
           rp.advance();
         }
-        kb0 = 0;
         tile = next;
       }
     } else if (tid == 32) {

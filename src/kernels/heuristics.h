@@ -30,14 +30,6 @@ constexpr int kRowAlign = 8;
 // Finished tiles that may wait for the signal thread's release (fused_moe.cu) before
 // a consumer warp blocks on it.
 constexpr int kTileSlots = 4;
-// Stages of a CTA's first tile whose weights are loaded before phase 0, to stream
-// while the tokens are quantized. None (v14): with the ring full (12 stages) the grid
-// barrier's L2 round trips waited behind the loads -- the last CTA left it 8 us after
-// the last arrival at T = 1, against 1 us without -- and 0 measured faster than 3, 6
-// or 12 at T <= 256 (GLM-5 T=1 119.0 -> 116.5 us, T=8 556.6 -> 554.1), level above
-// (measured with a runtime switch, bench/results/ab/v14_pool.log; a compile-time 0
-// also spares the expert-parallel BN = 128 kernel a spill in its GEMM2 K loop).
-constexpr int kEarlyStages = 0;
 // GEMM2 tiles per CTA at the end of the schedule that no CTA owns: whoever is done
 // with its own list claims the next (TileSchedule), so the tail evens out. v14:
 // against a static tail (0) -1.0 to -1.7 % for T = 8..256, T=4096 -1.5 %; 2 gained
