@@ -35,8 +35,8 @@
 // counter once their own list is done; the producer carries each tile's id to the
 // consumers in the first stage it fills. Weights and tokens of a stage are issued
 // separately: a GEMM2 tile's weights go out while its token loads wait for the
-// completion counter of its (expert, token block). Expert row segments start on multiples of 8 rows
-// (kRowAlign: TMA boxes start 16-byte aligned).
+// completion counter of its (expert, token block). Expert row segments start on
+// multiples of 8 rows (kRowAlign: TMA boxes start 16-byte aligned).
 #include <cuda.h>
 #include <cuda_fp8.h>
 
@@ -917,8 +917,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   int* stage_tile = reinterpret_cast<int*>(tail + SmemTail::kStageTile);  // -1: no more tiles
   int* tables = reinterpret_cast<int*>(tail + SmemTail::kTables);
   Sched sc{tables, tables + (kMaxExpertsTotal + 1), tables + 2 * (kMaxExpertsTotal + 1)};
-  float* red = reinterpret_cast<float*>(tail + SmemTail::kRed);              // [8 warps][BN]
-  float* tok_scale = reinterpret_cast<float*>(tail + SmemTail::scales(BN));  // [2][BN]
+  float* red = reinterpret_cast<float*>(tail + SmemTail::kRed);                      // [8 warps][BN]
+  float* tok_inv_scale = reinterpret_cast<float*>(tail + SmemTail::inv_scales(BN));  // [BN]
 
   Prof pf;
   const uint32_t t_start = pf.now();
@@ -1282,15 +1282,15 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
         sm90::named_barrier(1, kConsumerThreads);
-        // One thread a token works out its scale and reciprocal once (v13: every thread
-        // did it for each of its tokens, 8 loads and two divisions an element).
+        // One thread a token works out its scale (to act2_scale) and the reciprocal the
+        // stores use, once (v13: every thread did it for each of its tokens, 8 loads and
+        // two divisions an element).
         if (ctid < BN) {
           float amax = red[ctid];
 #pragma unroll
           for (int w = 1; w < 8; ++w) amax = fmaxf(amax, red[w * BN + ctid]);
           const float s = num::act_scale(amax);
-          tok_scale[ctid] = s;
-          tok_scale[BN + ctid] = 1.0f / s;
+          tok_inv_scale[ctid] = 1.0f / s;
           if (ctid < tl.rows) a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + ctid] = s;
         }
         sm90::named_barrier(1, kConsumerThreads);
@@ -1301,7 +1301,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int c = 0; c < 2; ++c) {
             const int n = j * 8 + lcol + c;
             if (n < tl.rows)
-              a.act2[size_t(tl.row0 + n) * a.inter_pitch + col] = to_e4m3(acc[j * 4 + c] * tok_scale[BN + n]);
+              a.act2[size_t(tl.row0 + n) * a.inter_pitch + col] = to_e4m3(acc[j * 4 + c] * tok_inv_scale[n]);
           }
         }
       } else {

@@ -91,9 +91,9 @@ struct SmemTail {
   static constexpr int kStageTile = kSlotCounter + kTileSlots * 4;  // int [16]: tile id a stage starts
   static constexpr int kTables = kStageTile + 16 * 4;  // int [3][kMaxExpertsTotal + 1]: schedule tables
   static constexpr int kRed = kTables + 3 * (kMaxExpertsTotal + 1) * 4;  // float [8 warps][block_n]
-  // float [2][block_n]: a decode GEMM1 tile's token scales and their reciprocals
-  static constexpr int scales(int block_n) { return kRed + 8 * block_n * 4; }
-  static constexpr int bytes(int block_n) { return scales(block_n) + 2 * block_n * 4; }
+  // float [block_n]: a decode GEMM1 tile's reciprocal token scales
+  static constexpr int inv_scales(int block_n) { return kRed + 8 * block_n * 4; }
+  static constexpr int bytes(int block_n) { return inv_scales(block_n) + block_n * 4; }
 };
 constexpr int fixed_smem_bytes(int block_n) { return 1024 + SmemTail::bytes(block_n); }  // + alignment slack
 constexpr int stages_for(int block_n) {
