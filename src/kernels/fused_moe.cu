@@ -57,8 +57,6 @@
 
 namespace megamoe::kernels {
 
-using num::bf16_encode;
-
 // ============================================================================
 // Workspace layout
 // ============================================================================
@@ -1265,22 +1263,35 @@ __global__ void __launch_bounds__(kThreads, 1)
         // ---- GEMM1 epilogue: SwiGLU x routing weight, 1x64 E4M3 quantization ----
         // Thread holds gate (row lrow) and up (row lrow + 8) of intermediate column
         // wg * 32 + wwarp * 8 + lane / 4 for tokens j * 8 + lcol + {0, 1}.
+        // swiglu_fast when the whole warp's gates allow it; straight-line code either way
+        // (columns past tl.rows are computed too, with weight 0, and never stored), so
+        // ptxas overlaps the thread's SwiGLUs (v15).
+        bool fast_ok = true;
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
+        for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int n = j * 8 + lcol + c;
-            const float v = n < tl.rows
-                                ? num::swiglu(acc[j * 4 + c], acc[j * 4 + 2 + c], a.swiglu_limit, rw[j][c])
-                                : 0.0f;
-            acc[j * 4 + c] = v;
-            float m = fabsf(v);
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-            if (lane < 4) red[cwarp * BN + n] = m;
+          for (int c = 0; c < 2; ++c)
+            fast_ok &= j * 8 + lcol + c >= tl.rows || num::swiglu_fast_ok(acc[j * 4 + c], a.swiglu_limit);
+        auto swiglu_rows = [&](auto act) {
+#pragma unroll
+          for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int n = j * 8 + lcol + c;
+              const float v = act(acc[j * 4 + c], acc[j * 4 + 2 + c], a.swiglu_limit, rw[j][c]);
+              acc[j * 4 + c] = v;
+              float m = fabsf(v);
+              m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+              m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+              m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+              if (lane < 4) red[cwarp * BN + n] = m;
+            }
           }
-        }
+        };
+        if (__all_sync(0xffffffffu, fast_ok))
+          swiglu_rows([](float g, float u, float l, float w) { return num::swiglu_fast(g, u, l, w); });
+        else
+          swiglu_rows([](float g, float u, float l, float w) { return num::swiglu(g, u, l, w); });
         sm90::named_barrier(1, kConsumerThreads);
         // One thread a token works out its scale (to act2_scale) and the reciprocal the
         // stores use, once (v13: every thread did it for each of its tokens, 8 loads and
@@ -1317,21 +1328,34 @@ __global__ void __launch_bounds__(kThreads, 1)
         // intermediate column 8i + lcol + c. A token's 64 columns sit in one lane quad.
         const int n0 = n0p, n1r = n0 + 8;
         float m0 = 0.0f, m1 = 0.0f;
+        // swiglu_fast when the whole warp's gates allow it; straight-line code either way
+        // (rows past tl.rows are computed too, with weight 0, and never stored), so
+        // ptxas overlaps the thread's 32 SwiGLUs (v15).
+        bool fast_ok = true;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
+        for (int i = 0; i < 8; ++i)
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const float v0 =
-                n0 < tl.rows ? num::swiglu(acc[8 * i + c], acc[8 * i + 4 + c], a.swiglu_limit, rw0) : 0.0f;
-            const float v1 = n1r < tl.rows
-                                 ? num::swiglu(acc[8 * i + 2 + c], acc[8 * i + 6 + c], a.swiglu_limit, rw1)
-                                 : 0.0f;
-            acc[8 * i + c] = v0;
-            acc[8 * i + 2 + c] = v1;
-            m0 = fmaxf(m0, fabsf(v0));
-            m1 = fmaxf(m1, fabsf(v1));
+          for (int c = 0; c < 2; ++c)
+            fast_ok &= (n0 >= tl.rows || num::swiglu_fast_ok(acc[8 * i + c], a.swiglu_limit)) &&
+                       (n1r >= tl.rows || num::swiglu_fast_ok(acc[8 * i + 2 + c], a.swiglu_limit));
+        auto swiglu_rows = [&](auto act) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const float v0 = act(acc[8 * i + c], acc[8 * i + 4 + c], a.swiglu_limit, rw0);
+              const float v1 = act(acc[8 * i + 2 + c], acc[8 * i + 6 + c], a.swiglu_limit, rw1);
+              acc[8 * i + c] = v0;
+              acc[8 * i + 2 + c] = v1;
+              m0 = fmaxf(m0, fabsf(v0));
+              m1 = fmaxf(m1, fabsf(v1));
+            }
           }
-        }
+        };
+        if (__all_sync(0xffffffffu, fast_ok))
+          swiglu_rows([](float g, float u, float l, float w) { return num::swiglu_fast(g, u, l, w); });
+        else
+          swiglu_rows([](float g, float u, float l, float w) { return num::swiglu(g, u, l, w); });
 #pragma unroll
         for (int o = 1; o < 4; o <<= 1) {
           m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, o));
@@ -1380,8 +1404,9 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int n = j * 8 + lcol + c;
             if (n < tl.rows) {
               uint16_t* yr = out_row<kEp>(a, tl, tl.row0 + n);
-              yr[f] = bf16_encode(acc[j * 4 + c]);
-              yr[f + 8] = bf16_encode(acc[j * 4 + 2 + c]);
+              const uint32_t b = num::bf16x2_encode(acc[j * 4 + c], acc[j * 4 + 2 + c]);
+              yr[f] = uint16_t(b);
+              yr[f + 8] = uint16_t(b >> 16);
             }
           }
         }
@@ -1401,14 +1426,16 @@ __global__ void __launch_bounds__(kThreads, 1)
           y0 = a.y_rows + size_t(tl.row0 + n0) * a.H + f0;
           y1 = a.y_rows + size_t(tl.row0 + n1r) * a.H + f0;
         }
+        // One row's 16 stores under one branch (v14 branched around every store).
+        if (n0 < tl.rows) {
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          if (n0 < tl.rows)
-            *reinterpret_cast<uint32_t*>(y0 + 8 * j) =
-                uint32_t(bf16_encode(acc[4 * j])) | (uint32_t(bf16_encode(acc[4 * j + 1])) << 16);
-          if (n1r < tl.rows)
-            *reinterpret_cast<uint32_t*>(y1 + 8 * j) =
-                uint32_t(bf16_encode(acc[4 * j + 2])) | (uint32_t(bf16_encode(acc[4 * j + 3])) << 16);
+          for (int j = 0; j < 16; ++j)
+            *reinterpret_cast<uint32_t*>(y0 + 8 * j) = num::bf16x2_encode(acc[4 * j], acc[4 * j + 1]);
+        }
+        if (n1r < tl.rows) {
+#pragma unroll
+          for (int j = 0; j < 16; ++j)
+            *reinterpret_cast<uint32_t*>(y1 + 8 * j) = num::bf16x2_encode(acc[4 * j + 2], acc[4 * j + 3]);
         }
       }
       pf.add(kPfEpi2, t_epi);
@@ -1484,10 +1511,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (col_ok) {
       uint4 o;
-      o.x = uint32_t(bf16_encode(sum[0])) | (uint32_t(bf16_encode(sum[1])) << 16);
-      o.y = uint32_t(bf16_encode(sum[2])) | (uint32_t(bf16_encode(sum[3])) << 16);
-      o.z = uint32_t(bf16_encode(sum[4])) | (uint32_t(bf16_encode(sum[5])) << 16);
-      o.w = uint32_t(bf16_encode(sum[6])) | (uint32_t(bf16_encode(sum[7])) << 16);
+      o.x = num::bf16x2_encode(sum[0], sum[1]);
+      o.y = num::bf16x2_encode(sum[2], sum[3]);
+      o.z = num::bf16x2_encode(sum[4], sum[5]);
+      o.w = num::bf16x2_encode(sum[6], sum[7]);
       reinterpret_cast<uint4*>(a.y + size_t(t) * a.H)[c8] = o;
     }
   }

@@ -29,13 +29,22 @@ MEGAMOE_HD float act_scale(float amax) { return (amax > kActScaleEps ? amax : kA
 // q = e4m3(x * (1 / s)).
 MEGAMOE_HD uint8_t act_quant(float x, float inv_scale) { return e4m3_encode(x * inv_scale); }
 
-// SwiGLU with the optional clamp (SPEC §7), times the routing weight, in fp32.
-// NOTE: the kernel evaluates exactly this expression; keep them in step.
+// SwiGLU's clamp (SPEC §7) when limit > 0: the gate from above (a NaN gate becomes
+// the limit), the up projection both ways. Selects, no branch: the kernel's
+// epilogues evaluate 32 of these a thread and a branch each kept ptxas from
+// overlapping them.
+MEGAMOE_HD void swiglu_clamp(float& g, float& u, float limit) {
+  const bool on = limit > 0.0f;
+  g = on && !(g < limit) ? limit : g;
+  const float lo = u < -limit ? -limit : u;
+  u = on ? (lo > limit ? limit : lo) : u;
+}
+
+// SwiGLU with the optional clamp, times the routing weight, in fp32.
+// NOTE: the kernel evaluates exactly this expression (or swiglu_fast, the same bits);
+// keep them in step.
 MEGAMOE_HD float swiglu(float g, float u, float limit, float weight) {
-  if (limit > 0.0f) {
-    g = g < limit ? g : limit;
-    u = u < -limit ? -limit : (u > limit ? limit : u);
-  }
+  swiglu_clamp(g, u, limit);
 #if defined(__CUDA_ARCH__)
   const float silu = g / (1.0f + expf(-g));
 #else
@@ -43,5 +52,44 @@ MEGAMOE_HD float swiglu(float g, float u, float limit, float weight) {
 #endif
   return silu * u * weight;
 }
+
+#if defined(__CUDACC__)
+// n / d rounded to nearest even, without the slow path of IEEE division: the
+// sequence nvcc emits for `/` when its FCHK finds the operands in range
+// (reciprocal estimate, one Newton step, quotient, one residual correction), so
+// the same bits wherever silu_fast_ok holds. Why: `/` branches to its slow path
+// per element, and the branch with its convergence barrier made every SwiGLU of
+// an epilogue a basic block of its own: ptxas could not overlap a thread's 32
+// (~190 cycles each, one after the other; v15, bench/results/NOTES.md).
+__device__ __forceinline__ float div_rn_fast(float n, float d) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  const float r1 = fmaf(r, fmaf(-d, r, 1.0f), r);
+  const float q0 = n * r1;
+  const float q1 = fmaf(r1, fmaf(-d, q0, n), q0);
+  return copysignf(q1, n);  // (a zero n: q1 is +0 either way; n / d keeps n's sign)
+}
+
+// Where silu_fast(g) == g / (1 + expf(-g)) bit for bit: 1 + exp(-g) below 2^126
+// (g > -87), and neither the quotient nor the residual of a tiny g subnormal.
+// Checked for every float g on the GPU (tests/gpu/test_numerics_device.cu).
+__device__ __forceinline__ bool silu_fast_ok(float g) {
+  return g > -87.0f && g < 0x1p100f && (g == 0.0f || fabsf(g) >= 0x1p-100f);
+}
+
+// swiglu with div_rn_fast: the same bits when silu_fast_ok(g after the clamp);
+// callers check that for a whole warp first (one branch, not one an element).
+__device__ __forceinline__ float swiglu_fast(float g, float u, float limit, float weight) {
+  swiglu_clamp(g, u, limit);
+  return div_rn_fast(g, 1.0f + expf(-g)) * u * weight;
+}
+
+// True when swiglu_fast(g, ...) == swiglu(g, ...) (g before the clamp).
+__device__ __forceinline__ bool swiglu_fast_ok(float g, float limit) {
+  float u = 0.0f;
+  swiglu_clamp(g, u, limit);
+  return silu_fast_ok(g);
+}
+#endif
 
 }  // namespace megamoe::num
