@@ -1271,7 +1271,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
           for (int c = 0; c < 2; ++c)
-            fast_ok &= j * 8 + lcol + c >= tl.rows || num::swiglu_fast_ok(acc[j * 4 + c], a.swiglu_limit);
+            fast_ok &= (j * 8 + lcol + c >= tl.rows) | num::swiglu_fast_ok(acc[j * 4 + c], a.swiglu_limit);
         auto swiglu_rows = [&](auto act) {
 #pragma unroll
           for (int j = 0; j < BN / 8; ++j) {
@@ -1331,13 +1331,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         // swiglu_fast when the whole warp's gates allow it; straight-line code either way
         // (rows past tl.rows are computed too, with weight 0, and never stored), so
         // ptxas overlaps the thread's 32 SwiGLUs (v15).
-        bool fast_ok = true;
+        bool ok0 = true, ok1 = true;
 #pragma unroll
         for (int i = 0; i < 8; ++i)
 #pragma unroll
-          for (int c = 0; c < 2; ++c)
-            fast_ok &= (n0 >= tl.rows || num::swiglu_fast_ok(acc[8 * i + c], a.swiglu_limit)) &&
-                       (n1r >= tl.rows || num::swiglu_fast_ok(acc[8 * i + 2 + c], a.swiglu_limit));
+          for (int c = 0; c < 2; ++c) {
+            ok0 &= num::swiglu_fast_ok(acc[8 * i + c], a.swiglu_limit);
+            ok1 &= num::swiglu_fast_ok(acc[8 * i + 2 + c], a.swiglu_limit);
+          }
+        const bool fast_ok = ((n0 >= tl.rows) | ok0) & ((n1r >= tl.rows) | ok1);
         auto swiglu_rows = [&](auto act) {
 #pragma unroll
           for (int i = 0; i < 8; ++i) {

@@ -108,9 +108,9 @@ TEST(NumericsDevice, SwigluFastIsSwigluWhereOk) {
   for (const Counts& r : {plain, clamped}) {
     std::printf("swiglu_fast: %llu floats in range, %llu differ\n", r.checked, r.mismatches);
     EXPECT_EQ(r.mismatches, 0u) << "first g bits 0x" << std::hex << r.first_bad;
-    // The range holds what activations occupy: every float in (-87, 2^100) but the
-    // tiny ones (|g| < 2^-100), about 60 % of all bit patterns.
-    EXPECT_GT(r.checked, (1ull << 32) / 2);
+    // The range holds what activations occupy: every finite float above -87, about 74 %
+    // of all bit patterns.
+    EXPECT_GT(r.checked, (1ull << 32) / 10 * 7);
   }
 }
 

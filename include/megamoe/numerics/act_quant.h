@@ -70,12 +70,11 @@ __device__ __forceinline__ float div_rn_fast(float n, float d) {
   return copysignf(q1, n);  // (a zero n: q1 is +0 either way; n / d keeps n's sign)
 }
 
-// Where silu_fast(g) == g / (1 + expf(-g)) bit for bit: 1 + exp(-g) below 2^126
-// (g > -87), and neither the quotient nor the residual of a tiny g subnormal.
-// Checked for every float g on the GPU (tests/gpu/test_numerics_device.cu).
-__device__ __forceinline__ bool silu_fast_ok(float g) {
-  return g > -87.0f && g < 0x1p100f && (g == 0.0f || fabsf(g) >= 0x1p-100f);
-}
+// Where div_rn_fast(g, 1 + expf(-g)) == g / (1 + expf(-g)) bit for bit: g finite and
+// 1 + exp(-g) below 2^126 (g > -87). (A tiny g has 1 + exp(-g) == 2 exactly, so the
+// quotient is g / 2 rounded once, subnormal or not.) Checked for every float g on the
+// GPU (tests/gpu/test_numerics_device.cu). Predicates combined without branches.
+__device__ __forceinline__ bool silu_fast_ok(float g) { return (g > -87.0f) & (g <= 0x1.fffffep127f); }
 
 // swiglu with div_rn_fast: the same bits when silu_fast_ok(g after the clamp);
 // callers check that for a whole warp first (one branch, not one an element).
