@@ -917,6 +917,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   Sched sc{tables, tables + (kMaxExpertsTotal + 1), tables + 2 * (kMaxExpertsTotal + 1)};
   float* red = reinterpret_cast<float*>(tail + SmemTail::kRed);                      // [8 warps][BN]
   float* tok_inv_scale = reinterpret_cast<float*>(tail + SmemTail::inv_scales(BN));  // [BN]
+  uint8_t* staging = tail + SmemTail::staging(BN);  // [8 warps][16 rows][128 B], tokens in M only
 
   Prof pf;
   const uint32_t t_start = pf.now();
@@ -1416,28 +1417,46 @@ __global__ void __launch_bounds__(kThreads, 1)
         mainloop_tokens_m<2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, wsc, wsc, a.debug_skip,
                              pf);
         t_epi = pf.now();
-        // ---- GEMM2 epilogue (tokens in M): BF16 pairs of hidden columns ----
-        const int n0 = wg * 64 + lrow, n1r = n0 + 8;
-        const int f0 = tl.nblk * 128 + lcol;
-        uint16_t* y0;
-        uint16_t* y1;
-        if constexpr (kEp) {
-          y0 = n0 < tl.rows ? out_row<kEp>(a, tl, tl.row0 + n0) + f0 : nullptr;
-          y1 = n1r < tl.rows ? out_row<kEp>(a, tl, tl.row0 + n1r) + f0 : nullptr;
-        } else {
-          y0 = a.y_rows + size_t(tl.row0 + n0) * a.H + f0;
-          y1 = a.y_rows + size_t(tl.row0 + n1r) * a.H + f0;
-        }
-        // One row's 16 stores under one branch (v14 branched around every store).
-        if (n0 < tl.rows) {
+        // ---- GEMM2 epilogue (tokens in M): the warp's 16 token rows x 128 columns ----
+        // Out through the warp's shared-memory tile, 64 columns a pass: stmatrix takes
+        // the accumulator fragment as it is (16-byte chunks XOR-swizzled by row, so
+        // neither side has bank conflicts), then each lane stores whole 16-byte
+        // chunks, four rows of 128 bytes a warp instruction. (v14 stored 4 bytes a
+        // lane straight from the fragment, 32 stores a thread: ncu found the
+        // epilogue waiting on the LSU queue.)
+        const uint32_t stg = sm90::smem_u32(staging + cwarp * SmemTail::kStagingWarpBytes);
+        const int chunk = lane % 8;
+        uint16_t* dst[4];  // rows 4k + lane / 8 of the warp's 16
 #pragma unroll
-          for (int j = 0; j < 16; ++j)
-            *reinterpret_cast<uint32_t*>(y0 + 8 * j) = num::bf16x2_encode(acc[4 * j], acc[4 * j + 1]);
+        for (int k = 0; k < 4; ++k) {
+          const int n = wg * 64 + wwarp * 16 + 4 * k + lane / 8;
+          dst[k] = n < tl.rows ? out_row<kEp>(a, tl, tl.row0 + n) + tl.nblk * 128 + chunk * 8 : nullptr;
         }
-        if (n1r < tl.rows) {
+        // stmatrix lane address: matrix q = lane / 8 is (row half q % 2, column block
+        // q / 2 of the pair), its row lane % 8.
+        const int st_row = (lane / 8) % 2 * 8 + lane % 8;
+        const uint32_t st_addr = stg + st_row * 128;
 #pragma unroll
-          for (int j = 0; j < 16; ++j)
-            *reinterpret_cast<uint32_t*>(y1 + 8 * j) = num::bf16x2_encode(acc[4 * j + 2], acc[4 * j + 3]);
+        for (int pass = 0; pass < 2; ++pass) {
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            const int j = pass * 8 + 2 * m;  // column blocks j, j + 1 (8 columns each)
+            const int c = 2 * m + lane / 16;
+            sm90::stmatrix_x4(st_addr + ((c ^ (st_row % 8)) * 16),
+                              num::bf16x2_encode(acc[4 * j], acc[4 * j + 1]),
+                              num::bf16x2_encode(acc[4 * j + 2], acc[4 * j + 3]),
+                              num::bf16x2_encode(acc[4 * j + 4], acc[4 * j + 5]),
+                              num::bf16x2_encode(acc[4 * j + 6], acc[4 * j + 7]));
+          }
+          __syncwarp();
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const int r = 4 * k + lane / 8;
+            const uint4 v = *reinterpret_cast<const uint4*>(staging + cwarp * SmemTail::kStagingWarpBytes +
+                                                            r * 128 + ((chunk ^ (r % 8)) * 16));
+            if (dst[k]) *reinterpret_cast<uint4*>(dst[k] + pass * 64) = v;
+          }
+          __syncwarp();  // the tile is free for the next pass (or tile)
         }
       }
       pf.add(kPfEpi2, t_epi);

@@ -52,8 +52,8 @@ __device__ __forceinline__ void router_b_frags(const float* w, uint32_t (&b)[3][
   float rest[4] = {p0.x, p0.y, p1.x, p1.y};  // what the terms so far leave of the weights
 #pragma unroll
   for (int term = 0; term < 3; ++term) {
-    b[term][0] = sm90::pack_bf16x2(rest[0], rest[1]);
-    b[term][1] = sm90::pack_bf16x2(rest[2], rest[3]);
+    b[term][0] = num::bf16x2_encode(rest[0], rest[1]);
+    b[term][1] = num::bf16x2_encode(rest[2], rest[3]);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const uint32_t packed = b[term][i / 2];

@@ -182,11 +182,14 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
-// Two floats -> bf16x2 (round to nearest even); `lo` lands in the low 16 bits.
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
+// Four 8x8 matrices of 16-bit values from the mma accumulator layout (lane l holds
+// row l / 4, columns 2 (l % 4) + {0, 1} of each) to shared memory: lanes 8q..8q+7
+// give the addresses of matrix q's rows 0..7 (16 bytes each).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                            uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
 }
 
 // D[16 x 8] += A[16 x 16] * B[16 x 8], BF16 inputs, F32 accumulators (mma.sync fragments).
