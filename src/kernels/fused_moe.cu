@@ -97,7 +97,7 @@ MoeWorkspaceLayout MoeWorkspaceLayout::compute(const MoeShape& s, int max_tokens
   place(w.act2, R * size_t(w.inter_pitch));
   place(w.act2_scale, size_t(w.inter_pitch / num::kInterGroup) * R * 4);
   place(w.y_rows, R * H * 2);
-  place(w.row_src, ep_ranks ? R * 4 : 4);
+  place(w.row_src, R * 4);
   place(w.ep_state, 16);
   w.total_bytes = plan.total();
   return w;
@@ -125,7 +125,6 @@ struct EpArgs {
   uint64_t timeout_ns;
   EpLayout l;
   uint8_t* peer[1 << EpLayout::kRankBits];  // symmetric buffers (peer[rank]: this rank's)
-  int32_t* row_src;                         // [rows_cap] packed (source, token, slot) of a ring row
   uint64_t* state;                          // [0] epoch (bumped by route_logits), [1] status
 };
 
@@ -154,6 +153,7 @@ struct KernelArgs {
   uint8_t* act2;
   float* act2_scale;
   uint16_t* y_rows;
+  int32_t* row_src;  // [rows_cap] where a sorted row's output goes (MoeWorkspaceLayout::row_src)
   const float* w13_scale;
   const float* w2_scale;
   const float* sw13_scale;
@@ -356,6 +356,17 @@ __device__ __forceinline__ int slot_row(const KernelArgs& a, const Sched& sc, in
 
 // Exclusive prefix sums of n values by one warp: store(i, sum of val(j) for j < i)
 // for i < n; returns the total (in every lane).
+// The row the combine reads for token t's slot `lane`: single device y_rows[t][slot]
+// (none for a routed slot without an expert, id -1), expert parallelism slot_row's.
+template <bool kEp>
+__device__ __forceinline__ int combine_row(const KernelArgs& a, const Sched& sc, int t, int lane) {
+  float w;
+  if (kEp) return slot_row<true>(a, sc, t, lane, w);
+  const int slots = a.K + a.has_shared;
+  if (lane < a.K) return a.topk_ids[t * a.K + lane] < 0 ? -1 : t * slots + lane;
+  return lane < slots ? t * slots + lane : -1;
+}
+
 template <typename Val, typename Store>
 __device__ __forceinline__ int warp_scan_exclusive(int n, int lane, Val val, Store store) {
   int carry = 0;
@@ -606,19 +617,26 @@ __device__ __forceinline__ void ep_pull(const KernelArgs& a, const EpTables& et)
     for (int g = lane; g < hb; g += 32) a.x_sorted_scale[size_t(g) * a.rows_cap + ring] = __ldcg(fs + g);
     if (lane == 0) {
       a.row_weight[ring] = __int_as_float(e.y);
-      ep.row_src[ring] = e.x;
+      a.row_src[ring] = e.x;
     }
   }
 }
 
-// Where a GEMM2 row goes: this rank's y_rows (single device, the shared expert), or
-// the source rank's combine[token][slot] (expert parallelism).
+// Where a GEMM2 row goes, from its row_src entry `src` (loaded before the K loop: the
+// load's round trip stays off the epilogue): single device y_rows[token][slot], so the
+// combine reads each token's slot rows from one place (v15); expert parallelism the
+// source rank's combine[token][slot], or y_rows[row] for the shared expert.
 template <bool kEp>
-__device__ __forceinline__ uint16_t* out_row(const KernelArgs& a, const Tile& tl, int row) {
-  if (!kEp || tl.e == a.E) return a.y_rows + size_t(row) * a.H;
-  const int32_t v = __ldcg(a.ep.row_src + row);
-  return ep_region<uint16_t>(a.ep.peer[EpLayout::src_rank(v)], a.ep.l.combine) +
-         (size_t(EpLayout::src_token(v)) * a.K + EpLayout::src_slot(v)) * a.H;
+__device__ __forceinline__ uint16_t* out_row(const KernelArgs& a, const Tile& tl, int row, int32_t src) {
+  if (!kEp) return a.y_rows + size_t(src) * a.H;
+  if (tl.e == a.E) return a.y_rows + size_t(row) * a.H;
+  return ep_region<uint16_t>(a.ep.peer[EpLayout::src_rank(src)], a.ep.l.combine) +
+         (size_t(EpLayout::src_token(src)) * a.K + EpLayout::src_slot(src)) * a.H;
+}
+
+// The row_src entry of sorted row `row` (none past the tile's rows).
+__device__ __forceinline__ int32_t load_row_src(const KernelArgs& a, const Tile& tl, int n) {
+  return n < tl.rows ? __ldcg(a.row_src + tl.row0 + n) : 0;
 }
 
 // ---------------------------------------------------------------------------
@@ -1083,7 +1101,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int g = 0; g < kG; ++g)
           if (g < groups) *reinterpret_cast<uint32_t*>(dst + g * 128) = q[g];
         if (lane < groups) a.x_sorted_scale[size_t(cur.g0 + lane) * a.rows_cap + r] = my_scale;
-        if (lane == 0 && cur.g0 == 0) a.row_weight[r] = w;
+        if (lane == 0 && cur.g0 == 0) {
+          a.row_weight[r] = w;
+          a.row_src[r] = cur.t * slots + k;  // the token's slot in y_rows
+        }
       }
       cur = nxt;
     }
@@ -1395,6 +1416,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float* wsc = shared ? a.sw2_scale + size_t(tl.nblk) * (a.Is / 128)
                                 : a.w2_scale + (size_t(tl.e) * (a.H / 128) + tl.nblk) * (a.I / 128);
       if constexpr (kSwapAB) {
+        // Token n's row_src entry in lane n % 32 of src[n / 32], loaded before the K loop.
+        int32_t src[(BN + 31) / 32];
+#pragma unroll
+        for (int h = 0; h < (BN + 31) / 32; ++h) src[h] = load_row_src(a, tl, h * 32 + lane);
         mainloop_swap_ab<BN, 2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lcol, wsc, wsc,
                                 a.debug_skip, pf);
         t_epi = pf.now();
@@ -1404,9 +1429,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            const int n = j * 8 + lcol + c;
+            const int n = j * 8 + lcol + c;  // (j * 8 + 7 < 32 decides src[0] or src[1] at compile time)
+            const int32_t s_n = __shfl_sync(0xffffffffu, src[j * 8 / 32], n % 32);
             if (n < tl.rows) {
-              uint16_t* yr = out_row<kEp>(a, tl, tl.row0 + n);
+              uint16_t* yr = out_row<kEp>(a, tl, tl.row0 + n, s_n);
               const uint32_t b = num::bf16x2_encode(acc[j * 4 + c], acc[j * 4 + 2 + c]);
               yr[f] = uint16_t(b);
               yr[f + 8] = uint16_t(b >> 16);
@@ -1414,6 +1440,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       } else {
+        // Lane i < 16 loads the row_src entry of the warp's row i before the K loop.
+        const int32_t src = load_row_src(a, tl, lane < 16 ? wg * 64 + wwarp * 16 + lane : tl.rows);
         mainloop_tokens_m<2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, wsc, wsc, a.debug_skip,
                              pf);
         t_epi = pf.now();
@@ -1430,7 +1458,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const int n = wg * 64 + wwarp * 16 + 4 * k + lane / 8;
-          dst[k] = n < tl.rows ? out_row<kEp>(a, tl, tl.row0 + n) + tl.nblk * 128 + chunk * 8 : nullptr;
+          const int32_t s_n = __shfl_sync(0xffffffffu, src, 4 * k + lane / 8);
+          dst[k] = n < tl.rows ? out_row<kEp>(a, tl, tl.row0 + n, s_n) + tl.nblk * 128 + chunk * 8 : nullptr;
         }
         // stmatrix lane address: matrix q = lane / 8 is (row half q % 2, column block
         // q / 2 of the pair), its row lane % 8.
@@ -1489,13 +1518,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   // of the grid, so a few tokens still spread over many SMs. A lane holds one slot's row
   // (shuffled to the others); all slots' loads are in flight at once and the next unit's
   // slot rows are loaded before this unit is summed: about one load round trip a unit.
+  // Single device: a token's slot rows are adjacent in y_rows (v15; v14 gathered them
+  // from the expert-sorted rows, one 512-byte piece per DRAM page).
   const int slots = a.K + a.has_shared;
   const int slabs = (a.H + 255) / 256;
   const int units = T * slabs;
   const int warps_total = gridDim.x * (kConsumerThreads / 32);
   int u = blockIdx.x * (kConsumerThreads / 32) + cwarp;
-  float unused_w;
-  int row = u < units ? slot_row<kEp>(a, sc, u / slabs, lane, unused_w) : -1;
+  int row = u < units ? combine_row<kEp>(a, sc, u / slabs, lane) : -1;
   for (; u < units; u += warps_total) {
     const int t = u / slabs;
     const int c8 = (u - t * slabs) * 32 + lane;  // uint4 (8 columns) of the row
@@ -1516,7 +1546,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (k0 + kCombineBatch >= slots) {  // the last batch: the next unit's rows load meanwhile
         const int un = u + warps_total;
-        row = un < units ? slot_row<kEp>(a, sc, un / slabs, lane, unused_w) : -1;
+        row = un < units ? combine_row<kEp>(a, sc, un / slabs, lane) : -1;
       }
       // Sum in slot order (routed 0..K-1, then shared): the bytes do not depend on the split.
 #pragma unroll
@@ -1733,6 +1763,7 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   a.act2 = base + ws.act2.offset;
   a.act2_scale = reinterpret_cast<float*>(base + ws.act2_scale.offset);
   a.y_rows = reinterpret_cast<uint16_t*>(base + ws.y_rows.offset);
+  a.row_src = reinterpret_cast<int32_t*>(base + ws.row_src.offset);
   a.w13_scale = w.w13_scale, a.w2_scale = w.w2_scale;
   a.sw13_scale = w.shared_w13_scale, a.sw2_scale = w.shared_w2_scale;
   if (ep) {
@@ -1743,7 +1774,6 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
     e.timeout_ns = uint64_t(ep->timeout_s * 1e9);
     e.l = ep->layout;
     for (int q = 0; q < e.ranks; ++q) e.peer[q] = ep->peer_base[q];
-    e.row_src = reinterpret_cast<int32_t*>(base + ws.row_src.offset);
     e.state = reinterpret_cast<uint64_t*>(base + ws.ep_state.offset);
     MEGAMOE_CUDA_CHECK(cudaMemset(e.state, 0, ws.ep_state.bytes));  // epoch 0, status fine
   }

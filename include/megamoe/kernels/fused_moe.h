@@ -65,8 +65,10 @@ struct MoeWorkspaceLayout {
   Region row_weight;      // f32 [rows_cap]        routing weight of each sorted row (shared: 1)
   Region act2;            // e4m3 [rows_cap][inter_pitch]  SwiGLU output
   Region act2_scale;      // f32 [inter_pitch/64][rows_cap]
-  Region y_rows;          // bf16 [rows_cap][H]    per-slot outputs
-  Region row_src;         // i32 [rows_cap]        expert parallelism: (source, token, slot) of a row
+  Region y_rows;          // bf16 [rows_cap][H]    per-slot outputs: single device [token][slot]
+                          //   (slots routed 0..K-1, then shared), expert parallelism sorted rows
+  Region row_src;         // i32 [rows_cap]        where a sorted row's output goes: single device
+                          //   token * slots + slot, expert parallelism packed (source, token, slot)
   Region ep_state;        // u64 [2]               expert parallelism: epoch, status (EpStatus)
   size_t total_bytes = 0;
 
