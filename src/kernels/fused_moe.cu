@@ -634,6 +634,20 @@ __device__ __forceinline__ uint16_t* out_row(const KernelArgs& a, const Tile& tl
          (size_t(EpLayout::src_token(src)) * a.K + EpLayout::src_slot(src)) * a.H;
 }
 
+// A GEMM1 epilogue's SwiGLUs: rows(act, limit) with swiglu_fast when `fast` (the warp's
+// gates allow it), its clamp folded away when there is none (DeepSeek-V3, GLM-5: five
+// instructions of ~25 an element), else swiglu.
+template <typename Rows>
+__device__ __forceinline__ void run_swiglu(Rows& rows, bool fast, float limit) {
+  auto fast_act = [](float g, float u, float l, float w) { return num::swiglu_fast(g, u, l, w); };
+  if (fast && limit > 0.0f)
+    rows(fast_act, limit);
+  else if (fast)
+    rows(fast_act, 0.0f);
+  else
+    rows([](float g, float u, float l, float w) { return num::swiglu(g, u, l, w); }, limit);
+}
+
 // The row_src entry of sorted row `row` (none past the tile's rows).
 __device__ __forceinline__ int32_t load_row_src(const KernelArgs& a, const Tile& tl, int n) {
   return n < tl.rows ? __ldcg(a.row_src + tl.row0 + n) : 0;
@@ -1294,13 +1308,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int c = 0; c < 2; ++c)
             fast_ok &= (j * 8 + lcol + c >= tl.rows) | num::swiglu_fast_ok(acc[j * 4 + c], a.swiglu_limit);
-        auto swiglu_rows = [&](auto act) {
+        auto swiglu_rows = [&](auto act, float limit) {
 #pragma unroll
           for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
               const int n = j * 8 + lcol + c;
-              const float v = act(acc[j * 4 + c], acc[j * 4 + 2 + c], a.swiglu_limit, rw[j][c]);
+              const float v = act(acc[j * 4 + c], acc[j * 4 + 2 + c], limit, rw[j][c]);
               acc[j * 4 + c] = v;
               float m = fabsf(v);
               m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
@@ -1310,10 +1324,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
           }
         };
-        if (__all_sync(0xffffffffu, fast_ok))
-          swiglu_rows([](float g, float u, float l, float w) { return num::swiglu_fast(g, u, l, w); });
-        else
-          swiglu_rows([](float g, float u, float l, float w) { return num::swiglu(g, u, l, w); });
+        run_swiglu(swiglu_rows, __all_sync(0xffffffffu, fast_ok), a.swiglu_limit);
         sm90::named_barrier(1, kConsumerThreads);
         // One thread a token works out its scale (to act2_scale) and the reciprocal the
         // stores use, once (v13: every thread did it for each of its tokens, 8 loads and
@@ -1362,13 +1373,13 @@ __global__ void __launch_bounds__(kThreads, 1)
             ok1 &= num::swiglu_fast_ok(acc[8 * i + 2 + c], a.swiglu_limit);
           }
         const bool fast_ok = ((n0 >= tl.rows) | ok0) & ((n1r >= tl.rows) | ok1);
-        auto swiglu_rows = [&](auto act) {
+        auto swiglu_rows = [&](auto act, float limit) {
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-              const float v0 = act(acc[8 * i + c], acc[8 * i + 4 + c], a.swiglu_limit, rw0);
-              const float v1 = act(acc[8 * i + 2 + c], acc[8 * i + 6 + c], a.swiglu_limit, rw1);
+              const float v0 = act(acc[8 * i + c], acc[8 * i + 4 + c], limit, rw0);
+              const float v1 = act(acc[8 * i + 2 + c], acc[8 * i + 6 + c], limit, rw1);
               acc[8 * i + c] = v0;
               acc[8 * i + 2 + c] = v1;
               m0 = fmaxf(m0, fabsf(v0));
@@ -1376,10 +1387,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
           }
         };
-        if (__all_sync(0xffffffffu, fast_ok))
-          swiglu_rows([](float g, float u, float l, float w) { return num::swiglu_fast(g, u, l, w); });
-        else
-          swiglu_rows([](float g, float u, float l, float w) { return num::swiglu(g, u, l, w); });
+        run_swiglu(swiglu_rows, __all_sync(0xffffffffu, fast_ok), a.swiglu_limit);
 #pragma unroll
         for (int o = 1; o < 4; o <<= 1) {
           m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, o));
@@ -1514,35 +1522,39 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (sm90::named_barrier_or(1, kConsumerThreads, !ok)) return;
     ep_combine = ep_region<uint16_t>(a.ep.peer[a.ep.rank], a.ep.l.combine);
   }
-  // Work unit: one token's 256-column slab (a lane: 8 columns), over every consumer warp
+  // Work unit: one token's 256 V-column slab (a lane: 8 V columns), over every consumer warp
   // of the grid, so a few tokens still spread over many SMs. A lane holds one slot's row
   // (shuffled to the others); all slots' loads are in flight at once and the next unit's
   // slot rows are loaded before this unit is summed: about one load round trip a unit.
   // Single device: a token's slot rows are adjacent in y_rows (v15; v14 gathered them
   // from the expert-sorted rows, one 512-byte piece per DRAM page).
   const int slots = a.K + a.has_shared;
-  const int slabs = (a.H + 255) / 256;
+  constexpr int V = kCombineVecs;  // uint4 (8 columns) a lane and slot: 32 V x 8 columns a unit
+  const int slabs = (a.H + 256 * V - 1) / (256 * V);
   const int units = T * slabs;
   const int warps_total = gridDim.x * (kConsumerThreads / 32);
   int u = blockIdx.x * (kConsumerThreads / 32) + cwarp;
   int row = u < units ? combine_row<kEp>(a, sc, u / slabs, lane) : -1;
   for (; u < units; u += warps_total) {
     const int t = u / slabs;
-    const int c8 = (u - t * slabs) * 32 + lane;  // uint4 (8 columns) of the row
-    const bool col_ok = c8 * 8 < a.H;
-    float sum[8];
+    const int c8 = (u - t * slabs) * 32 * V + lane;  // uint4 of the row; + 32 v
+    float sum[V][8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) sum[i] = 0.0f;
+    for (int v = 0; v < V; ++v)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum[v][i] = 0.0f;
     for (int k0 = 0; k0 < slots; k0 += kCombineBatch) {
-      uint4 v[kCombineBatch];
+      uint4 x[kCombineBatch][V];
       int r[kCombineBatch];
 #pragma unroll
       for (int i = 0; i < kCombineBatch; ++i) {
         r[i] = __shfl_sync(0xffffffffu, row, (k0 + i) & 31);
-        if (k0 + i >= slots || !col_ok) r[i] = -1;
+        if (k0 + i >= slots) r[i] = -1;
         const uint16_t* rows = kEp && k0 + i < a.K ? ep_combine : a.y_rows;  // (slot k0 + i's rows)
-        v[i] = r[i] >= 0 ? __ldcg(reinterpret_cast<const uint4*>(rows + size_t(r[i]) * a.H) + c8)
-                         : make_uint4(0, 0, 0, 0);
+        const uint4* src = reinterpret_cast<const uint4*>(rows + size_t(r[i]) * a.H) + c8;
+#pragma unroll
+        for (int v = 0; v < V; ++v)
+          x[i][v] = r[i] >= 0 && (c8 + 32 * v) * 8 < a.H ? __ldcg(src + 32 * v) : make_uint4(0, 0, 0, 0);
       }
       if (k0 + kCombineBatch >= slots) {  // the last batch: the next unit's rows load meanwhile
         const int un = u + warps_total;
@@ -1552,21 +1564,26 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < kCombineBatch; ++i) {
         if (r[i] < 0) continue;
-        const uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          sum[2 * j] += __uint_as_float(w[j] << 16);
-          sum[2 * j + 1] += __uint_as_float(w[j] & 0xFFFF0000u);
+        for (int v = 0; v < V; ++v) {
+          const uint32_t w[4] = {x[i][v].x, x[i][v].y, x[i][v].z, x[i][v].w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            sum[v][2 * j] += __uint_as_float(w[j] << 16);
+            sum[v][2 * j + 1] += __uint_as_float(w[j] & 0xFFFF0000u);
+          }
         }
       }
     }
-    if (col_ok) {
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      if ((c8 + 32 * v) * 8 >= a.H) break;
       uint4 o;
-      o.x = num::bf16x2_encode(sum[0], sum[1]);
-      o.y = num::bf16x2_encode(sum[2], sum[3]);
-      o.z = num::bf16x2_encode(sum[4], sum[5]);
-      o.w = num::bf16x2_encode(sum[6], sum[7]);
-      reinterpret_cast<uint4*>(a.y + size_t(t) * a.H)[c8] = o;
+      o.x = num::bf16x2_encode(sum[v][0], sum[v][1]);
+      o.y = num::bf16x2_encode(sum[v][2], sum[v][3]);
+      o.z = num::bf16x2_encode(sum[v][4], sum[v][5]);
+      o.w = num::bf16x2_encode(sum[v][6], sum[v][7]);
+      reinterpret_cast<uint4*>(a.y + size_t(t) * a.H)[c8 + 32 * v] = o;
     }
   }
   pf.add(kPfCombine, t_comb);

@@ -35,10 +35,12 @@ constexpr int kTileSlots = 4;
 // against a static tail (0) -1.0 to -1.7 % for T = 8..256, T=4096 -1.5 %; 2 gained
 // less, 8 about as much (bench/results/ab/v14_pool.log).
 constexpr int kTailPool = 4;
-// Slots whose rows a combine lane loads at once (16 x 16 bytes in registers): every
-// slot of the presets (top-8 + shared) in one batch. (v13: two units a warp at once,
-// twice the loads in flight, did not move the combine's time.)
-constexpr int kCombineBatch = 16;
+// Slots whose rows a combine lane loads at once, kCombineVecs x 16 bytes each: every
+// slot of the presets (top-8 + shared) in one batch. (v13, rows gathered from the
+// expert-sorted order: two units a warp at once, twice the loads in flight, did not
+// move the combine's time. v15: the slots of a token are adjacent rows.)
+constexpr int kCombineBatch = 12;
+constexpr int kCombineVecs = 2;
 // 128-column groups of one token a phase-0 warp task quantizes and scatters (its loads
 // in flight at once: 4 x 256 bytes a warp), once a launch has kPhase0Groups times more
 // groups than warps; below that (decode) one group a task (fused_moe.cu, v13).
