@@ -911,6 +911,18 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   pf.add(kPfLoop, t_loop);
 }
 
+// A 4 x 4 transpose of 32-bit words inside each lane quad (ql = lane % 4): afterwards
+// w[m] is what lane m of the quad held in w[ql]. Two butterfly steps, two shuffles each.
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int ql) {
+  const bool b1 = ql & 2, b0 = ql & 1;
+  uint32_t r0 = __shfl_xor_sync(0xffffffffu, b1 ? w[0] : w[2], 2);
+  uint32_t r1 = __shfl_xor_sync(0xffffffffu, b1 ? w[1] : w[3], 2);
+  w[0] = b1 ? r0 : w[0], w[1] = b1 ? r1 : w[1], w[2] = b1 ? w[2] : r0, w[3] = b1 ? w[3] : r1;
+  r0 = __shfl_xor_sync(0xffffffffu, b0 ? w[0] : w[1], 1);
+  r1 = __shfl_xor_sync(0xffffffffu, b0 ? w[2] : w[3], 1);
+  w[0] = b0 ? r0 : w[0], w[2] = b0 ? r1 : w[2], w[1] = b0 ? w[1] : r0, w[3] = b0 ? w[3] : r1;
+}
+
 // Two E4M3 codes in one 16-bit word (lo in the low byte).
 __device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
   return uint16_t(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
@@ -1395,22 +1407,28 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         const float s0 = num::act_scale(m0), s1 = num::act_scale(m1);
         const float inv0 = 1.0f / s0, inv1 = 1.0f / s1;
-        const int col0 = tl.nblk * 64 + lcol;
-        if (n0 < tl.rows) {
-          uint8_t* dst = a.act2 + size_t(tl.row0 + n0) * a.inter_pitch + col0;
+        // A token's 64 codes sit in one lane quad, two bytes a lane every 8 columns: a
+        // 4 x 4 word transpose inside the quad gives each lane 16 adjacent bytes, one
+        // 16-byte store a row (v14: eight 2-byte stores a row).
+        const int ql = lane % 4;
+        auto store_row = [&](int n, int base, float inv, float s) {
+          uint32_t w[4];  // w[k]: columns 16k + lcol + {0, 1} (lo) and 16k + 8 + lcol + {0, 1} (hi)
 #pragma unroll
-          for (int i = 0; i < 8; ++i)
-            *reinterpret_cast<uint16_t*>(dst + 8 * i) = pack_e4m3x2(acc[8 * i] * inv0, acc[8 * i + 1] * inv0);
-          if (lane % 4 == 0) a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + n0] = s0;
-        }
-        if (n1r < tl.rows) {
-          uint8_t* dst = a.act2 + size_t(tl.row0 + n1r) * a.inter_pitch + col0;
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-            *reinterpret_cast<uint16_t*>(dst + 8 * i) =
-                pack_e4m3x2(acc[8 * i + 2] * inv1, acc[8 * i + 3] * inv1);
-          if (lane % 4 == 0) a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + n1r] = s1;
-        }
+          for (int k = 0; k < 4; ++k)
+            w[k] =
+                uint32_t(pack_e4m3x2(acc[16 * k + base] * inv, acc[16 * k + base + 1] * inv)) |
+                (uint32_t(pack_e4m3x2(acc[16 * k + 8 + base] * inv, acc[16 * k + 8 + base + 1] * inv)) << 16);
+          quad_transpose(w, ql);  // w[m]: lane m's word ql
+          if (n < tl.rows) {
+            const uint4 v = make_uint4(__byte_perm(w[0], w[1], 0x5410), __byte_perm(w[2], w[3], 0x5410),
+                                       __byte_perm(w[0], w[1], 0x7632), __byte_perm(w[2], w[3], 0x7632));
+            *reinterpret_cast<uint4*>(a.act2 + size_t(tl.row0 + n) * a.inter_pitch + tl.nblk * 64 + 16 * ql) =
+                v;
+            if (ql == 0) a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + n] = s;
+          }
+        };
+        store_row(n0, 0, inv0, s0);
+        store_row(n1r, 2, inv1, s1);
       }
       // act2 is read next by other CTAs' TMA (async proxy): the proxy fence, then the
       // signal thread's release of done1 (see tile_written).
