@@ -963,7 +963,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   Sched sc{tables, tables + (kMaxExpertsTotal + 1), tables + 2 * (kMaxExpertsTotal + 1)};
   float* red = reinterpret_cast<float*>(tail + SmemTail::kRed);                      // [8 warps][BN]
   float* tok_inv_scale = reinterpret_cast<float*>(tail + SmemTail::inv_scales(BN));  // [BN]
-  uint8_t* staging = tail + SmemTail::staging(BN);  // epilogue staging (SmemTail)
+  uint8_t* staging = tail + SmemTail::staging(BN);  // [8 warps][16 rows][128 B], tokens in M only
 
   Prof pf;
   const uint32_t t_start = pf.now();
@@ -1352,24 +1352,15 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (ctid < tl.rows) a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + ctid] = s;
         }
         sm90::named_barrier(1, kConsumerThreads);
-        // The codes go through the tile's [BN tokens][64 columns] staging, then out 16
-        // bytes a thread (v14 stored each code alone, one byte a lane).
-        const int col = wg * 32 + wwarp * 8 + lane / 4;
+        const int col = tl.nblk * 64 + wg * 32 + wwarp * 8 + lane / 4;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int n = j * 8 + lcol + c;
-            staging[n * 64 + col] = to_e4m3(acc[j * 4 + c] * tok_inv_scale[n]);
+            if (n < tl.rows)
+              a.act2[size_t(tl.row0 + n) * a.inter_pitch + col] = to_e4m3(acc[j * 4 + c] * tok_inv_scale[n]);
           }
-        }
-        sm90::named_barrier(1, kConsumerThreads);
-#pragma unroll
-        for (int i = ctid; i < BN * 4; i += kConsumerThreads) {
-          const int n = i / 4, q = i % 4;
-          if (n < tl.rows)
-            *reinterpret_cast<uint4*>(a.act2 + size_t(tl.row0 + n) * a.inter_pitch + tl.nblk * 64 + 16 * q) =
-                *reinterpret_cast<const uint4*>(staging + n * 64 + 16 * q);
         }
       } else {
         const int n0p = wg * 64 + lrow;
@@ -1447,9 +1438,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t t_fence = pf.now();
       sm90::fence_proxy_async_global();
       pf.add(kPfFence, t_fence);
-      if constexpr (kSwapAB)
-        sm90::named_barrier(1, kConsumerThreads);  // red[], staging free for the next tile
-      tile_written(a.units_base + tl.unit);        // done1[unit]
+      if constexpr (kSwapAB) sm90::named_barrier(1, kConsumerThreads);  // red[] is free for the next tile
+      tile_written(a.units_base + tl.unit);                             // done1[unit]
     } else {
       const float* wsc = shared ? a.sw2_scale + size_t(tl.nblk) * (a.Is / 128)
                                 : a.w2_scale + (size_t(tl.e) * (a.H / 128) + tl.nblk) * (a.I / 128);

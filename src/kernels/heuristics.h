@@ -95,13 +95,12 @@ struct SmemTail {
   static constexpr int kRed = kTables + 3 * (kMaxExpertsTotal + 1) * 4;  // float [8 warps][block_n]
   // float [block_n]: a decode GEMM1 tile's reciprocal token scales
   static constexpr int inv_scales(int block_n) { return kRed + 8 * block_n * 4; }
-  // Epilogue staging, 128-byte aligned (fused_moe.cu): tokens-in-M tiles, each consumer
-  // warp's 16 rows x 64 BF16 columns of a GEMM2 pass; swap-AB tiles, a GEMM1 tile's
-  // block_n token rows x 64 E4M3 codes.
+  // Tokens-in-M tiles: each consumer warp's 16 rows x 64 BF16 columns of a GEMM2
+  // epilogue pass (fused_moe.cu), 128-byte aligned.
   static constexpr int kStagingWarpBytes = 16 * 128;
   static constexpr int staging(int block_n) { return (inv_scales(block_n) + block_n * 4 + 127) / 128 * 128; }
   static constexpr int bytes(int block_n) {
-    return staging(block_n) + (swap_ab(block_n) ? block_n * 64 : 8 * kStagingWarpBytes);
+    return staging(block_n) + (swap_ab(block_n) ? 0 : 8 * kStagingWarpBytes);
   }
 };
 constexpr int fixed_smem_bytes(int block_n) { return 1024 + SmemTail::bytes(block_n); }  // + alignment slack
@@ -112,10 +111,8 @@ constexpr int stages_for(int block_n) {
 constexpr int smem_bytes(int block_n) {
   return fixed_smem_bytes(block_n) + stages_for(block_n) * stage_bytes(block_n);
 }
-// The epilogue staging (v15) fits beside the stages v14 had for every block_n.
-static_assert(stages_for(8) == 12 && stages_for(16) == 11 && stages_for(32) == 10 && stages_for(48) == 9 &&
-                  stages_for(64) == 8 && stages_for(128) == 6,
-              "stages per block_n");
+// The GEMM2 staging (v15) fits beside the six prefill stages v14 had.
+static_assert(stages_for(128) == 6, "prefill stages");
 
 // Token block (wgmma N): the smallest of kBlockNs that holds the average rows per
 // routed expert plus its spread (choose_config), so decode tiles waste few columns,
