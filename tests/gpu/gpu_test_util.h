@@ -4,11 +4,15 @@
 #include <cstdint>
 #include <vector>
 
+#include "megamoe/api/forward.h"
 #include "megamoe/model/shape.h"
 #include "megamoe/numerics/fp8.h"
 #include "megamoe/weights/host_weights.h"
 
 namespace megamoe::testutil {
+
+// A CUDA device to run on (the GPU tests skip without one).
+inline bool have_device() { return api::cuda_available(); }
 
 // n BF16 values drawn from N(0, 1), fresh per seed (never zeros).
 inline std::vector<num::bf16_t> random_x(size_t n, uint64_t seed) { return make_random_tokens(n, seed); }

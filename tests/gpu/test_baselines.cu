@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../../src/kernels/cuda_check.h"
+#include "gpu_test_util.h"
 #include "megamoe/bench/baselines.h"
 #include "megamoe/numerics/act_quant.h"
 #include "megamoe/numerics/fp8.h"
@@ -17,10 +18,7 @@
 namespace megamoe::bench {
 namespace {
 
-bool have_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
+using testutil::have_device;
 
 #define REQUIRE_DEVICE() \
   if (!have_device()) GTEST_SKIP() << "no CUDA device"

@@ -20,13 +20,12 @@
 namespace megamoe {
 namespace {
 
+using testutil::have_device;
 using testutil::odd_blocks_shape;
 using testutil::random_x;
 using testutil::reduced_shape;
 
 #define CK(call) ASSERT_EQ((call), cudaSuccess) << #call
-
-bool have_device() { return api::cuda_available(); }
 
 struct Compare {
   double rel_l2 = 0;

@@ -10,16 +10,14 @@
 #include <cstdio>
 
 #include "../../src/kernels/cuda_check.h"
+#include "gpu_test_util.h"
 #include "megamoe/numerics/act_quant.h"
 #include "megamoe/numerics/fp8.h"
 
 namespace megamoe::num {
 namespace {
 
-bool have_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
+using testutil::have_device;
 
 #define REQUIRE_DEVICE() \
   if (!have_device()) GTEST_SKIP() << "no CUDA device"
@@ -29,6 +27,15 @@ struct Counts {
   unsigned long long mismatches;  // bits differ
   unsigned int first_bad;         // an input that differs (valid if mismatches > 0)
 };
+
+// A thread's counts into the totals (any one differing input is kept).
+__device__ void report(Counts* out, unsigned long long checked, unsigned long long bad, unsigned int first) {
+  atomicAdd(&out->checked, checked);
+  if (bad) {
+    atomicAdd(&out->mismatches, bad);
+    out->first_bad = first;
+  }
+}
 
 __device__ __forceinline__ uint32_t hash32(uint32_t x) {
   x ^= x >> 16;
@@ -57,11 +64,7 @@ __global__ void swiglu_all_floats(float limit, Counts* out) {
       first = uint32_t(i);
     }
   }
-  atomicAdd(&out->checked, checked);
-  if (bad) {
-    atomicAdd(&out->mismatches, bad);
-    out->first_bad = first;
-  }
+  report(out, checked, bad, first);
 }
 
 // Every float pair (i, ~i) but NaN: bf16x2_encode == two bf16_encode.
@@ -79,11 +82,7 @@ __global__ void bf16_all_floats(Counts* out) {
       first = uint32_t(i);
     }
   }
-  atomicAdd(&out->checked, checked);
-  if (bad) {
-    atomicAdd(&out->mismatches, bad);
-    out->first_bad = first;
-  }
+  report(out, checked, bad, first);
 }
 
 Counts run(void (*launch)(Counts*)) {

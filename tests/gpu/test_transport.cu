@@ -8,16 +8,14 @@
 #include <vector>
 
 #include "../../src/kernels/cuda_check.h"
+#include "gpu_test_util.h"
 #include "megamoe/model/shape.h"
 #include "megamoe/transport/transport.h"
 
 namespace megamoe::transport {
 namespace {
 
-bool have_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
+using testutil::have_device;
 
 // Thread q of rank t.rank: signals[kCounts][t.rank] of peer q = epoch * 16 + rank.
 __global__ void stamp_peers(PeerTable t, size_t signals_offset, uint64_t epoch) {
