@@ -356,8 +356,6 @@ __device__ __forceinline__ int slot_row(const KernelArgs& a, const Sched& sc, in
   return -1;
 }
 
-// Exclusive prefix sums of n values by one warp: store(i, sum of val(j) for j < i)
-// for i < n; returns the total (in every lane).
 // The row the combine reads for token t's slot `lane`: single device y_rows[t][slot]
 // (none for a routed slot without an expert, id -1), expert parallelism slot_row's.
 template <bool kEp>
@@ -369,6 +367,8 @@ __device__ __forceinline__ int combine_row(const KernelArgs& a, const Sched& sc,
   return lane < slots ? t * slots + lane : -1;
 }
 
+// Exclusive prefix sums of n values by one warp: store(i, sum of val(j) for j < i)
+// for i < n; returns the total (in every lane).
 template <typename Val, typename Store>
 __device__ __forceinline__ int warp_scan_exclusive(int n, int lane, Val val, Store store) {
   int carry = 0;
@@ -650,7 +650,7 @@ __device__ __forceinline__ void run_swiglu(Rows& rows, bool fast, float limit) {
     rows([](float g, float u, float l, float w) { return num::swiglu(g, u, l, w); }, limit);
 }
 
-// The row_src entry of sorted row `row` (none past the tile's rows).
+// The row_src entry of the tile's row n (0 past tl.rows: nothing is stored there).
 __device__ __forceinline__ int32_t load_row_src(const KernelArgs& a, const Tile& tl, int n) {
   return n < tl.rows ? __ldcg(a.row_src + tl.row0 + n) : 0;
 }
