@@ -4,12 +4,15 @@
 # and the MEGAMOE_* measurement variables in fused_moe.cu) compare in one call.
 # Usage: scripts/device_ab.sh BIN_DIR VARIANTS_FILE > $OUT/ab.log
 #   a variant line: LABEL | ENV=VAL ENV2=VAL2 | bench arguments   ('#' lines are skipped)
+#   BIN_DIR/LABEL/megamoe, when present, runs that line (old / new builds interleaved);
+#   otherwise BIN_DIR/megamoe.
 set -uo pipefail
 bin=$1 file=$2
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 while IFS='|' read -r label envs args; do
   label=$(echo "$label" | xargs)
   [ -z "$label" ] || [ "${label:0:1}" = "#" ] && continue
+  b=$bin; [ -x "$bin/$label/megamoe" ] && b=$bin/$label
   # shellcheck disable=SC2086
-  env $envs timeout 150 "$bin/megamoe" bench $args 2>&1 | grep -E " T=" | sed "s/^/$label | /"
+  env $envs timeout 150 "$b/megamoe" bench $args 2>&1 | grep -E " T=" | sed "s/^/$label | /"
 done < "$file"
