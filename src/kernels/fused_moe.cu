@@ -1480,7 +1480,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         // chunks, four rows of 128 bytes a warp instruction. (v14 stored 4 bytes a
         // lane straight from the fragment, 32 stores a thread: ncu found the
         // epilogue waiting on the LSU queue.)
-        const uint32_t stg = sm90::smem_u32(staging + cwarp * SmemTail::kStagingWarpBytes);
+        const uint8_t* warp_tile = staging + cwarp * SmemTail::kStagingWarpBytes;
+        const uint32_t stg = sm90::smem_u32(warp_tile);
         const int chunk = lane % 8;
         uint16_t* dst[4];  // rows 4k + lane / 8 of the warp's 16
 #pragma unroll
@@ -1509,8 +1510,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
             const int r = 4 * k + lane / 8;
-            const uint4 v = *reinterpret_cast<const uint4*>(staging + cwarp * SmemTail::kStagingWarpBytes +
-                                                            r * 128 + ((chunk ^ (r % 8)) * 16));
+            const uint4 v = *reinterpret_cast<const uint4*>(warp_tile + r * 128 + ((chunk ^ (r % 8)) * 16));
             if (dst[k]) *reinterpret_cast<uint4*>(dst[k] + pass * 64) = v;
           }
           __syncwarp();  // the tile is free for the next pass (or tile)
