@@ -26,17 +26,41 @@ struct ExpertWeights {
 ExpertWeights routed_expert(const MoeShape& s, const MoeWeightsView& w, int e);
 ExpertWeights shared_expert(const MoeShape& s, const MoeWeightsView& w);
 
-// x -> E4M3 per token per 128 columns (SPEC §4): codes q [T][H], scales
-// s [T][ceil(H/128)], and the decoded codes xf [T][H] (exact E4M3 values as
-// float, the operand the GEMM kernels below read).
-void quantize_acts(const num::bf16_t* x, int T, int H, uint8_t* q, float* s, float* xf);
+// E4M3 codes split for the tensor-core model (num::fp8_mma_step): per code the signed
+// significand (hidden bit included) and the exponent field, zero codes at kSplitZeroExp
+// and NaN codes at kSplitNanExp, so one max over exponent sums finds a step's largest
+// product and any NaN.
+constexpr int kSplitZeroExp = -100;
+constexpr int kSplitNanExp = 120;
+struct SplitRow {
+  const int8_t* sig = nullptr;
+  const int8_t* exp = nullptr;
+};
+struct SplitCodes {
+  std::vector<int8_t> sig, exp;
+  int cols = 0;
+  SplitCodes() = default;
+  SplitCodes(const uint8_t* q, size_t rows, int cols);
+  SplitRow row(size_t r) const { return {sig.data() + r * cols, exp.data() + r * cols}; }
+};
+void split_e4m3(const uint8_t* q, size_t n, int8_t* sig, int8_t* exp);
+
+// The block dot products both GEMMs are built from, as the kernel's tensor cores
+// compute them: part[j*nb + b] = the chain of wgmma k-steps (num::fp8_mma_chain) over
+// the columns of block b (`blk` wide, a multiple of num::kMmaStepK; the last block
+// may be partial; nb = ceil(n/blk)) of the codes w[c] times a[j][c], for j < m.
+void dot_e4m3_mma_blocks(const uint8_t* w, int n, int blk, const SplitRow* a, int m, float* part);
+
+// x -> E4M3 per token per 128 columns (SPEC §4): codes q [T][H] and scales
+// s [T][ceil(H/128)].
+void quantize_acts(const num::bf16_t* x, int T, int H, uint8_t* q, float* s);
 
 // The rows one expert processes in kernel-faithful mode. Row j reads the
-// activation xf[rows[j]][:] with scales s[rows[j]][:], is weighted by
+// activation codes xq.row(rows[j]) with scales s[rows[j]][:], is weighted by
 // weight[j] (1.0 for the shared expert) and writes H bf16 values to out[j].
 struct FaithfulTask {
   ExpertWeights w;
-  const float* xf = nullptr;
+  const SplitCodes* xq = nullptr;
   const float* s = nullptr;
   std::vector<int32_t> rows;
   std::vector<float> weight;
@@ -52,17 +76,6 @@ void run_faithful(const MoeShape& s, std::vector<FaithfulTask>& tasks, int threa
 void combine_faithful(const num::bf16_t* slots, const uint8_t* valid, int T, int S, int H, float* y);
 
 int resolve_threads(int requested);
-
-// The exact block dot products both GEMMs are built from:
-// part[j*nb + b] = sum over the columns c of block b (`blk` wide, the last one
-// may be partial; nb = ceil(n/blk)) of e4m3(w[c]) * a[j][c], for j < m.
-// NOTE: the a[j][c] must be E4M3 values (or NaN): every product is then a
-// multiple of 2^-18 below 2^18, so a double sum of up to 2^16 of them is exact
-// in any order; vectorized and scalar paths give the same bits.
-void dot_e4m3_blocks(const uint8_t* w, int n, int blk, const float* const* a, int m, double* part);
-// The portable path alone (the dispatcher above may pick a SIMD one); tests
-// check both agree bit for bit.
-void dot_e4m3_blocks_portable(const uint8_t* w, int n, int blk, const float* const* a, int m, double* part);
 
 // Runs f(i) for i in [0, n) on up to `threads` threads (the caller is one of
 // them); items are claimed from an atomic counter.

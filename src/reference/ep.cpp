@@ -44,7 +44,8 @@ EpStats moe_layer_ep(const MoeShape& s, const MoeWeightsView& w, int R, std::spa
     std::vector<int32_t> ids;
     std::vector<float> wts;
     std::vector<uint8_t> q;
-    std::vector<float> sx, xf;
+    std::vector<float> sx;
+    detail::SplitCodes xq;
     std::vector<num::bf16_t> slots;  // [T][S][H]: where results come back
     std::vector<uint8_t> valid;      // [T][S]
   };
@@ -56,12 +57,12 @@ EpStats moe_layer_ep(const MoeShape& s, const MoeWeightsView& w, int R, std::spa
     L.wts.resize(size_t(T) * K);
     L.q.resize(size_t(T) * H);
     L.sx.resize(size_t(T) * hb);
-    L.xf.resize(size_t(T) * H);
     L.slots.resize(size_t(T) * S * H);
     L.valid.assign(size_t(T) * S, 0);
     if (T == 0) continue;
     route(s, w, ranks[r].x, T, L.ids.data(), L.wts.data());
-    detail::quantize_acts(ranks[r].x, T, H, L.q.data(), L.sx.data(), L.xf.data());
+    detail::quantize_acts(ranks[r].x, T, H, L.q.data(), L.sx.data());
+    L.xq = detail::SplitCodes(L.q.data(), T, H);
     if (!ids.empty() && ids[r]) std::copy(L.ids.begin(), L.ids.end(), ids[r]);
     if (!weights.empty() && weights[r]) std::copy(L.wts.begin(), L.wts.end(), weights[r]);
   }
@@ -84,7 +85,8 @@ EpStats moe_layer_ep(const MoeShape& s, const MoeWeightsView& w, int R, std::spa
   // (expert ids and weights for all K slots) and where it came from.
   struct Recv {
     std::vector<uint8_t> q;
-    std::vector<float> sx, xf;
+    std::vector<float> sx;
+    detail::SplitCodes xq;
     std::vector<int32_t> ids;
     std::vector<float> wts;
     std::vector<int32_t> src_rank, src_token;
@@ -100,7 +102,6 @@ EpStats moe_layer_ep(const MoeShape& s, const MoeWeightsView& w, int R, std::spa
     Recv& rv = recv[d];
     rv.q.resize(size_t(total) * H);
     rv.sx.resize(size_t(total) * hb);
-    rv.xf.resize(size_t(total) * H);
     rv.ids.resize(size_t(total) * K);
     rv.wts.resize(size_t(total) * K);
     rv.src_rank.resize(total);
@@ -131,8 +132,8 @@ EpStats moe_layer_ep(const MoeShape& s, const MoeWeightsView& w, int R, std::spa
     Recv& rv = recv[d];
     if (int64_t(rv.rows) != int64_t(rv.src_rank.size()))
       throw std::logic_error("moe_layer_ep: receive count disagrees with the exchanged counts");
-    // The receiving rank decodes its FP8 rows for the GEMM operand.
-    for (size_t i = 0; i < rv.q.size(); ++i) rv.xf[i] = num::e4m3_decode(rv.q[i]);
+    // The receiving rank splits its FP8 rows for the GEMM operand.
+    rv.xq = detail::SplitCodes(rv.q.data(), rv.rows, H);
   }
 
   // ---- 4. local compute: results land in the destination's result buffer ----
@@ -158,7 +159,7 @@ EpStats moe_layer_ep(const MoeShape& s, const MoeWeightsView& w, int R, std::spa
       const int e = d * per_rank + le;
       detail::FaithfulTask tk;
       tk.w = detail::routed_expert(s, w, e);
-      tk.xf = rv.xf.data();
+      tk.xq = &rv.xq;
       tk.s = rv.sx.data();
       for (int row = 0; row < rv.rows; ++row)
         for (int k = 0; k < K; ++k) {
@@ -181,7 +182,7 @@ EpStats moe_layer_ep(const MoeShape& s, const MoeWeightsView& w, int R, std::spa
       Local& L = loc[r];
       detail::FaithfulTask tk;
       tk.w = detail::shared_expert(s, w);
-      tk.xf = L.xf.data();
+      tk.xq = &L.xq;
       tk.s = L.sx.data();
       for (int t = 0; t < ranks[r].T; ++t) {
         tk.rows.push_back(t);

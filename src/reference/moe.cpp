@@ -1,9 +1,8 @@
 // The CPU reference of one MoE layer (SPEC §7) in its two modes: kExact
 // (float64 oracle of the math) and kKernelFaithful (the Hopper kernel's
-// arithmetic, bit for bit). Work is grouped by expert so each weight row is
-// decoded once for all the rows routed to it, and split into (expert, column
-// group) items over threads; every output element has one owner, so results
-// do not depend on the thread count.
+// arithmetic, bit for bit: its tensor-core partial sums run num::fp8_mma_step). Work is grouped by expert so
+// each weight row is decoded once for all the rows routed to it, and split into (expert, column group) items
+// over threads; every output element has one owner, so results do not depend on the thread count.
 #include "megamoe/reference/moe.h"
 
 #include <cmath>
@@ -31,7 +30,7 @@ int resolve_threads(int requested) {
   return hc ? int(hc) : 1;
 }
 
-void quantize_acts(const num::bf16_t* x, int T, int H, uint8_t* q, float* s, float* xf) {
+void quantize_acts(const num::bf16_t* x, int T, int H, uint8_t* q, float* s) {
   const int hb = MoeWeightLayout::hidden_blocks(H);
   for (int t = 0; t < T; ++t) {
     for (int b = 0; b < hb; ++b) {
@@ -44,7 +43,6 @@ void quantize_acts(const num::bf16_t* x, int T, int H, uint8_t* q, float* s, flo
       for (int c = c0; c < c1; ++c) {
         const size_t i = size_t(t) * H + c;
         q[i] = num::act_quant(num::bf16_decode(x[i]), inv);
-        xf[i] = num::e4m3_decode(q[i]);
       }
     }
   }
@@ -55,10 +53,11 @@ void run_faithful(const MoeShape& s, std::vector<FaithfulTask>& tasks, int threa
   const int hb = MoeWeightLayout::hidden_blocks(H);
   const float limit = s.swiglu_limit;
 
-  // Per task: the requantized SwiGLU output (decoded E4M3 values) [n][I] and
+  // Per task: the requantized SwiGLU output (E4M3 codes, then split) [n][I] and
   // its scales [n][ceil(I/64)]: the second GEMM's operand.
   struct Inter {
-    std::vector<float> a;
+    std::vector<uint8_t> q;
+    SplitCodes a;
     std::vector<float> s;
     int groups = 0;
   };
@@ -72,7 +71,7 @@ void run_faithful(const MoeShape& s, std::vector<FaithfulTask>& tasks, int threa
     if (n == 0) continue;
     const int I = tasks[i].w.inter;
     inter[i].groups = ceil_div(I, num::kInterGroup);
-    inter[i].a.resize(size_t(n) * I);
+    inter[i].q.resize(size_t(n) * I);
     inter[i].s.resize(size_t(n) * inter[i].groups);
     for (int g = 0; g < inter[i].groups; ++g) items1.push_back({int(i), g});
     // GEMM2 items: 64 output columns each (the same granularity as phase 1).
@@ -88,21 +87,21 @@ void run_faithful(const MoeShape& s, std::vector<FaithfulTask>& tasks, int threa
     const int g = items1[it].group, I = tk.w.inter, n = int(tk.rows.size());
     const int ib = MoeWeightLayout::inter_blocks(I);
     const int c0 = g * num::kInterGroup, c1 = std::min(I, c0 + num::kInterGroup), width = c1 - c0;
-    std::vector<const float*> arows(n);
-    for (int j = 0; j < n; ++j) arows[j] = tk.xf + size_t(tk.rows[j]) * H;
+    std::vector<SplitRow> arows(n);
+    for (int j = 0; j < n; ++j) arows[j] = tk.xq->row(tk.rows[j]);
     // The kernel folds every num::kFoldK-deep partial sum with its block's scales.
     const int nf = ceil_div(H, num::kFoldK);
-    std::vector<double> part(size_t(n) * nf);
+    std::vector<float> part(size_t(n) * nf);
     std::vector<float> acc_g(size_t(n) * width), acc_u(size_t(n) * width);
     auto gemm1_row = [&](int wrow, int srow, float* out, int col) {
-      dot_e4m3_blocks(tk.w.w13 + size_t(wrow) * H, H, num::kFoldK, arows.data(), n, part.data());
+      dot_e4m3_mma_blocks(tk.w.w13 + size_t(wrow) * H, H, num::kFoldK, arows.data(), n, part.data());
       const float* sw = tk.w.w13_scale + size_t(srow) * hb;
       for (int j = 0; j < n; ++j) {
         const float* sx = tk.s + size_t(tk.rows[j]) * hb;
         float acc = 0.0f;
         for (int f = 0; f < nf; ++f) {
           const int kb = f * num::kFoldK / kWeightBlock;
-          acc = std::fmaf(float(part[size_t(j) * nf + f]), sx[kb] * sw[kb], acc);
+          acc = std::fmaf(part[size_t(j) * nf + f], sx[kb] * sw[kb], acc);
         }
         out[size_t(j) * width + col] = acc;
       }
@@ -121,10 +120,14 @@ void run_faithful(const MoeShape& s, std::vector<FaithfulTask>& tasks, int threa
       const float s2 = num::act_scale(amax);
       const float inv = 1.0f / s2;
       md.s[size_t(j) * md.groups + g] = s2;
-      float* dst = md.a.data() + size_t(j) * I + c0;
-      for (int c = 0; c < width; ++c) dst[c] = num::e4m3_decode(num::act_quant(a[c], inv));
+      uint8_t* dst = md.q.data() + size_t(j) * I + c0;
+      for (int c = 0; c < width; ++c) dst[c] = num::act_quant(a[c], inv);
     }
   });
+
+  for (size_t i = 0; i < tasks.size(); ++i)
+    if (!tasks[i].rows.empty())
+      inter[i].a = SplitCodes(inter[i].q.data(), tasks[i].rows.size(), tasks[i].w.inter);
 
   // Phase 2: y_k[h] for 64 output columns h of one task: per 64-deep block of
   // I an exact partial, folded with s2 * w2_scale[h/128][k/128]; then bf16.
@@ -134,18 +137,18 @@ void run_faithful(const MoeShape& s, std::vector<FaithfulTask>& tasks, int threa
     const int I = tk.w.inter, n = int(tk.rows.size()), ng = md.groups;
     const int ib = MoeWeightLayout::inter_blocks(I);
     const int h0 = items2[it].group * 64, h1 = std::min(H, h0 + 64);
-    std::vector<const float*> arows(n);
-    for (int j = 0; j < n; ++j) arows[j] = md.a.data() + size_t(j) * I;
-    std::vector<double> part(size_t(n) * ng);
+    std::vector<SplitRow> arows(n);
+    for (int j = 0; j < n; ++j) arows[j] = md.a.row(j);
+    std::vector<float> part(size_t(n) * ng);
     for (int h = h0; h < h1; ++h) {
-      dot_e4m3_blocks(tk.w.w2 + size_t(h) * I, I, num::kInterGroup, arows.data(), n, part.data());
+      dot_e4m3_mma_blocks(tk.w.w2 + size_t(h) * I, I, num::kInterGroup, arows.data(), n, part.data());
       const float* sw = tk.w.w2_scale + size_t(h / kWeightBlock) * ib;
       for (int j = 0; j < n; ++j) {
         const float* s2 = md.s.data() + size_t(j) * ng;
         float acc = 0.0f;
         for (int g = 0; g < ng; ++g) {
           const float swk = sw[g * num::kInterGroup / kWeightBlock];
-          acc = std::fmaf(float(part[size_t(j) * ng + g]), s2[g] * swk, acc);
+          acc = std::fmaf(part[size_t(j) * ng + g], s2[g] * swk, acc);
         }
         tk.out[j][h] = num::bf16_encode(acc);
       }
@@ -291,15 +294,16 @@ void layer_faithful(const MoeShape& s, const MoeWeightsView& w, const num::bf16_
   const int H = s.hidden, K = s.topk, S = s.slots();
   const int hb = MoeWeightLayout::hidden_blocks(H);
   std::vector<uint8_t> q(size_t(T) * H);
-  std::vector<float> sx(size_t(T) * hb), xf(size_t(T) * H);
-  detail::quantize_acts(x, T, H, q.data(), sx.data(), xf.data());
+  std::vector<float> sx(size_t(T) * hb);
+  detail::quantize_acts(x, T, H, q.data(), sx.data());
+  const detail::SplitCodes xq(q.data(), T, H);
 
   std::vector<num::bf16_t> slots(size_t(T) * S * H);
   std::vector<uint8_t> valid(size_t(T) * S, 0);
   std::vector<detail::FaithfulTask> tasks(s.experts + (s.has_shared() ? 1 : 0));
   for (int e = 0; e < s.experts; ++e) {
     tasks[e].w = detail::routed_expert(s, w, e);
-    tasks[e].xf = xf.data();
+    tasks[e].xq = &xq;
     tasks[e].s = sx.data();
   }
   // Rows in (token, slot) order within each expert: any order gives the same
@@ -316,7 +320,7 @@ void layer_faithful(const MoeShape& s, const MoeWeightsView& w, const num::bf16_
   if (s.has_shared()) {
     auto& sh = tasks.back();
     sh.w = detail::shared_expert(s, w);
-    sh.xf = xf.data();
+    sh.xq = &xq;
     sh.s = sx.data();
     for (int t = 0; t < T; ++t) {
       sh.rows.push_back(t);

@@ -10,6 +10,7 @@
 
 #include "../../src/reference/engine.h"  // the internal dot kernels
 #include "megamoe/numerics/act_quant.h"
+#include "megamoe/numerics/mma_model.h"
 #include "megamoe/reference/moe.h"
 #include "megamoe/weights/host_weights.h"
 #include "support.h"
@@ -290,10 +291,9 @@ std::vector<float> naive_faithful(const MoeShape& s, const HostMoeWeights& hw,
         float acc = 0.0f;
         for (int f = 0; f * 64 < H; ++f) {  // folded every 64 columns, scales of block f / 2
           const int b = f / 2;
-          double p = 0;
-          for (int h = f * 64; h < std::min(H, f * 64 + 64); ++h)
-            p += double(num::e4m3_decode(w13[size_t(r) * H + h])) * num::e4m3_decode(qx[h]);
-          acc = std::fmaf(float(p), sx[b] * s13[srow * hb + b], acc);
+          const float p =
+              num::fp8_mma_chain(w13 + size_t(r) * H + f * 64, qx.data() + f * 64, std::min(H - f * 64, 64));
+          acc = std::fmaf(p, sx[b] * s13[srow * hb + b], acc);
         }
         return acc;
       };
@@ -313,10 +313,9 @@ std::vector<float> naive_faithful(const MoeShape& s, const HostMoeWeights& hw,
       for (int h = 0; h < H; ++h) {
         float acc = 0.0f;
         for (int g = 0; g < ng; ++g) {
-          double p = 0;
-          for (int i = g * 64; i < std::min(In, g * 64 + 64); ++i)
-            p += double(num::e4m3_decode(w2[size_t(h) * In + i])) * num::e4m3_decode(qa[i]);
-          acc = std::fmaf(float(p), sa[g] * s2[(h / 128) * ibn + g * 64 / 128], acc);
+          const float p =
+              num::fp8_mma_chain(w2 + size_t(h) * In + g * 64, qa.data() + g * 64, std::min(In - g * 64, 64));
+          acc = std::fmaf(p, sa[g] * s2[(h / 128) * ibn + g * 64 / 128], acc);
         }
         out[h] = num::bf16_decode(num::bf16_encode(acc));
       }
@@ -357,30 +356,37 @@ TEST(Layer, FaithfulMatchesNaiveTranscriptionBytes) {
   EXPECT_TRUE(test::same_bytes(y, naive_faithful(s, w, x, T, r.ids, r.wts), s.hidden));
 }
 
-TEST(Layer, DotKernelsAgreeBitForBit) {
-  // Every code (subnormals, +-448, NaN), odd lengths and partial blocks: the
-  // dispatched (SIMD where available) and portable paths give the same bits.
+TEST(Layer, DotMatchesTheMmaModel) {
+  // Every code (subnormals, zeros, +-448, NaN), lengths with partial steps and blocks:
+  // the reference's split-code dot equals chains of num::fp8_mma_step on the codes.
   std::mt19937_64 rng(5);
-  for (int n : {1, 7, 64, 100, 128, 333}) {
+  for (int n : {1, 7, 32, 64, 100, 128, 333}) {
     for (int m : {1, 3, 4, 6}) {
-      std::vector<uint8_t> w(n);
-      std::vector<std::vector<float>> a(m, std::vector<float>(n));
-      std::vector<const float*> ap(m);
-      for (auto& b : w) b = uint8_t(rng());
-      for (int j = 0; j < m; ++j) {
-        for (auto& v : a[j]) v = num::e4m3_decode(uint8_t(rng() & 0x7E));  // finite activations
-        ap[j] = a[j].data();
-      }
-      const int blk = 64, nb = (n + blk - 1) / blk;
-      std::vector<double> p1(size_t(m) * nb), p2(size_t(m) * nb);
-      ref::detail::dot_e4m3_blocks(w.data(), n, blk, ap.data(), m, p1.data());
-      ref::detail::dot_e4m3_blocks_portable(w.data(), n, blk, ap.data(), m, p2.data());
-      for (size_t i = 0; i < p1.size(); ++i) {
-        if (std::isnan(p2[i])) {
-          EXPECT_TRUE(std::isnan(p1[i])) << "n " << n << " m " << m << " i " << i;
-        } else {
-          EXPECT_EQ(p1[i], p2[i]) << "n " << n << " m " << m << " i " << i;
+      for (int blk : {64, 128}) {
+        std::vector<uint8_t> w(n);
+        std::vector<std::vector<uint8_t>> a(m, std::vector<uint8_t>(n));
+        for (auto& b : w) b = uint8_t(rng());
+        std::vector<ref::detail::SplitCodes> split;
+        std::vector<ref::detail::SplitRow> ap(m);
+        for (int j = 0; j < m; ++j) {
+          for (auto& v : a[j]) v = uint8_t(rng() % 8 == 0 ? 0 : rng());  // zeros and NaN codes too
+          split.emplace_back(a[j].data(), 1, n);
         }
+        for (int j = 0; j < m; ++j) ap[j] = split[j].row(0);
+        const int nb = (n + blk - 1) / blk;
+        std::vector<float> p(size_t(m) * nb);
+        ref::detail::dot_e4m3_mma_blocks(w.data(), n, blk, ap.data(), m, p.data());
+        for (int j = 0; j < m; ++j)
+          for (int b = 0; b < nb; ++b) {
+            const float want =
+                num::fp8_mma_chain(w.data() + b * blk, a[j].data() + b * blk, std::min(blk, n - b * blk));
+            const float got = p[size_t(j) * nb + b];
+            if (std::isnan(want))
+              EXPECT_TRUE(std::isnan(got)) << "n " << n << " m " << m << " j " << j << " b " << b;
+            else
+              EXPECT_EQ(num::float_bits(got), num::float_bits(want))
+                  << "n " << n << " m " << m << " j " << j << " b " << b;
+          }
       }
     }
   }

@@ -15,6 +15,7 @@
 
 #include "megamoe/numerics/act_quant.h"
 #include "megamoe/numerics/fp8.h"
+#include "megamoe/numerics/mma_model.h"
 #include "megamoe/numerics/quant.h"
 
 namespace mn = megamoe::num;
@@ -332,6 +333,54 @@ TEST(NumericsMxfp8, QuantizeMatchesTheRule) {
         ASSERT_LE(std::fabs(back - v), std::max(std::fabs(v) * 0.0625f, pow2(-10) * scale)) << r << "," << c;
       }
     }
+}
+
+// ------------------------------------------------- tensor-core model ----
+// Hand-worked k-steps of num::fp8_mma_step (the GPU test checks the model against
+// the hardware itself).
+
+TEST(MmaModel, ExactWhenNothingFallsBelowTheAlignment) {
+  const uint8_t a[3] = {mn::e4m3_encode(1.5f), mn::e4m3_encode(-2.0f), mn::e4m3_encode(0.25f)};
+  const uint8_t b[3] = {mn::e4m3_encode(3.0f), mn::e4m3_encode(0.75f), mn::e4m3_encode(-8.0f)};
+  EXPECT_EQ(mn::fp8_mma_step(0.0f, a, b, 3), 4.5f - 1.5f - 2.0f);
+  EXPECT_EQ(mn::fp8_mma_step(0.5f, a, b, 3), 1.5f);
+}
+
+TEST(MmaModel, TermsBelowTheAlignmentAreTruncatedTowardZero) {
+  // Largest product 1 (exponent 0): terms are multiples of 2^-13.
+  const uint8_t one = mn::e4m3_encode(1.0f);
+  const uint8_t a[2] = {one, mn::e4m3_encode(pow2(-7))};  // 2^-7 is subnormal in E4M3
+  const uint8_t b[2] = {one, mn::e4m3_encode(pow2(-7))};
+  EXPECT_EQ(mn::fp8_mma_step(0.0f, a, b, 2), 1.0f);  // + 2^-14 dropped (a float keeps it)
+  const uint8_t bn[2] = {one, mn::e4m3_encode(-pow2(-7))};
+  EXPECT_EQ(mn::fp8_mma_step(0.0f, a, bn, 2), 1.0f);  // - 2^-14 dropped: toward zero, not down
+  // The accumulator is truncated the same way.
+  EXPECT_EQ(mn::fp8_mma_step(1.0f + pow2(-20), a, b, 1), 2.0f);
+}
+
+TEST(MmaModel, TheSumKeepsFourteenSignificantBits) {
+  // 1 + 1 + 2^-13 = 16385 units of 2^-13: 15 bits, the last one dropped.
+  const uint8_t one = mn::e4m3_encode(1.0f);
+  const uint8_t a[3] = {one, one, mn::e4m3_encode(pow2(-9))};
+  const uint8_t b[3] = {one, one, mn::e4m3_encode(pow2(-4))};
+  EXPECT_EQ(mn::fp8_mma_step(0.0f, a, b, 3), 2.0f);
+  EXPECT_EQ(mn::fp8_mma_step(0.0f, a + 1, b + 1, 2), 1.0f + pow2(-13));  // 14 bits: kept
+}
+
+TEST(MmaModel, ZerosAndNaN) {
+  const uint8_t z[2] = {0x00, 0x80}, big[2] = {mn::e4m3_encode(448.0f), mn::e4m3_encode(-448.0f)};
+  EXPECT_EQ(mn::fp8_mma_step(0.0f, z, big, 2), 0.0f);
+  EXPECT_EQ(mn::fp8_mma_step(3.0f, z, big, 2), 3.0f);
+  const uint8_t nan[2] = {0x00, mn::kE4M3NaN};
+  EXPECT_TRUE(std::isnan(mn::fp8_mma_step(0.0f, nan, z, 2)));  // NaN x 0
+  EXPECT_TRUE(std::isnan(mn::fp8_mma_step(NAN, z, z, 2)));
+}
+
+TEST(MmaModel, ChainFoldsStepsOfThirtyTwo) {
+  // 64 products of 1: two steps, exact (64 < 2^14 units of the first step).
+  std::vector<uint8_t> ones(64, mn::e4m3_encode(1.0f));
+  EXPECT_EQ(mn::fp8_mma_chain(ones.data(), ones.data(), 64), 64.0f);
+  EXPECT_EQ(mn::fp8_mma_chain(ones.data(), ones.data(), 40), 40.0f);
 }
 
 }  // namespace

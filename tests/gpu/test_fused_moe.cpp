@@ -31,6 +31,7 @@ struct Compare {
   double rel_l2 = 0;
   int64_t bad = 0;
   int64_t nonfinite = 0;
+  int64_t differ = 0;  // outputs whose bits are not the reference's
   std::string first;
 };
 
@@ -53,6 +54,7 @@ Compare compare(const std::vector<num::bf16_t>& y, const std::vector<float>& ref
     }
     num += (a - r) * (a - r);
     den += r * r;
+    c.differ += a != r;
     if (std::fabs(a - r) > atol + rtol * std::fabs(r)) {
       if (c.bad == 0)
         c.first = "token " + std::to_string(i / H) + " col " + std::to_string(i % H) + ": got " +
@@ -130,8 +132,8 @@ void check_against_reference(const MoeShape& s, int T, uint64_t seed, double l2_
   std::vector<float> ref(size_t(T) * s.hidden);
   ref::moe_layer(s, w.view(), x.data(), T, ids.data(), wts.data(), ref::Mode::kKernelFaithful, ref.data());
   const Compare c = compare(g.y, ref, s.hidden);
-  std::printf("  %s T=%d: rel_l2 %.3e, bad %lld / %zu, config %s\n", s.describe().c_str(), T, c.rel_l2,
-              (long long)c.bad, ref.size(), layer.config_for(T).c_str());
+  std::printf("  %s T=%d: rel_l2 %.3e, bad %lld, differ %lld / %zu, config %s\n", s.describe().c_str(), T,
+              c.rel_l2, (long long)c.bad, (long long)c.differ, ref.size(), layer.config_for(T).c_str());
   EXPECT_EQ(c.nonfinite, 0) << c.first;
   EXPECT_LE(c.rel_l2, l2_tol) << c.first;
   EXPECT_EQ(c.bad, 0) << c.first;
