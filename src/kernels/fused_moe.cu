@@ -26,8 +26,9 @@
 // GEMM2 tile: 128 hidden outputs x block_n rows over K = I; BF16 results go to
 // per-slot rows y_rows, on one device at [token][slot] (each sorted row's place
 // from row_src, written in phase 0), so a token's slot rows are adjacent for the
-// combine. Both GEMMs fold the tensor-core partial sum every 64
-// columns (num::kFoldK) with scale_act * scale_w in float32. Finally every CTA
+// combine. GEMM1 folds the tensor-core partial sum every 128 columns
+// (num::kGemm1FoldK), GEMM2 every 64 (num::kInterGroup), with scale_act * scale_w
+// in float32. Finally every CTA
 // reduces a share of the tokens over their slots in ascending order (routed
 // 0..K-1, then shared): the output bytes do not depend on tile sizes or SM
 // count.
@@ -54,6 +55,7 @@
 #include "megamoe/kernels/fused_moe.h"
 #include "megamoe/kernels/tile_schedule.h"
 #include "megamoe/numerics/act_quant.h"
+#include "megamoe/numerics/mma_model.h"
 #include "route.cuh"
 #include "sm90_ptx.cuh"
 
@@ -656,15 +658,17 @@ __device__ __forceinline__ int32_t load_row_src(const KernelArgs& a, const Tile&
 }
 
 // ---------------------------------------------------------------------------
-// K loops of a consumer warpgroup. Per stage two 64-deep halves (num::kFoldK):
-// each is two wgmma into a register buffer (scale_d = 0 first), then folded
-// into the float32 accumulator as acc += part * (scale_x * scale_w).
+// K loops of a consumer warpgroup. A chain of wgmma into a register buffer
+// (scale_d = 0 first) is folded into the float32 accumulator as
+// acc += part * (scale_x * scale_w): in GEMM1 one chain of four a stage
+// (num::kGemm1FoldK), in GEMM2 two 64-deep halves of two (num::kInterGroup: the
+// activation scale changes there).
 // NOTE: the products scale_x * scale_w are formed exactly as ref::moe_layer
 // forms them, and each fragment element sees the same sequence of folds in both
 // layouts below, so the bytes do not depend on which layout (or block_n) ran.
-// Both halves of a stage are queued (two buffers) before half 0 is folded, so the
-// tensor cores run half 1 during that fold; the two consumer warpgroups overlap
-// each other's second fold.
+// GEMM2: both halves of a stage are queued (two buffers) before half 0 is folded, so
+// the tensor cores run half 1 during that fold; the two consumer warpgroups overlap
+// each other's second fold. GEMM1 in the decode loop: two stages' chains queued.
 // NOTE: ptxas (nvcc 13.0) serializes the wgmma chains (C7514) when a group stays in
 // flight across a loop back-edge, so the next stage cannot be queued before this
 // stage's second fold inside a one-stage loop; and (C7518) when a wgmma sits on a path
@@ -770,49 +774,98 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
   // wait overlaps the weight stream: holding the tile's scale rows in registers (v9) made
   // T=256 1.4 % slower and T=16384 2.7 % (bench/results/NOTES.md).
   int kb = 0;
-  // Two stages an iteration (v13): stage 1's halves are queued while stage 0's are
-  // folded, so the warpgroup's tensor work drains once per two stages, not per stage.
-  // Both stages are waited for before the first issue: no wgmma is in flight across
-  // the mbarrier's retry loop (see the NOTE above the K loops).
-  for (; kb + 2 <= kblocks; kb += 2) {
-    const float lo0 = w_lo(kb), lo1 = w_lo(kb + 1);
-    const float hi0 = w_hi(kb, lo0), hi1 = w_hi(kb + 1, lo1);
-    RingPos<kStages> r1 = rp;
-    r1.advance();
-    wait_full(rp);
-    wait_full(r1);
-    issue_stage(rp);
-    products(stage_ptr(rp), lo0, hi0);
-    mma_wait_one();  // stage 0 half 0 done
-    fold(ba, pa);
-    issue(ba, stage_off(r1), 0);
-    mma_wait_one();  // stage 0 half 1 done
-    fold(bb, pb);
-    issue(bb, stage_off(r1), 1);
-    products(stage_ptr(r1), lo1, hi1);
-    mma_wait_one();
-    fold(ba, pa);
-    mma_wait_all();
-    release_stage(&empty_bar[rp.stage]);
-    release_stage(&empty_bar[r1.stage]);
-    fold(bb, pb);
-    rp = r1;
-    rp.advance();
-    pf.count(kPfStages);
-    pf.count(kPfStages);
-  }
-  if (kb < kblocks) {  // an odd last stage
-    const float lo = w_lo(kb), hi = w_hi(kb, lo);
-    wait_full(rp);
-    issue_stage(rp);
-    products(stage_ptr(rp), lo, hi);
-    mma_wait_one();
-    fold(ba, pa);
-    mma_wait_all();
-    release_stage(&empty_bar[rp.stage]);
-    fold(bb, pb);
-    rp.advance();
-    pf.count(kPfStages);
+  if constexpr (kGemm == 1) {
+    // GEMM1 folds once a stage (num::kGemm1FoldK = 128): stage 0's chain in `ba`, stage
+    // 1's in `bb`, so stage 1 runs while stage 0 is folded.
+    auto issue_full = [&](float(&buf)[BN / 2], const RingPos<kStages>& r) {
+      const uint32_t t0 = pf.now();
+      const uint32_t dw = dw0 + stage_off(r), dx = dx0 + stage_off(r);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kBlockK / num::kMmaStepK; ++k)
+        sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128_at(dw + 2 * k), sm90::smem_desc_sw128_at(dx + 2 * k),
+                             k);
+      sm90::wgmma_commit();
+      pf.add(kPfIssue, t0);
+    };
+    for (; kb + 2 <= kblocks; kb += 2) {
+      const float lo0 = w_lo(kb), lo1 = w_lo(kb + 1);
+      const float hi0 = w_hi(kb, lo0), hi1 = w_hi(kb + 1, lo1);
+      RingPos<kStages> r1 = rp;
+      r1.advance();
+      wait_full(rp);
+      wait_full(r1);
+      issue_full(ba, rp);
+      issue_full(bb, r1);
+      products(stage_ptr(rp), lo0, hi0);
+      mma_wait_one();  // stage 0 done
+      fold(ba, pa);
+      products(stage_ptr(r1), lo1, hi1);
+      mma_wait_all();
+      release_stage(&empty_bar[rp.stage]);
+      release_stage(&empty_bar[r1.stage]);
+      fold(bb, pa);
+      rp = r1;
+      rp.advance();
+      pf.count(kPfStages);
+      pf.count(kPfStages);
+    }
+    if (kb < kblocks) {  // an odd last stage
+      const float lo = w_lo(kb), hi = w_hi(kb, lo);
+      wait_full(rp);
+      issue_full(ba, rp);
+      products(stage_ptr(rp), lo, hi);
+      mma_wait_all();
+      release_stage(&empty_bar[rp.stage]);
+      fold(ba, pa);
+      rp.advance();
+      pf.count(kPfStages);
+    }
+  } else {
+    // Two stages an iteration (v13): stage 1's halves are queued while stage 0's are
+    // folded, so the warpgroup's tensor work drains once per two stages, not per stage.
+    // Both stages are waited for before the first issue: no wgmma is in flight across
+    // the mbarrier's retry loop (see the NOTE above the K loops).
+    for (; kb + 2 <= kblocks; kb += 2) {
+      const float lo0 = w_lo(kb), lo1 = w_lo(kb + 1);
+      const float hi0 = w_hi(kb, lo0), hi1 = w_hi(kb + 1, lo1);
+      RingPos<kStages> r1 = rp;
+      r1.advance();
+      wait_full(rp);
+      wait_full(r1);
+      issue_stage(rp);
+      products(stage_ptr(rp), lo0, hi0);
+      mma_wait_one();  // stage 0 half 0 done
+      fold(ba, pa);
+      issue(ba, stage_off(r1), 0);
+      mma_wait_one();  // stage 0 half 1 done
+      fold(bb, pb);
+      issue(bb, stage_off(r1), 1);
+      products(stage_ptr(r1), lo1, hi1);
+      mma_wait_one();
+      fold(ba, pa);
+      mma_wait_all();
+      release_stage(&empty_bar[rp.stage]);
+      release_stage(&empty_bar[r1.stage]);
+      fold(bb, pb);
+      rp = r1;
+      rp.advance();
+      pf.count(kPfStages);
+      pf.count(kPfStages);
+    }
+    if (kb < kblocks) {  // an odd last stage
+      const float lo = w_lo(kb), hi = w_hi(kb, lo);
+      wait_full(rp);
+      issue_stage(rp);
+      products(stage_ptr(rp), lo, hi);
+      mma_wait_one();
+      fold(ba, pa);
+      mma_wait_all();
+      release_stage(&empty_bar[rp.stage]);
+      fold(bb, pb);
+      rp.advance();
+      pf.count(kPfStages);
+    }
   }
   pf.add(kPfLoop, t_loop);
 }
@@ -893,6 +946,26 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     const uint8_t* st = smem + rp.stage * kStageBytes;
     t0 = pf.now();
     const uint32_t so = uint32_t(rp.stage) * (kStageBytes >> 4);
+    if constexpr (kGemm == 1) {  // one chain a stage, folded once (num::kGemm1FoldK = 128)
+      const uint32_t dx = dx0 + so, dw = dw0 + so;
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kBlockK / num::kMmaStepK; ++k)
+        sm90::Wgmma<128>::mma(ba, sm90::smem_desc_sw128_at(dx + 2 * k), sm90::smem_desc_sw128_at(dw + 2 * k),
+                              k);
+      sm90::wgmma_commit();
+      pf.add(kPfIssue, t0);
+      float sg, su;
+      w_scales(kb, sg, su);
+      products(st, sg, su);
+      t0 = pf.now();
+      sm90::wgmma_wait<0>();
+      pf.add(kPfMmaWait, t0);
+      release_stage(&empty_bar[rp.stage]);
+      fold(ba, p[0], p[1], p[2], p[3]);
+      pf.count(kPfStages);
+      continue;
+    }
     issue(ba, so, 0);
     issue(bb, so, 1);
     pf.add(kPfIssue, t0);
@@ -943,7 +1016,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kAcc = BN / 2;  // fp32 accumulators per thread for m64nBN
   constexpr bool kSwapAB = swap_ab(BN);
 
-  static_assert(num::kFoldK * 2 == kBlockK, "a stage is folded in two halves");
+  static_assert(num::kGemm1FoldK == kBlockK && num::kInterGroup * 2 == kBlockK,
+                "GEMM1 folds once a stage, GEMM2 once a half (an intermediate scale group)");
   static_assert(kSwapAB || BN == 128, "the tokens-in-M layout is built for 128-token tiles");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // NOTE: offset the __shared__ array itself (not a cast integer) so the compiler keeps

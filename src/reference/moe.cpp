@@ -89,18 +89,18 @@ void run_faithful(const MoeShape& s, std::vector<FaithfulTask>& tasks, int threa
     const int c0 = g * num::kInterGroup, c1 = std::min(I, c0 + num::kInterGroup), width = c1 - c0;
     std::vector<SplitRow> arows(n);
     for (int j = 0; j < n; ++j) arows[j] = tk.xq->row(tk.rows[j]);
-    // The kernel folds every num::kFoldK-deep partial sum with its block's scales.
-    const int nf = ceil_div(H, num::kFoldK);
+    // The kernel folds every num::kGemm1FoldK-deep partial sum with its block's scales.
+    const int nf = ceil_div(H, num::kGemm1FoldK);
     std::vector<float> part(size_t(n) * nf);
     std::vector<float> acc_g(size_t(n) * width), acc_u(size_t(n) * width);
     auto gemm1_row = [&](int wrow, int srow, float* out, int col) {
-      dot_e4m3_mma_blocks(tk.w.w13 + size_t(wrow) * H, H, num::kFoldK, arows.data(), n, part.data());
+      dot_e4m3_mma_blocks(tk.w.w13 + size_t(wrow) * H, H, num::kGemm1FoldK, arows.data(), n, part.data());
       const float* sw = tk.w.w13_scale + size_t(srow) * hb;
       for (int j = 0; j < n; ++j) {
         const float* sx = tk.s + size_t(tk.rows[j]) * hb;
         float acc = 0.0f;
         for (int f = 0; f < nf; ++f) {
-          const int kb = f * num::kFoldK / kWeightBlock;
+          const int kb = f * num::kGemm1FoldK / kWeightBlock;
           acc = std::fmaf(part[size_t(j) * nf + f], sx[kb] * sw[kb], acc);
         }
         out[size_t(j) * width + col] = acc;
@@ -130,7 +130,7 @@ void run_faithful(const MoeShape& s, std::vector<FaithfulTask>& tasks, int threa
       inter[i].a = SplitCodes(inter[i].q.data(), tasks[i].rows.size(), tasks[i].w.inter);
 
   // Phase 2: y_k[h] for 64 output columns h of one task: per 64-deep block of
-  // I an exact partial, folded with s2 * w2_scale[h/128][k/128]; then bf16.
+  // I a tensor-core partial (num::fp8_mma_chain), folded with s2 * w2_scale[h/128][k/128]; then bf16.
   parallel_for(int(items2.size()), threads, [&](int it) {
     const FaithfulTask& tk = tasks[items2[it].task];
     const Inter& md = inter[items2[it].task];

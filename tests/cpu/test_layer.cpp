@@ -289,10 +289,9 @@ std::vector<float> naive_faithful(const MoeShape& s, const HostMoeWeights& hw,
       const int ibn = (In + 127) / 128;
       auto row = [&](int r, int srow) {
         float acc = 0.0f;
-        for (int f = 0; f * 64 < H; ++f) {  // folded every 64 columns, scales of block f / 2
-          const int b = f / 2;
-          const float p =
-              num::fp8_mma_chain(w13 + size_t(r) * H + f * 64, qx.data() + f * 64, std::min(H - f * 64, 64));
+        for (int b = 0; b * 128 < H; ++b) {  // folded every 128 columns (a weight block)
+          const float p = num::fp8_mma_chain(w13 + size_t(r) * H + b * 128, qx.data() + b * 128,
+                                             std::min(H - b * 128, 128));
           acc = std::fmaf(p, sx[b] * s13[srow * hb + b], acc);
         }
         return acc;

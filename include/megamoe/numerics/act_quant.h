@@ -15,13 +15,14 @@ constexpr int kActGroup = 128;         // x -> FP8: 1x128 groups along H (matche
 // float32 scale. 64 = the intermediate columns one GEMM1 tile of the Hopper
 // kernel produces, so each tile quantizes its own output without a second pass.
 constexpr int kInterGroup = 64;
-// Depth at which the kernel folds a tensor-core partial sum into its float32
-// accumulator (times scale_x * scale_w): 64, half a weight block, in both GEMMs.
-// NOTE: shorter chains of FP8 wgmma accumulation track the exact sum more closely
-// (the tensor cores accumulate with reduced precision inside a chain).
-// (v11 measured 128 in the first GEMM: 5-8 % faster from T = 1024 on, but relative L2
-// up to 5.5e-3 against this reference on the DeepSeek-V3 shape: bench/results/NOTES.md.)
-constexpr int kFoldK = 64;
+// Depth at which the kernel folds a first-GEMM tensor-core partial sum into its
+// float32 accumulator (times scale_x * scale_w): 128, one weight block, as DeepGEMM
+// does. The second GEMM folds every kInterGroup columns (its activation scale changes
+// there). The reference models the tensor cores' accumulation inside a fold
+// (num::fp8_mma_step), so the fold depth is a speed choice, not a tolerance (v16;
+// v11 measured this fold 5-8 % faster from T = 1024 on, but the reference then summed
+// exactly and drifted to 5.5e-3 relative L2 from the kernel).
+constexpr int kGemm1FoldK = 128;
 
 // s = max(amax, 1e-4) / 448 (IEEE float division; no fast-math anywhere).
 MEGAMOE_HD float act_scale(float amax) { return (amax > kActScaleEps ? amax : kActScaleEps) / kE4M3Max; }

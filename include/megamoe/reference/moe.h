@@ -24,8 +24,8 @@ void route(const MoeShape& s, const MoeWeightsView& w, const num::bf16_t* x, int
 enum class Mode {
   // float64 throughout, activations unquantized (x and the SwiGLU output).
   kExact,
-  // Mirrors the Hopper kernel: x -> E4M3 per 1x128 (act_scale), each 64-deep
-  // half block (num::kFoldK) accumulated as the tensor cores accumulate it (a chain of
+  // Mirrors the Hopper kernel: x -> E4M3 per 1x128 (act_scale), each 128-deep
+  // block (num::kGemm1FoldK) accumulated as the tensor cores accumulate it (a chain of
   // num::fp8_mma_step, fitted to and tested against the H200) and folded in float32
   // with scale_x * scale_w of its 128-block; SwiGLU in float32; the SwiGLU output (times the routing
   // weight) -> E4M3 per 1x64 (num::kInterGroup); second GEMM folded per 64-deep
