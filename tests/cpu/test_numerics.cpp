@@ -383,4 +383,29 @@ TEST(MmaModel, ChainFoldsStepsOfThirtyTwo) {
   EXPECT_EQ(mn::fp8_mma_chain(ones.data(), ones.data(), 40), 40.0f);
 }
 
+// ------------------------------------------------------------ exp_fma ----
+
+TEST(ExpFma, WithinTwoUlpOfExp) {
+  // Every 64th float of [-86, 88] (both signs, all binades), against exp in double.
+  int worst = 0;
+  float worst_x = 0;
+  auto check = [&](float x) {
+    const float got = mn::exp_fma(x);
+    const double want = std::exp(double(x));
+    const float wf = float(want);
+    const int ulps = std::abs(int(mn::float_bits(got)) - int(mn::float_bits(wf)));
+    if (ulps > worst) worst = ulps, worst_x = x;
+  };
+  for (uint32_t b = 0; b <= 0x42B00000u; b += 64) check(mn::bits_float(b));            // [0, 88]
+  for (uint32_t b = 0x80000000u; b <= 0xC2AC0000u; b += 64) check(mn::bits_float(b));  // [-86, -0]
+  std::printf("exp_fma: at most %d ulp from exp (at x = %g)\n", worst, worst_x);
+  EXPECT_LE(worst, 2) << "at x = " << worst_x;
+  EXPECT_EQ(mn::exp_fma(0.0f), 1.0f);
+  EXPECT_EQ(mn::exp_fma(-200.0f), mn::exp_fma(-86.0f));  // clamped
+  EXPECT_EQ(mn::exp_fma(INFINITY), mn::exp_fma(88.0f));
+  EXPECT_GT(mn::exp_fma(-86.0f), 0.0f);
+  EXPECT_TRUE(std::isfinite(mn::exp_fma(88.0f)));
+  EXPECT_TRUE(std::isnan(mn::exp_fma(NAN)));
+}
+
 }  // namespace

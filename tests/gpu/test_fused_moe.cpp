@@ -32,6 +32,7 @@ struct Compare {
   int64_t bad = 0;
   int64_t nonfinite = 0;
   int64_t differ = 0;  // outputs whose bits are not the reference's
+  std::string first_differ;
   std::string first;
 };
 
@@ -54,7 +55,9 @@ Compare compare(const std::vector<num::bf16_t>& y, const std::vector<float>& ref
     }
     num += (a - r) * (a - r);
     den += r * r;
-    c.differ += a != r;
+    if (a != r && c.differ++ == 0)
+      c.first_differ = "token " + std::to_string(i / H) + " col " + std::to_string(i % H) + ": got " +
+                       std::to_string(a) + " want " + std::to_string(r);
     if (std::fabs(a - r) > atol + rtol * std::fabs(r)) {
       if (c.bad == 0)
         c.first = "token " + std::to_string(i / H) + " col " + std::to_string(i % H) + ": got " +
@@ -115,7 +118,12 @@ TestCase make_case(const MoeShape& s, uint64_t seed, int T, int max_tokens) {
   return c;
 }
 
-void check_against_reference(const MoeShape& s, int T, uint64_t seed, double l2_tol = 5e-3) {
+// The MoE part is compared given the kernel's own routing (ids equal to the CPU's,
+// weights within 1e-5: the router's tensor-core sums are not modeled), and must then
+// be the reference's bits: the reference runs the tensor cores' accumulation model
+// (num::fp8_mma_step) and the same SwiGLU (num::exp_fma), so any differing output is
+// a bug (v16; before the model the relative L2 was 3e-3 to 6e-3).
+void check_against_reference(const MoeShape& s, int T, uint64_t seed, double l2_tol = 1e-3) {
   const TestCase tc = make_case(s, seed, T, std::max(T, 1));
   const HostMoeWeights& w = tc.w;
   const auto& x = tc.x;
@@ -130,13 +138,14 @@ void check_against_reference(const MoeShape& s, int T, uint64_t seed, double l2_
     ASSERT_NEAR(g.w[i], wts[i], 1e-5 * std::fabs(wts[i]) + 1e-7) << "routing weight " << i;
 
   std::vector<float> ref(size_t(T) * s.hidden);
-  ref::moe_layer(s, w.view(), x.data(), T, ids.data(), wts.data(), ref::Mode::kKernelFaithful, ref.data());
+  ref::moe_layer(s, w.view(), x.data(), T, ids.data(), g.w.data(), ref::Mode::kKernelFaithful, ref.data());
   const Compare c = compare(g.y, ref, s.hidden);
   std::printf("  %s T=%d: rel_l2 %.3e, bad %lld, differ %lld / %zu, config %s\n", s.describe().c_str(), T,
               c.rel_l2, (long long)c.bad, (long long)c.differ, ref.size(), layer.config_for(T).c_str());
   EXPECT_EQ(c.nonfinite, 0) << c.first;
   EXPECT_LE(c.rel_l2, l2_tol) << c.first;
   EXPECT_EQ(c.bad, 0) << c.first;
+  EXPECT_EQ(c.differ, 0) << c.first_differ;
 }
 
 class FusedMoe : public ::testing::Test {
@@ -148,11 +157,7 @@ class FusedMoe : public ::testing::Test {
 };
 
 TEST_F(FusedMoe, ReducedShapeSmallT) {
-  // NOTE: one token's 1024 outputs hold only a handful of intermediate FP8 rounding
-  // flips, so its relative L2 is a noisy estimate (measured 5e-3 to 6e-3 for single
-  // tokens, 2e-3 to 4.5e-3 from three tokens on); the element-wise bound stays strict.
-  check_against_reference(reduced_shape(), 1, 101, 1e-2);
-  for (int T : {3, 8, 64}) check_against_reference(reduced_shape(), T, 100 + T);
+  for (int T : {1, 3, 8, 64}) check_against_reference(reduced_shape(), T, 100 + T);
 }
 
 TEST_F(FusedMoe, ReducedShapeLargeT) {

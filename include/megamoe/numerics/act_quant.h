@@ -41,16 +41,44 @@ MEGAMOE_HD void swiglu_clamp(float& g, float& u, float limit) {
   u = on ? (lo > limit ? limit : lo) : u;
 }
 
+// e^x from one multiply, one rounding to an integer, FMAs and an exponent add: no
+// library exp and no special-function unit, so the CPU reference and the kernels get
+// the same bits (the device's expf uses MUFU.EX2 and differed from the host's
+// std::exp for 7.6 % of floats, v16). Cody-Waite reduction x = k ln2 + r (|r| <=
+// ln2 / 2, ln2's high part exact times any k here), Taylor to r^7 (truncation below
+// 0.5 ulp), Horner in fmaf, then k added to the exponent field. The argument is
+// clamped to [-86, 88] so that add stays in the normal range: within 1 ulp of e^x
+// there (tests/cpu/test_numerics.cpp), e^-86 below, e^88 above, NaN for NaN. (SiLU
+// needs no more: 1 + e^-g is 1 for g > 17 and g / (1 + e^-g) underflows the
+// intermediate's FP8 codes long before g < -86.)
+// NOTE: only explicit fmaf and lone products: a compiler contracting a * b + c into
+// one FMA on one side only would change bits.
+MEGAMOE_HD float exp_fma(float x) {
+  const bool nan = x != x;
+  float xc = x < -86.0f ? -86.0f : x;
+  xc = xc > 88.0f ? 88.0f : xc;
+  xc = nan ? 0.0f : xc;
+  const float k = rintf(xc * 1.44269502f);
+  float r = fmaf(k, -0.693145751953125f, xc);  // ln2 high part: 16 significant bits
+  r = fmaf(k, -1.428606765330187e-06f, r);     // ln2 - the high part
+  float p = 1.0f / 5040.0f;
+  p = fmaf(p, r, 1.0f / 720.0f);
+  p = fmaf(p, r, 1.0f / 120.0f);
+  p = fmaf(p, r, 1.0f / 24.0f);
+  p = fmaf(p, r, 1.0f / 6.0f);
+  p = fmaf(p, r, 0.5f);
+  p = fmaf(p, r, 1.0f);
+  p = fmaf(p, r, 1.0f);  // in [0.70, 1.42]; times 2^k, k in [-124, 127]: normal
+  const float e = bits_float(float_bits(p) + (uint32_t(int(k)) << 23));
+  return nan ? x : e;
+}
+
 // SwiGLU with the optional clamp, times the routing weight, in fp32.
 // NOTE: the kernel evaluates exactly this expression (or swiglu_fast, the same bits);
 // keep them in step.
 MEGAMOE_HD float swiglu(float g, float u, float limit, float weight) {
   swiglu_clamp(g, u, limit);
-#if defined(__CUDA_ARCH__)
-  const float silu = g / (1.0f + expf(-g));
-#else
-  const float silu = g / (1.0f + std::exp(-g));
-#endif
+  const float silu = g / (1.0f + exp_fma(-g));
   return silu * u * weight;
 }
 
@@ -71,8 +99,8 @@ __device__ __forceinline__ float div_rn_fast(float n, float d) {
   return copysignf(q1, n);  // (a zero n: q1 is +0 either way; n / d keeps n's sign)
 }
 
-// Where div_rn_fast(g, 1 + expf(-g)) == g / (1 + expf(-g)) bit for bit: g finite and
-// 1 + exp(-g) below 2^126 (g > -87). (A tiny g has 1 + exp(-g) == 2 exactly, so the
+// Where div_rn_fast(g, 1 + exp_fma(-g)) == g / (1 + exp_fma(-g)) bit for bit: g finite
+// and 1 + exp(-g) below 2^126 (g > -87). (A tiny g has 1 + exp(-g) == 2 exactly, so the
 // quotient is g / 2 rounded once, subnormal or not.) Checked for every float g on the
 // GPU (tests/gpu/test_numerics_device.cu). Predicates combined without branches.
 __device__ __forceinline__ bool silu_fast_ok(float g) { return (g > -87.0f) & (g <= 0x1.fffffep127f); }
@@ -81,7 +109,7 @@ __device__ __forceinline__ bool silu_fast_ok(float g) { return (g > -87.0f) & (g
 // callers check that for a whole warp first (one branch, not one an element).
 __device__ __forceinline__ float swiglu_fast(float g, float u, float limit, float weight) {
   swiglu_clamp(g, u, limit);
-  return div_rn_fast(g, 1.0f + expf(-g)) * u * weight;
+  return div_rn_fast(g, 1.0f + exp_fma(-g)) * u * weight;
 }
 
 // True when swiglu_fast(g, ...) == swiglu(g, ...) (g before the clamp).
