@@ -50,6 +50,9 @@ void split_e4m3(const uint8_t* q, size_t n, int8_t* sig, int8_t* exp);
 // the columns of block b (`blk` wide, a multiple of num::kMmaStepK; the last block
 // may be partial; nb = ceil(n/blk)) of the codes w[c] times a[j][c], for j < m.
 void dot_e4m3_mma_blocks(const uint8_t* w, int n, int blk, const SplitRow* a, int m, float* part);
+// The portable path alone (the one above picks an AVX2 build where the CPU has it);
+// tests check both against num::fp8_mma_chain.
+void dot_e4m3_mma_blocks_portable(const uint8_t* w, int n, int blk, const SplitRow* a, int m, float* part);
 
 // x -> E4M3 per token per 128 columns (SPEC §4): codes q [T][H] and scales
 // s [T][ceil(H/128)].

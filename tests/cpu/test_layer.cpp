@@ -373,18 +373,20 @@ TEST(Layer, DotMatchesTheMmaModel) {
         }
         for (int j = 0; j < m; ++j) ap[j] = split[j].row(0);
         const int nb = (n + blk - 1) / blk;
-        std::vector<float> p(size_t(m) * nb);
+        std::vector<float> p(size_t(m) * nb), pp(size_t(m) * nb);
         ref::detail::dot_e4m3_mma_blocks(w.data(), n, blk, ap.data(), m, p.data());
+        ref::detail::dot_e4m3_mma_blocks_portable(w.data(), n, blk, ap.data(), m, pp.data());
         for (int j = 0; j < m; ++j)
           for (int b = 0; b < nb; ++b) {
             const float want =
                 num::fp8_mma_chain(w.data() + b * blk, a[j].data() + b * blk, std::min(blk, n - b * blk));
-            const float got = p[size_t(j) * nb + b];
-            if (std::isnan(want))
-              EXPECT_TRUE(std::isnan(got)) << "n " << n << " m " << m << " j " << j << " b " << b;
-            else
-              EXPECT_EQ(num::float_bits(got), num::float_bits(want))
-                  << "n " << n << " m " << m << " j " << j << " b " << b;
+            for (const float got : {p[size_t(j) * nb + b], pp[size_t(j) * nb + b]}) {
+              if (std::isnan(want))
+                EXPECT_TRUE(std::isnan(got)) << "n " << n << " m " << m << " j " << j << " b " << b;
+              else
+                EXPECT_EQ(num::float_bits(got), num::float_bits(want))
+                    << "n " << n << " m " << m << " j " << j << " b " << b;
+            }
           }
       }
     }
