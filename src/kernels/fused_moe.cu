@@ -773,66 +773,43 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
   // NOTE: ncu shows the weight-scale loads as the decode tiles' largest stall, but the
   // wait overlaps the weight stream: holding the tile's scale rows in registers (v9) made
   // T=256 1.4 % slower and T=16384 2.7 % (bench/results/NOTES.md).
-  int kb = 0;
-  if constexpr (kGemm == 1) {
-    // GEMM1 folds once a stage (num::kGemm1FoldK = 128): stage 0's chain in `ba`, stage
-    // 1's in `bb`, so stage 1 runs while stage 0 is folded.
-    auto issue_full = [&](float(&buf)[BN / 2], const RingPos<kStages>& r) {
-      const uint32_t t0 = pf.now();
-      const uint32_t dw = dw0 + stage_off(r), dx = dx0 + stage_off(r);
-      sm90::wgmma_fence();
+  // GEMM1 folds once a stage (num::kGemm1FoldK = 128): a chain of four wgmma a stage.
+  auto issue_full = [&](float(&buf)[BN / 2], const RingPos<kStages>& r) {
+    const uint32_t t0 = pf.now();
+    const uint32_t dw = dw0 + stage_off(r), dx = dx0 + stage_off(r);
+    sm90::wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < kBlockK / num::kMmaStepK; ++k)
-        sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128_at(dw + 2 * k), sm90::smem_desc_sw128_at(dx + 2 * k),
-                             k);
-      sm90::wgmma_commit();
-      pf.add(kPfIssue, t0);
-    };
-    for (; kb + 2 <= kblocks; kb += 2) {
-      const float lo0 = w_lo(kb), lo1 = w_lo(kb + 1);
-      const float hi0 = w_hi(kb, lo0), hi1 = w_hi(kb + 1, lo1);
-      RingPos<kStages> r1 = rp;
-      r1.advance();
-      wait_full(rp);
-      wait_full(r1);
+    for (int k = 0; k < kBlockK / num::kMmaStepK; ++k)
+      sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128_at(dw + 2 * k), sm90::smem_desc_sw128_at(dx + 2 * k),
+                           k);
+    sm90::wgmma_commit();
+    pf.add(kPfIssue, t0);
+  };
+  // The chain folded after an iteration's stages are released: GEMM1 stage 1's (`bb`,
+  // products of stage 1 in `pa`), GEMM2 stage 1's half 1 (`bb`, `pb`).
+  float(&last)[BN / 2] = bb;
+  float(&last_p)[BN / 8][4] = kGemm == 1 ? pa : pb;
+  int kb = 0;
+  // Two stages an iteration (v13): stage 1's work is queued while stage 0's is folded, so
+  // the warpgroup's tensor work drains once per two stages, not per stage (GEMM1: stage 0's
+  // chain in `ba`, stage 1's in `bb`; GEMM2: the halves alternate between them). Both
+  // stages are waited for before the first issue: no wgmma is in flight across the
+  // mbarrier's retry loop (see the NOTE above the K loops).
+  for (; kb + 2 <= kblocks; kb += 2) {
+    const float lo0 = w_lo(kb), lo1 = w_lo(kb + 1);
+    const float hi0 = w_hi(kb, lo0), hi1 = w_hi(kb + 1, lo1);
+    RingPos<kStages> r1 = rp;
+    r1.advance();
+    wait_full(rp);
+    wait_full(r1);
+    if constexpr (kGemm == 1) {
       issue_full(ba, rp);
       issue_full(bb, r1);
       products(stage_ptr(rp), lo0, hi0);
       mma_wait_one();  // stage 0 done
       fold(ba, pa);
       products(stage_ptr(r1), lo1, hi1);
-      mma_wait_all();
-      release_stage(&empty_bar[rp.stage]);
-      release_stage(&empty_bar[r1.stage]);
-      fold(bb, pa);
-      rp = r1;
-      rp.advance();
-      pf.count(kPfStages);
-      pf.count(kPfStages);
-    }
-    if (kb < kblocks) {  // an odd last stage
-      const float lo = w_lo(kb), hi = w_hi(kb, lo);
-      wait_full(rp);
-      issue_full(ba, rp);
-      products(stage_ptr(rp), lo, hi);
-      mma_wait_all();
-      release_stage(&empty_bar[rp.stage]);
-      fold(ba, pa);
-      rp.advance();
-      pf.count(kPfStages);
-    }
-  } else {
-    // Two stages an iteration (v13): stage 1's halves are queued while stage 0's are
-    // folded, so the warpgroup's tensor work drains once per two stages, not per stage.
-    // Both stages are waited for before the first issue: no wgmma is in flight across
-    // the mbarrier's retry loop (see the NOTE above the K loops).
-    for (; kb + 2 <= kblocks; kb += 2) {
-      const float lo0 = w_lo(kb), lo1 = w_lo(kb + 1);
-      const float hi0 = w_hi(kb, lo0), hi1 = w_hi(kb + 1, lo1);
-      RingPos<kStages> r1 = rp;
-      r1.advance();
-      wait_full(rp);
-      wait_full(r1);
+    } else {
       issue_stage(rp);
       products(stage_ptr(rp), lo0, hi0);
       mma_wait_one();  // stage 0 half 0 done
@@ -844,28 +821,36 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
       products(stage_ptr(r1), lo1, hi1);
       mma_wait_one();
       fold(ba, pa);
-      mma_wait_all();
-      release_stage(&empty_bar[rp.stage]);
-      release_stage(&empty_bar[r1.stage]);
-      fold(bb, pb);
-      rp = r1;
-      rp.advance();
-      pf.count(kPfStages);
-      pf.count(kPfStages);
     }
-    if (kb < kblocks) {  // an odd last stage
-      const float lo = w_lo(kb), hi = w_hi(kb, lo);
-      wait_full(rp);
+    mma_wait_all();
+    release_stage(&empty_bar[rp.stage]);
+    release_stage(&empty_bar[r1.stage]);
+    fold(last, last_p);
+    rp = r1;
+    rp.advance();
+    pf.count(kPfStages);
+    pf.count(kPfStages);
+  }
+  if (kb < kblocks) {  // an odd last stage
+    const float lo = w_lo(kb), hi = w_hi(kb, lo);
+    wait_full(rp);
+    if constexpr (kGemm == 1) {
+      issue_full(ba, rp);
+      products(stage_ptr(rp), lo, hi);
+    } else {
       issue_stage(rp);
       products(stage_ptr(rp), lo, hi);
       mma_wait_one();
       fold(ba, pa);
-      mma_wait_all();
-      release_stage(&empty_bar[rp.stage]);
-      fold(bb, pb);
-      rp.advance();
-      pf.count(kPfStages);
     }
+    mma_wait_all();
+    release_stage(&empty_bar[rp.stage]);
+    if constexpr (kGemm == 1)
+      fold(ba, pa);
+    else
+      fold(bb, pb);
+    rp.advance();
+    pf.count(kPfStages);
   }
   pf.add(kPfLoop, t_loop);
 }
@@ -954,33 +939,28 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
         sm90::Wgmma<128>::mma(ba, sm90::smem_desc_sw128_at(dx + 2 * k), sm90::smem_desc_sw128_at(dw + 2 * k),
                               k);
       sm90::wgmma_commit();
-      pf.add(kPfIssue, t0);
-      float sg, su;
-      w_scales(kb, sg, su);
-      products(st, sg, su);
-      t0 = pf.now();
-      sm90::wgmma_wait<0>();
-      pf.add(kPfMmaWait, t0);
-      release_stage(&empty_bar[rp.stage]);
-      fold(ba, p[0], p[1], p[2], p[3]);
-      pf.count(kPfStages);
-      continue;
+    } else {  // two 64-deep halves (num::kInterGroup)
+      issue(ba, so, 0);
+      issue(bb, so, 1);
     }
-    issue(ba, so, 0);
-    issue(bb, so, 1);
     pf.add(kPfIssue, t0);
     float sg, su;
     w_scales(kb, sg, su);  // (ptxas hoists these loads above the issue either way)
     products(st, sg, su);
-    t0 = pf.now();
-    sm90::wgmma_wait<1>();  // half 0 done, half 1 running
-    pf.add(kPfMmaWait, t0);
-    fold(ba, p[0], p[1], p[2], p[3]);
+    if constexpr (kGemm == 2) {
+      t0 = pf.now();
+      sm90::wgmma_wait<1>();  // half 0 done, half 1 running
+      pf.add(kPfMmaWait, t0);
+      fold(ba, p[0], p[1], p[2], p[3]);
+    }
     t0 = pf.now();
     sm90::wgmma_wait<0>();
     pf.add(kPfMmaWait, t0);
     release_stage(&empty_bar[rp.stage]);
-    fold(bb, p[4], p[5], p[6], p[7]);
+    if constexpr (kGemm == 1)
+      fold(ba, p[0], p[1], p[2], p[3]);
+    else
+      fold(bb, p[4], p[5], p[6], p[7]);
     pf.count(kPfStages);
   }
   pf.add(kPfLoop, t_loop);

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <vector>
 
@@ -131,6 +132,19 @@ TEST(MmaModel, MatchesTheTensorCores) {
   MEGAMOE_CUDA_CHECK(cudaMemcpy(D.data(), dD, d_count * 4, cudaMemcpyDeviceToHost));
   cudaFree(dA), cudaFree(dB), cudaFree(dC), cudaFree(dD);
 
+  // MEGAMOE_MMA_DUMP=path writes the tiles and the results (header trials, M, N, K, runs as
+  // int32; A, B codes; C, D floats) for fitting a model offline (how v16's was found).
+  if (const char* dump = std::getenv("MEGAMOE_MMA_DUMP")) {
+    if (FILE* f = std::fopen(dump, "wb")) {
+      const int hdr[5] = {kTiles, kM, kN, kK, kRuns};
+      std::fwrite(hdr, sizeof hdr, 1, f);
+      std::fwrite(A.data(), 1, A.size(), f);
+      std::fwrite(B.data(), 1, B.size(), f);
+      std::fwrite(C.data(), 4, C.size(), f);
+      std::fwrite(D.data(), 4, D.size(), f);
+      std::fclose(f);
+    }
+  }
   long long checked = 0, differ = 0, inexact = 0;
   std::string first;
   for (int tl = 0; tl < kTiles; ++tl)
