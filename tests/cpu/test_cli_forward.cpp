@@ -101,5 +101,14 @@ TEST(CliForward, ErrorsNameWhatIsWrong) {
   EXPECT_NE(r.output.find("--checkpoint"), std::string::npos);
 }
 
+TEST(CliDemo, CpuBackendChecksItself) {
+  // The first command a new user runs: a small preset on the CPU backend, its sample
+  // checked against float64 and, bit for bit, against the kernel-faithful reference.
+  const auto r = run_cli("demo --backend cpu --preset glm-4.7-flash --tokens 4 --check-tokens 2");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("equal to the kernel-faithful reference's bits"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("demo: OK"), std::string::npos) << r.output;
+}
+
 }  // namespace
 }  // namespace megamoe
