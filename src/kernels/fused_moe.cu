@@ -1125,36 +1125,33 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ---- Phase 0: quantize x (1x128 E4M3) and scatter each token to its rows. ----
-  // A warp task is up to kPhase0Groups of one token's 128-column groups (v13: one group a
-  // task kept 256 bytes of loads in flight a warp, a load round trip a group, and loaded
-  // the token's slot rows once a group). With fewer groups than warps to spread them over
-  // (decode), a task stays one group: the grid barrier waits for the slowest warp. The
-  // next task's loads (its x groups and its slot rows) are issued before this task is
-  // quantized and stored.
+  // A warp task is 512 columns (four 128-column groups) of one token: each lane loads 16
+  // columns (32 bytes), eight lanes make a group (amax in three shuffles), and each slot
+  // row gets one 16-byte store a lane (v16; v13-v15 held 4 columns a lane, a group a
+  // warp-wide amax and four 4-byte stores a group and row). The next task's loads (its x
+  // columns and its slot rows) are issued before this task is quantized and stored.
   if (!kEp) {
-    constexpr int kG = kPhase0Groups;
+    constexpr int kTaskGroups = 4;  // 32 lanes x 16 columns
     const int hb = a.H / 128;
     const int warps_total = gridDim.x * (kThreads / 32);
-    const int G = T * hb >= kG * warps_total ? kG : 1;
-    const int chunks = (hb + G - 1) / G;
+    const int chunks = (hb + kTaskGroups - 1) / kTaskGroups;
     const int tasks = T * chunks;
     const int slots = a.K + a.has_shared;
+    const int lg = lane / 8;  // this lane's group within the task
     struct Task {
-      int t, g0;
-      uint2 raw[kG];
+      int t, g;  // token; this lane's group (>= hb: none)
+      uint4 raw[2];
       int row;  // this lane's slot row (-1: none)
       float w;  // its routing weight
     };
     auto load_task = [&](int task) {
       Task k;
       k.t = task / chunks;
-      k.g0 = (task - k.t * chunks) * G;
-#pragma unroll
-      for (int g = 0; g < kG; ++g)
-        k.raw[g] =
-            g < G && k.g0 + g < hb
-                ? *reinterpret_cast<const uint2*>(a.x + size_t(k.t) * a.H + (k.g0 + g) * 128 + lane * 4)
-                : make_uint2(0, 0);
+      k.g = (task - k.t * chunks) * kTaskGroups + lg;
+      const uint4* src =
+          reinterpret_cast<const uint4*>(a.x + size_t(k.t) * a.H + k.g * 128 + (lane % 8) * 16);
+      k.raw[0] = k.g < hb ? src[0] : make_uint4(0, 0, 0, 0);
+      k.raw[1] = k.g < hb ? src[1] : make_uint4(0, 0, 0, 0);
       k.row = slot_row<kEp>(a, sc, k.t, lane, k.w);
       return k;
     };
@@ -1165,25 +1162,34 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int next = task + warps_total;
       Task nxt{};
       if (next < tasks) nxt = load_task(next);
-      uint32_t q[kG];
-      float sg[kG], my_scale = 0.0f;  // lane g < G: group g0 + g's scale
+      float v[16];
 #pragma unroll
-      for (int g = 0; g < kG; ++g) {
-        if (g >= G) break;
-        q[g] = quantize_group(cur.raw[g], sg[g]);
-        if (lane == g) my_scale = sg[g];
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t word = i < 4 ? (&cur.raw[0].x)[i] : (&cur.raw[1].x)[i - 4];
+        v[2 * i] = __uint_as_float(word << 16), v[2 * i + 1] = __uint_as_float(word & 0xFFFF0000u);
       }
-      const int groups = min(G, hb - cur.g0);
+      float amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+      for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      const float scale = num::act_scale(amax);
+      const float inv = 1.0f / scale;
+      uint4 q;
+      q.x = pack_e4m3x4(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv);
+      q.y = pack_e4m3x4(v[4] * inv, v[5] * inv, v[6] * inv, v[7] * inv);
+      q.z = pack_e4m3x4(v[8] * inv, v[9] * inv, v[10] * inv, v[11] * inv);
+      q.w = pack_e4m3x4(v[12] * inv, v[13] * inv, v[14] * inv, v[15] * inv);
+      const bool mine = cur.g < hb;
       for (int k = 0; k < slots; ++k) {
         const int r = __shfl_sync(0xffffffffu, cur.row, k);
         const float w = __shfl_sync(0xffffffffu, cur.w, k);
         if (r < 0) continue;
-        uint8_t* dst = a.x_sorted + size_t(r) * a.H + cur.g0 * 128 + lane * 4;
-#pragma unroll
-        for (int g = 0; g < kG; ++g)
-          if (g < groups) *reinterpret_cast<uint32_t*>(dst + g * 128) = q[g];
-        if (lane < groups) a.x_sorted_scale[size_t(cur.g0 + lane) * a.rows_cap + r] = my_scale;
-        if (lane == 0 && cur.g0 == 0) {
+        if (mine) {
+          *reinterpret_cast<uint4*>(a.x_sorted + size_t(r) * a.H + cur.g * 128 + (lane % 8) * 16) = q;
+          if (lane % 8 == 0) a.x_sorted_scale[size_t(cur.g) * a.rows_cap + r] = scale;
+        }
+        if (lane == 0 && cur.g == 0) {
           a.row_weight[r] = w;
           a.row_src[r] = cur.t * slots + k;  // the token's slot in y_rows
         }

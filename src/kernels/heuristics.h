@@ -41,10 +41,6 @@ constexpr int kTailPool = 4;
 // move the combine's time. v15: the slots of a token are adjacent rows.)
 constexpr int kCombineBatch = 12;
 constexpr int kCombineVecs = 2;
-// 128-column groups of one token a phase-0 warp task quantizes and scatters (its loads
-// in flight at once: 4 x 256 bytes a warp), once a launch has kPhase0Groups times more
-// groups than warps; below that (decode) one group a task (fused_moe.cu, v13).
-constexpr int kPhase0Groups = 4;
 // Tile layout by token block: up to 64 tokens "swap AB" (weights in the wgmma M,
 // tokens in N: a decode tile wastes no rows), 128 tokens in M and weights in N
 // (prefill: the fold needs four scale products per thread, not one per token).
