@@ -1,11 +1,11 @@
 // The E4M3 block dot products under both GEMMs of the kernel-faithful reference,
 // computed as the Hopper tensor cores compute them (num::fp8_mma_step is the
-// definition; tests/cpu/test_layer.cpp checks this path against it bit for bit).
-// The codes are split once into signed significands and exponent fields and a
+// definition; tests/cpu/test_layer.cpp checks both paths here against it bit for
+// bit). The codes are split once into signed significands and exponent fields and a
 // chain keeps its accumulator as an integer and an exponent, so a k-step is two
 // integer passes over its 32 products: the largest exponent, then the truncated
-// terms. The same source is compiled for AVX2 (picked at run time), where the
-// compiler vectorizes the passes; both builds give the same bits.
+// terms. A full step has an AVX2 version (picked at run time); partial steps and
+// CPUs without AVX2 run the portable one.
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -62,9 +62,23 @@ struct Acc {
   bool nan = false;
 };
 
-__attribute__((always_inline)) inline int trunc_shift(int v, int down) {  // v / 2^down toward zero
-  const int mag = (v < 0 ? -v : v) >> down;
-  return v < 0 ? -mag : mag;
+// floor(log2|c|) of a nonzero accumulator, else below every real exponent.
+__attribute__((always_inline)) inline int acc_exp(const Acc& c) {
+  return c.s != 0 ? c.e - kBits + int(std::bit_width(unsigned(c.s < 0 ? -c.s : c.s))) : -1000;
+}
+
+// The step's end: the accumulator's truncated term added to the terms' sum s, the
+// result truncated toward zero to 14 significant bits, the new state at exponent e.
+__attribute__((always_inline)) inline void finish_step(Acc& c, int s, int e) {
+  if (c.s != 0) {
+    const int mag = (c.s < 0 ? -c.s : c.s);
+    const int term = c.e >= e ? mag << (c.e - e) : mag >> (e - c.e);  // toward zero
+    s += c.s < 0 ? -term : term;
+  }
+  const unsigned mag = unsigned(s < 0 ? -s : s);
+  const int drop = std::max(int(std::bit_width(mag)) - kBits, 0);
+  c.s = s < 0 ? -int((mag >> drop) << drop) : int((mag >> drop) << drop);
+  c.e = e;
 }
 
 // One k-step of n <= 32 products (num::fp8_mma_step on split codes); kN > 0: n == kN
@@ -80,7 +94,7 @@ __attribute__((always_inline)) inline void mma_step_split(Acc& c, const int8_t* 
     e = std::max(e, es[i]);
   }
   if (e >= kNanSum) c.nan = true;
-  if (c.s != 0) e = std::max(e, c.e - kBits + int(std::bit_width(unsigned(c.s < 0 ? -c.s : c.s))));
+  e = std::max(e, acc_exp(c));
   if (e <= kZeroSum) return;  // no nonzero product and c == 0
   int s = 0;
   for (int i = 0; i < n; ++i) {
@@ -89,11 +103,7 @@ __attribute__((always_inline)) inline void mma_step_split(Acc& c, const int8_t* 
     const int mag = ((p < 0 ? -p : p) << 7) >> down;
     s += p < 0 ? -mag : mag;
   }
-  if (c.s != 0) s += c.e >= e ? c.s * (1 << (c.e - e)) : trunc_shift(c.s, e - c.e);
-  const unsigned mag = unsigned(s < 0 ? -s : s);
-  const int drop = std::max(int(std::bit_width(mag)) - kBits, 0);
-  c.s = s < 0 ? -int((mag >> drop) << drop) : int((mag >> drop) << drop);
-  c.e = e;
+  finish_step(c, s, e);
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -147,20 +157,14 @@ __attribute__((target("avx2"))) inline int step32_terms_avx2(const int8_t* ws, c
 }
 #endif
 
-// A full step through step32_terms_avx2, then the accumulator's term and the
-// 14-bit truncation as in mma_step_split.
+// A full step: step32_terms_avx2, then finish_step as in mma_step_split.
 #if MEGAMOE_REF_AVX2
 __attribute__((target("avx2"))) inline void mma_step32_avx2(Acc& c, const int8_t* ws, const int8_t* we,
                                                             const int8_t* as, const int8_t* ae) {
-  const int c_exp = c.s != 0 ? c.e - kBits + int(std::bit_width(unsigned(c.s < 0 ? -c.s : c.s))) : -1000;
   int s = 0;
-  const int e = step32_terms_avx2(ws, we, as, ae, c_exp, c.nan, s);
+  const int e = step32_terms_avx2(ws, we, as, ae, acc_exp(c), c.nan, s);
   if (e <= kZeroSum) return;
-  if (c.s != 0) s += c.e >= e ? c.s * (1 << (c.e - e)) : trunc_shift(c.s, e - c.e);
-  const unsigned mag = unsigned(s < 0 ? -s : s);
-  const int drop = std::max(int(std::bit_width(mag)) - kBits, 0);
-  c.s = s < 0 ? -int((mag >> drop) << drop) : int((mag >> drop) << drop);
-  c.e = e;
+  finish_step(c, s, e);
 }
 #endif
 
