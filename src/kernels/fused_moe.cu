@@ -681,6 +681,19 @@ __device__ __forceinline__ int32_t load_row_src(const KernelArgs& a, const Tile&
 // T = 16384 (bench/results/NOTES.md, v13).
 // ---------------------------------------------------------------------------
 
+// A chain of kSteps wgmma k-steps into buf, from zero, starting at k-step k0 of a stage:
+// da / db are the low descriptor words of the stage's A and B tiles (a k-step is 32 bytes
+// further along the 128-byte rows: 2 in the >> 4 units).
+template <int N, int kSteps>
+__device__ __forceinline__ void issue_chain(float (&buf)[N / 2], uint32_t da, uint32_t db, int k0) {
+  sm90::wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k)
+    sm90::Wgmma<N>::mma(buf, sm90::smem_desc_sw128_at(da + 2 * (k0 + k)),
+                        sm90::smem_desc_sw128_at(db + 2 * (k0 + k)), k);
+  sm90::wgmma_commit();
+}
+
 // Swap AB (decode, BN <= 64 tokens): A = 64 weight rows of the warpgroup, B = the
 // BN tokens. Fragment rows lrow / lrow + 8 (gate / up in GEMM1), columns =
 // tokens. GEMM1: scale_x per token and 128-block (same in both halves), scale_w
@@ -704,12 +717,8 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
   // Descriptors of stage 0's tiles; a stage and a K step add their offset >> 4 (v11).
   const uint32_t dw0 = sm90::smem_desc_sw128_lo(smem + wg * 64 * 128);
   const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes);
-  auto issue = [&](float(&buf)[BN / 2], uint32_t so, int half) {
-    const uint32_t dw = dw0 + so + half * 4, dx = dx0 + so + half * 4;
-    sm90::wgmma_fence();
-    sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128_at(dw), sm90::smem_desc_sw128_at(dx), 0);
-    sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128_at(dw + 2), sm90::smem_desc_sw128_at(dx + 2), 1);
-    sm90::wgmma_commit();
+  auto issue = [&](float(&buf)[BN / 2], uint32_t so, int half) {  // a 64-deep half
+    issue_chain<BN, 2>(buf, dw0 + so, dx0 + so, 2 * half);
   };
   auto fold = [&](const float(&buf)[BN / 2], const float(&p)[BN / 8][4]) {
 #pragma unroll
@@ -776,13 +785,7 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
   // GEMM1 folds once a stage (num::kGemm1FoldK = 128): a chain of four wgmma a stage.
   auto issue_full = [&](float(&buf)[BN / 2], const RingPos<kStages>& r) {
     const uint32_t t0 = pf.now();
-    const uint32_t dw = dw0 + stage_off(r), dx = dx0 + stage_off(r);
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kBlockK / num::kMmaStepK; ++k)
-      sm90::Wgmma<BN>::mma(buf, sm90::smem_desc_sw128_at(dw + 2 * k), sm90::smem_desc_sw128_at(dx + 2 * k),
-                           k);
-    sm90::wgmma_commit();
+    issue_chain<BN, kBlockK / num::kMmaStepK>(buf, dw0 + stage_off(r), dx0 + stage_off(r), 0);
     pf.add(kPfIssue, t0);
   };
   // The chain folded after an iteration's stages are released: GEMM1 stage 1's (`bb`,
@@ -886,12 +889,8 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   // Descriptors of stage 0's tiles; a stage and a K step add their offset >> 4 (v11).
   const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes + wg * 64 * 128);
   const uint32_t dw0 = sm90::smem_desc_sw128_lo(smem);
-  auto issue = [&](float(&buf)[64], uint32_t so, int half) {
-    const uint32_t dx = dx0 + so + half * 4, dw = dw0 + so + half * 4;
-    sm90::wgmma_fence();
-    sm90::Wgmma<128>::mma(buf, sm90::smem_desc_sw128_at(dx), sm90::smem_desc_sw128_at(dw), 0);
-    sm90::Wgmma<128>::mma(buf, sm90::smem_desc_sw128_at(dx + 2), sm90::smem_desc_sw128_at(dw + 2), 1);
-    sm90::wgmma_commit();
+  auto issue = [&](float(&buf)[64], uint32_t so, int half) {  // a 64-deep half
+    issue_chain<128, 2>(buf, dx0 + so, dw0 + so, 2 * half);
   };
   // acc += buf * product; columns 8j..: j even = gate (pg), j odd = up (pu); rows r0 / r1.
   auto fold = [&](const float(&buf)[64], float pg0, float pu0, float pg1, float pu1) {
@@ -932,13 +931,7 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     t0 = pf.now();
     const uint32_t so = uint32_t(rp.stage) * (kStageBytes >> 4);
     if constexpr (kGemm == 1) {  // one chain a stage, folded once (num::kGemm1FoldK = 128)
-      const uint32_t dx = dx0 + so, dw = dw0 + so;
-      sm90::wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < kBlockK / num::kMmaStepK; ++k)
-        sm90::Wgmma<128>::mma(ba, sm90::smem_desc_sw128_at(dx + 2 * k), sm90::smem_desc_sw128_at(dw + 2 * k),
-                              k);
-      sm90::wgmma_commit();
+      issue_chain<128, kBlockK / num::kMmaStepK>(ba, dx0 + so, dw0 + so, 0);
     } else {  // two 64-deep halves (num::kInterGroup)
       issue(ba, so, 0);
       issue(bb, so, 1);

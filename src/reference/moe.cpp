@@ -1,8 +1,10 @@
 // The CPU reference of one MoE layer (SPEC §7) in its two modes: kExact
 // (float64 oracle of the math) and kKernelFaithful (the Hopper kernel's
-// arithmetic, bit for bit: its tensor-core partial sums run num::fp8_mma_step). Work is grouped by expert so
-// each weight row is decoded once for all the rows routed to it, and split into (expert, column group) items
-// over threads; every output element has one owner, so results do not depend on the thread count.
+// arithmetic, bit for bit: its tensor-core partial sums run num::fp8_mma_step).
+// Work is grouped by expert so each weight row is split into significands and
+// exponents once for all the rows routed to it, and divided into (expert, column
+// group) items over threads; every output element has one owner, so results do
+// not depend on the thread count.
 #include "megamoe/reference/moe.h"
 
 #include <cmath>
