@@ -245,17 +245,27 @@ __device__ __forceinline__ uint8_t to_e4m3(float v) {
   return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
 
-// One token's 128-column group, 4 BF16 values a lane: the group's E4M3 codes (this
-// lane's 4) and its float32 scale (num::act_scale of the group's amax).
-__device__ __forceinline__ uint32_t quantize_group(uint2 raw, float& scale) {
-  const float v0 = __uint_as_float(raw.x << 16), v1 = __uint_as_float(raw.x & 0xFFFF0000u);
-  const float v2 = __uint_as_float(raw.y << 16), v3 = __uint_as_float(raw.y & 0xFFFF0000u);
-  float amax = fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3)));
+// One token's 128-column group over 128 / (2 kWords) lanes, kWords BF16 pairs a lane
+// (2: the whole warp; 8: eight lanes, four groups a warp): this lane's E4M3 codes (q[i]:
+// its values 4i..4i+3) and the group's float32 scale (num::act_scale of its amax).
+template <int kWords>
+__device__ __forceinline__ void quantize_group(const uint32_t (&raw)[kWords], uint32_t (&q)[kWords / 2],
+                                               float& scale) {
+  constexpr int kLanes = 128 / (2 * kWords);
+  float v[2 * kWords];
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  for (int i = 0; i < kWords; ++i)
+    v[2 * i] = __uint_as_float(raw[i] << 16), v[2 * i + 1] = __uint_as_float(raw[i] & 0xFFFF0000u);
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 2 * kWords; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+  for (int o = kLanes / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   scale = num::act_scale(amax);
   const float inv = 1.0f / scale;
-  return pack_e4m3x4(v0 * inv, v1 * inv, v2 * inv, v3 * inv);
+#pragma unroll
+  for (int i = 0; i < kWords / 2; ++i)
+    q[i] = pack_e4m3x4(v[4 * i] * inv, v[4 * i + 1] * inv, v[4 * i + 2] * inv, v[4 * i + 3] * inv);
 }
 
 // Position in the shared-memory ring: the stage and the parity of its current fill
@@ -522,9 +532,11 @@ __device__ __forceinline__ bool ep_exchange(const KernelArgs& a, const Sched& sc
     const int tasks = T * hb, warps_total = gridDim.x * (kThreads / 32);
     for (int task = blockIdx.x * (kThreads / 32) + warp; task < tasks; task += warps_total) {
       const int t = task / hb, g = task - t * hb;
+      const uint2 raw = *reinterpret_cast<const uint2*>(a.x + size_t(t) * H + g * 128 + lane * 4);
       float sc_x;
-      const uint32_t q =
-          quantize_group(*reinterpret_cast<const uint2*>(a.x + size_t(t) * H + g * 128 + lane * 4), sc_x);
+      uint32_t qw[1];
+      quantize_group<2>({raw.x, raw.y}, qw, sc_x);
+      const uint32_t q = qw[0];
       *reinterpret_cast<uint32_t*>(xq + size_t(t) * H + g * 128 + lane * 4) = q;
       if (lane == 0) xs[t * hb + g] = sc_x;
       if (a.has_shared) {
@@ -788,10 +800,6 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     issue_chain<BN, kBlockK / num::kMmaStepK>(buf, dw0 + stage_off(r), dx0 + stage_off(r), 0);
     pf.add(kPfIssue, t0);
   };
-  // The chain folded after an iteration's stages are released: GEMM1 stage 1's (`bb`,
-  // products of stage 1 in `pa`), GEMM2 stage 1's half 1 (`bb`, `pb`).
-  float(&last)[BN / 2] = bb;
-  float(&last_p)[BN / 8][4] = kGemm == 1 ? pa : pb;
   int kb = 0;
   // Two stages an iteration (v13): stage 1's work is queued while stage 0's is folded, so
   // the warpgroup's tensor work drains once per two stages, not per stage (GEMM1: stage 0's
@@ -828,7 +836,7 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     mma_wait_all();
     release_stage(&empty_bar[rp.stage]);
     release_stage(&empty_bar[r1.stage]);
-    fold(last, last_p);
+    fold(bb, kGemm == 1 ? pa : pb);  // GEMM1: stage 1's chain; GEMM2: stage 1's half 1
     rp = r1;
     rp.advance();
     pf.count(kPfStages);
@@ -1155,24 +1163,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int next = task + warps_total;
       Task nxt{};
       if (next < tasks) nxt = load_task(next);
-      float v[16];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const uint32_t word = i < 4 ? (&cur.raw[0].x)[i] : (&cur.raw[1].x)[i - 4];
-        v[2 * i] = __uint_as_float(word << 16), v[2 * i + 1] = __uint_as_float(word & 0xFFFF0000u);
-      }
-      float amax = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-      for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      const float scale = num::act_scale(amax);
-      const float inv = 1.0f / scale;
-      uint4 q;
-      q.x = pack_e4m3x4(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv);
-      q.y = pack_e4m3x4(v[4] * inv, v[5] * inv, v[6] * inv, v[7] * inv);
-      q.z = pack_e4m3x4(v[8] * inv, v[9] * inv, v[10] * inv, v[11] * inv);
-      q.w = pack_e4m3x4(v[12] * inv, v[13] * inv, v[14] * inv, v[15] * inv);
+      const uint32_t raw[8] = {cur.raw[0].x, cur.raw[0].y, cur.raw[0].z, cur.raw[0].w,
+                               cur.raw[1].x, cur.raw[1].y, cur.raw[1].z, cur.raw[1].w};
+      uint32_t qw[4];
+      float scale;
+      quantize_group<8>(raw, qw, scale);
+      const uint4 q = make_uint4(qw[0], qw[1], qw[2], qw[3]);
       const bool mine = cur.g < hb;
       for (int k = 0; k < slots; ++k) {
         const int r = __shfl_sync(0xffffffffu, cur.row, k);

@@ -34,11 +34,12 @@ struct SplitTable {
 };
 const SplitTable kSplit;
 
-}  // namespace
-
+// The codes split (see SplitCodes), one table lookup each.
 void split_e4m3(const uint8_t* q, size_t n, int8_t* sig, int8_t* exp) {
   for (size_t i = 0; i < n; ++i) sig[i] = kSplit.sig[q[i]], exp[i] = kSplit.exp[q[i]];
 }
+
+}  // namespace
 
 SplitCodes::SplitCodes(const uint8_t* q, size_t rows, int cols_)
     : sig(rows * size_t(cols_)), exp(rows * size_t(cols_)), cols(cols_) {
@@ -209,8 +210,6 @@ bool have_avx2() {
 }
 #endif
 
-}  // namespace
-
 #if MEGAMOE_REF_AVX2
 // split_e4m3 32 codes at a time (the weight rows are split on every use).
 __attribute__((target("avx2"))) void split_e4m3_avx2(const uint8_t* q, int n, int8_t* sig, int8_t* exp) {
@@ -236,18 +235,18 @@ __attribute__((target("avx2"))) void split_e4m3_avx2(const uint8_t* q, int n, in
 }
 #endif
 
+}  // namespace
+
 void dot_e4m3_mma_blocks(const uint8_t* w, int n, int blk, const SplitRow* a, int m, float* part) {
   thread_local std::vector<int8_t> ws, we;
   ws.resize(n), we.resize(n);
 #if MEGAMOE_REF_AVX2
-  if (have_avx2())
+  if (have_avx2()) {
     split_e4m3_avx2(w, n, ws.data(), we.data());
-  else
+    return dot_avx2(ws.data(), we.data(), n, blk, a, m, part);
+  }
 #endif
-    split_e4m3(w, n, ws.data(), we.data());
-#if MEGAMOE_REF_AVX2
-  if (have_avx2()) return dot_avx2(ws.data(), we.data(), n, blk, a, m, part);
-#endif
+  split_e4m3(w, n, ws.data(), we.data());
   dot_portable(ws.data(), we.data(), n, blk, a, m, part);
 }
 

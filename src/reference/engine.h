@@ -43,7 +43,6 @@ struct SplitCodes {
   SplitCodes(const uint8_t* q, size_t rows, int cols);
   SplitRow row(size_t r) const { return {sig.data() + r * cols, exp.data() + r * cols}; }
 };
-void split_e4m3(const uint8_t* q, size_t n, int8_t* sig, int8_t* exp);
 
 // The block dot products both GEMMs are built from, as the kernel's tensor cores
 // compute them: part[j*nb + b] = the chain of wgmma k-steps (num::fp8_mma_chain) over
