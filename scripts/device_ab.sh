@@ -5,7 +5,7 @@
 # Usage: scripts/device_ab.sh BIN_DIR VARIANTS_FILE > $OUT/ab.log
 #   a variant line: LABEL | ENV=VAL ENV2=VAL2 | bench arguments   ('#' lines are skipped)
 #   BIN_DIR/LABEL/megamoe, when present, runs that line (old / new builds interleaved);
-#   otherwise BIN_DIR/megamoe.
+#   a label NAME@DIR runs BIN_DIR/DIR/megamoe; otherwise BIN_DIR/megamoe.
 set -uo pipefail
 bin=$1 file=$2
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -13,6 +13,7 @@ while IFS='|' read -r label envs args; do
   label=$(echo "$label" | xargs)
   [ -z "$label" ] || [ "${label:0:1}" = "#" ] && continue
   b=$bin; [ -x "$bin/$label/megamoe" ] && b=$bin/$label
+  [[ $label == *@* ]] && b=$bin/${label#*@}
   # shellcheck disable=SC2086
   env $envs timeout 150 "$b/megamoe" bench $args 2>&1 | grep -E " T=" | sed "s/^/$label | /"
 done < "$file"

@@ -140,7 +140,8 @@ struct KernelArgs {
   int debug_stop;  // MEGAMOE_DEBUG_STOP: 0 = full kernel; 1/2/3 stop after tables / phase 0 / the mainloop
   // Measurement switches (wrong outputs when set; for timing the parts of the kernel):
   int debug_skip;      // MEGAMOE_DEBUG_SKIP: bit 0 = no wgmma and no fold,
-                       //   bit 2 = no TMA loads (stages complete at once: the consumers' own speed)
+                       //   bit 2 = no TMA loads (stages complete at once: the consumers' own speed),
+                       //   bit 3 = prefill K loops without the fold (wgmma and stage handling only)
   int round_robin;     // MEGAMOE_SCHEDULE=rr: plain round-robin instead of TileSchedule's balance
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
   int tail_pool;       // GEMM2 tiles a CTA left to claims at the end (kTailPool)
@@ -894,6 +895,23 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   const uint32_t t_loop = pf.now();
   const int r0 = wg * 64 + lrow, r1 = r0 + 8;
   float ba[64], bb[64];
+  if (skip & 8) {  // measurement: the loop's wgmma and stage handling, no fold
+    const uint32_t dx = sm90::smem_desc_sw128_lo(smem + kWBytes + wg * 64 * 128),
+                   dw = sm90::smem_desc_sw128_lo(smem);
+    for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
+      sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
+      const uint32_t so = uint32_t(rp.stage) * (kStageBytes >> 4);
+      if constexpr (kGemm == 1) {
+        issue_chain<128, kBlockK / num::kMmaStepK>(ba, dx + so, dw + so, 0);
+      } else {
+        issue_chain<128, 2>(ba, dx + so, dw + so, 0);
+        issue_chain<128, 2>(bb, dx + so, dw + so, 2);
+      }
+      sm90::wgmma_wait<0>();
+      release_stage(&empty_bar[rp.stage]);
+    }
+    return;
+  }
   // Descriptors of stage 0's tiles; a stage and a K step add their offset >> 4 (v11).
   const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes + wg * 64 * 128);
   const uint32_t dw0 = sm90::smem_desc_sw128_lo(smem);
@@ -1298,12 +1316,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ======================= consumer warpgroups =======================
   sm90::setmaxnreg_inc<kConsumerRegs>();
-  const int ctid = tid - 128;              // 0..255
-  const int wg = ctid / 128;               // 0, 1
-  const int wwarp = (ctid / 32) % 4;       // warp inside the warpgroup
-  const int cwarp = ctid / 32;             // 0..7
-  const int lrow = wwarp * 16 + lane / 4;  // fragment row (and row + 8)
-  const int lcol = (lane % 4) * 2;         // fragment column (and + 1), plus 8 * j
+  const int ctid = tid - 128;  // 0..255
+  // Broadcast from lane 0: ptxas then knows wg is warp-uniform and keeps what derives from
+  // it (the wgmma descriptors, the ring position) in uniform registers, not in vector
+  // registers copied over by R2UR at every wgmma (v17: T = 1024 -1.4 %, 16384 -1..-3 %).
+  const int wg = __shfl_sync(0xffffffffu, ctid / 128, 0);  // 0, 1
+  const int wwarp = (ctid / 32) % 4;                       // warp inside the warpgroup
+  const int cwarp = ctid / 32;                             // 0..7
+  const int lrow = wwarp * 16 + lane / 4;                  // fragment row (and row + 8)
+  const int lcol = (lane % 4) * 2;                         // fragment column (and + 1), plus 8 * j
 
   float acc[kAcc];
   RingPos<kStages> rp;
@@ -1574,7 +1595,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (a.debug_stop == 3) return;
   const uint32_t t_comb = pf.now();
   // ---- Combine: y[t] = bf16(sum over slots, ascending, of the BF16 slot rows) ----
-  if (ctid == 0) sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2], t2);
+  // (t2 again from the shared tables: kept live across the tiles it cost a spill)
+  if (ctid == 0)
+    sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2], n2 * sc.unit_off[E_total]);
   sm90::named_barrier(1, kConsumerThreads);
   pf.add(kPfDone2, t_comb);
   const uint16_t* ep_combine = nullptr;  // expert parallelism: routed slot rows, [T][K][H]
