@@ -235,26 +235,6 @@ __device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc
   return t;
 }
 
-// A tile's weight-scale rows, one float per 128-deep K block: GEMM1 the gate (lo) and up
-// (hi) rows of its 64 intermediate columns, GEMM2 the row of its 128 outputs (lo = hi).
-struct ScaleRows {
-  const float* lo;
-  const float* hi;
-};
-// (Offsets in int: a scale tensor has E * (2I / 128) * (H / 128) < 2^31 floats; 64-bit
-// index math here made the producer, which prefetches these rows, spill.)
-__device__ __forceinline__ ScaleRows scale_rows(const KernelArgs& a, const Tile& tl) {
-  const bool shared = tl.e == a.E;
-  if (tl.gemm == 1) {
-    const int I_e = shared ? a.Is : a.I, row0 = shared ? 0 : tl.e * (2 * (a.I / 128));
-    const float* wsc = shared ? a.sw13_scale : a.w13_scale;
-    return {wsc + (row0 + tl.nblk / 2) * (a.H / 128), wsc + (row0 + I_e / 128 + tl.nblk / 2) * (a.H / 128)};
-  }
-  const float* wsc = shared ? a.sw2_scale + tl.nblk * (a.Is / 128)
-                            : a.w2_scale + (tl.e * (a.H / 128) + tl.nblk) * (a.I / 128);
-  return {wsc, wsc};
-}
-
 __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {
   // NOTE: cvt.rn.satfinite: identical to num::e4m3_encode (tested on the CPU side).
   const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
@@ -1273,15 +1253,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int next = next_tile(sched);
         // GEMM2 needs every GEMM1 tile of its (expert, token block).
         const int need = (tl.e == a.E ? a.Is : a.I) / 64;
-        // The tile's weight-scale rows into this SM's L1 now, stages before the consumers
-        // read them: their first read of a row went to HBM behind the weight stream, on
-        // each K loop's path (ncu at T = 1024: 13 % of the decode loop's samples, v17).
-        {  // (a row is kblocks <= 64 floats: H, I <= 8192; so at most three lines)
-          const ScaleRows sr = scale_rows(a, tl);
-          const int mid = min(32, tl.kblocks - 1), last = tl.kblocks - 1;
-          sm90::prefetch_l1(sr.lo), sm90::prefetch_l1(sr.lo + mid), sm90::prefetch_l1(sr.lo + last);
-          sm90::prefetch_l1(sr.hi), sm90::prefetch_l1(sr.hi + mid), sm90::prefetch_l1(sr.hi + last);
-        }
         uint32_t t0 = pf.now();
         bool ready = tl.gemm == 1 || sm90::ld_acquire_gpu(&done1[tl.unit]) >= need;
         if (a.no_early_loads && !ready) {
@@ -1384,6 +1355,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       break;
     }
     const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
+    const bool shared = tl.e == a.E;
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
     pf.add(kPfTileStart, t_tile);
@@ -1391,8 +1363,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     uint32_t t_epi = 0;
     if (tl.gemm == 1) {
-      const ScaleRows sr = scale_rows(a, tl);
-      const float *sg_row = sr.lo, *su_row = sr.hi;
+      const int I_e = shared ? a.Is : a.I;
+      const float* wsc = shared ? a.sw13_scale : a.w13_scale + size_t(tl.e) * (2 * (a.I / 128)) * (a.H / 128);
+      const float* sg_row = wsc + size_t(tl.nblk / 2) * (a.H / 128);
+      const float* su_row = wsc + size_t(I_e / 128 + tl.nblk / 2) * (a.H / 128);
       if constexpr (kSwapAB) {
         // Routing weights of this thread's tokens, loaded before the K loop hides the latency.
         float rw[BN / 8][2];
@@ -1537,7 +1511,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kSwapAB) sm90::named_barrier(1, kConsumerThreads);  // red[] is free for the next tile
       tile_written(a.units_base + tl.unit);                             // done1[unit]
     } else {
-      const float* wsc = scale_rows(a, tl).lo;
+      const float* wsc = shared ? a.sw2_scale + size_t(tl.nblk) * (a.Is / 128)
+                                : a.w2_scale + (size_t(tl.e) * (a.H / 128) + tl.nblk) * (a.I / 128);
       if constexpr (kSwapAB) {
         // Token n's row_src entry in lane n % 32 of src[n / 32], loaded before the K loop.
         int32_t src[(BN + 31) / 32];
