@@ -895,26 +895,24 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   const uint32_t t_loop = pf.now();
   const int r0 = wg * 64 + lrow, r1 = r0 + 8;
   float ba[64], bb[64];
+  // Descriptors of stage 0's tiles; a stage and a K step add their offset >> 4 (v11).
+  const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes + wg * 64 * 128);
+  const uint32_t dw0 = sm90::smem_desc_sw128_lo(smem);
   if (skip & 8) {  // measurement: the loop's wgmma and stage handling, no fold
-    const uint32_t dx = sm90::smem_desc_sw128_lo(smem + kWBytes + wg * 64 * 128),
-                   dw = sm90::smem_desc_sw128_lo(smem);
     for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
       sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
       const uint32_t so = uint32_t(rp.stage) * (kStageBytes >> 4);
       if constexpr (kGemm == 1) {
-        issue_chain<128, kBlockK / num::kMmaStepK>(ba, dx + so, dw + so, 0);
+        issue_chain<128, kBlockK / num::kMmaStepK>(ba, dx0 + so, dw0 + so, 0);
       } else {
-        issue_chain<128, 2>(ba, dx + so, dw + so, 0);
-        issue_chain<128, 2>(bb, dx + so, dw + so, 2);
+        issue_chain<128, 2>(ba, dx0 + so, dw0 + so, 0);
+        issue_chain<128, 2>(bb, dx0 + so, dw0 + so, 2);
       }
       sm90::wgmma_wait<0>();
       release_stage(&empty_bar[rp.stage]);
     }
     return;
   }
-  // Descriptors of stage 0's tiles; a stage and a K step add their offset >> 4 (v11).
-  const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes + wg * 64 * 128);
-  const uint32_t dw0 = sm90::smem_desc_sw128_lo(smem);
   auto issue = [&](float(&buf)[64], uint32_t so, int half) {  // a 64-deep half
     issue_chain<128, 2>(buf, dx0 + so, dw0 + so, 2 * half);
   };
@@ -1319,7 +1317,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int ctid = tid - 128;  // 0..255
   // Broadcast from lane 0: ptxas then knows wg is warp-uniform and keeps what derives from
   // it (the wgmma descriptors, the ring position) in uniform registers, not in vector
-  // registers copied over by R2UR at every wgmma (v17: T = 1024 -1.4 %, 16384 -1..-3 %).
+  // registers copied over by R2UR at every wgmma (v17: T = 1024 -2 %, DeepSeek-V3 16384 -2 %).
   const int wg = __shfl_sync(0xffffffffu, ctid / 128, 0);  // 0, 1
   const int wwarp = (ctid / 32) % 4;                       // warp inside the warpgroup
   const int cwarp = ctid / 32;                             // 0..7
