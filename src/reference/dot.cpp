@@ -156,10 +156,8 @@ __attribute__((target("avx2"))) inline int step32_terms_avx2(const int8_t* ws, c
   sum = _mm_cvtsi128_si32(s4);
   return e;
 }
-#endif
 
 // A full step: step32_terms_avx2, then finish_step as in mma_step_split.
-#if MEGAMOE_REF_AVX2
 __attribute__((target("avx2"))) inline void mma_step32_avx2(Acc& c, const int8_t* ws, const int8_t* we,
                                                             const int8_t* as, const int8_t* ae) {
   int s = 0;
@@ -208,9 +206,7 @@ bool have_avx2() {
   static const bool ok = __builtin_cpu_supports("avx2");
   return ok;
 }
-#endif
 
-#if MEGAMOE_REF_AVX2
 // split_e4m3 32 codes at a time (the weight rows are split on every use).
 __attribute__((target("avx2"))) void split_e4m3_avx2(const uint8_t* q, int n, int8_t* sig, int8_t* exp) {
   int i = 0;

@@ -128,8 +128,10 @@ void run_faithful(const MoeShape& s, std::vector<FaithfulTask>& tasks, int threa
   });
 
   for (size_t i = 0; i < tasks.size(); ++i)
-    if (!tasks[i].rows.empty())
+    if (!tasks[i].rows.empty()) {
       inter[i].a = SplitCodes(inter[i].q.data(), tasks[i].rows.size(), tasks[i].w.inter);
+      std::vector<uint8_t>().swap(inter[i].q);  // the codes live on in their split form
+    }
 
   // Phase 2: y_k[h] for 64 output columns h of one task: per 64-deep block of
   // I a tensor-core partial (num::fp8_mma_chain), folded with s2 * w2_scale[h/128][k/128]; then bf16.
