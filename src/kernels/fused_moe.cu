@@ -320,12 +320,18 @@ constexpr int kProfCtas = 1024;
 __device__ uint32_t g_profile[kProfCtas][kPfSlots];
 struct Prof {
   uint32_t v[kPfSlots] = {};
-  __device__ __forceinline__ uint32_t now() const { return kProfile ? uint32_t(clock()) : 0u; }
+  // Through an identity shuffle: under register pressure ptxas rematerializes a long-lived
+  // clock value by reading %clock again where it is used (the 128-token kernel's "tables"
+  // and epilogue intervals came out near 2^32, v17 / v18); a shuffle it does not redo.
+  __device__ __forceinline__ uint32_t now() const {
+    if (!kProfile) return 0u;
+    return __shfl_sync(__activemask(), sm90::clock_ordered(), threadIdx.x % 32);
+  }
   __device__ __forceinline__ void stamp(int slot) {
     if (kProfile) v[slot] = uint32_t(sm90::globaltimer_ns());
   }
   __device__ __forceinline__ void add(int slot, uint32_t since) {
-    if (kProfile) v[slot] += uint32_t(clock()) - since;
+    if (kProfile) v[slot] += sm90::clock_ordered() - since;
   }
   __device__ __forceinline__ void count(int slot) {
     if (kProfile) ++v[slot];

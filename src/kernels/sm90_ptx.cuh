@@ -123,6 +123,15 @@ __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
 }
 
 // Nanoseconds of the global timer (timeouts; not for measuring short intervals).
+// The SM's cycle counter (profile build): the "memory" clobber keeps the compiler from
+// moving loads and stores across the read. ptxas may still read it again later for a
+// value it rematerializes (fused_moe.cu's Prof::now() guards against that).
+__device__ __forceinline__ uint32_t clock_ordered() {
+  uint32_t t;
+  asm volatile("mov.u32 %0, %%clock;" : "=r"(t)::"memory");
+  return t;
+}
+
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
