@@ -1709,7 +1709,8 @@ EncodeTiledFn encode_fn() {
 
 CUtensorMap make_map(const char* what, CUtensorMapDataType dtype, int rank, const void* base,
                      std::initializer_list<uint64_t> dims, std::initializer_list<uint64_t> strides_bytes,
-                     std::initializer_list<uint32_t> box, CUtensorMapSwizzle swizzle) {
+                     std::initializer_list<uint32_t> box, CUtensorMapSwizzle swizzle,
+                     CUtensorMapL2promotion promo = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
   CUtensorMap m{};
   cuuint64_t d[5], s[4];
   cuuint32_t b[5], es[5];
@@ -1721,7 +1722,7 @@ CUtensorMap make_map(const char* what, CUtensorMapDataType dtype, int rank, cons
   for (auto v : box) b[i++] = v;
   for (int k = 0; k < 5; ++k) es[k] = 1;
   const CUresult r = encode_fn()(&m, dtype, cuuint32_t(rank), const_cast<void*>(base), d, s, b, es,
-                                 CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                 CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, promo,
                                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw std::runtime_error(std::string("cuTensorMapEncodeTiled failed for ") + what + " (CUresult " +
@@ -1813,16 +1814,20 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   TensorMaps wm{};
   // w13 viewed as [E][group I/8][half 2][row 8][H]: a box {128, 8, 2, 8, 1} is 64 gate and 64 up rows
   // interleaved by 8 (gate 0-7, up 0-7, gate 8-15, ...), 16 KB.
+  // The weight maps' L2 promotion (kWeightL2PromotionBytes, heuristics.h).
+  static_assert(kWeightL2PromotionBytes == 128 || kWeightL2PromotionBytes == 256, "L2 promotion");
+  const CUtensorMapL2promotion wpromo =
+      kWeightL2PromotionBytes == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   wm.w13 = make_map("w13", CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, w.w13, {H, 8, 2, I / 8, E},
-                    {H, I * H, 8 * H, 2 * I * H}, {128, 8, 2, 8, 1}, CU_TENSOR_MAP_SWIZZLE_128B);
+                    {H, I * H, 8 * H, 2 * I * H}, {128, 8, 2, 8, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
   wm.w2 = make_map("w2", CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, w.w2, {I, H, E}, {I, H * I}, {128, 128, 1},
-                   CU_TENSOR_MAP_SWIZZLE_128B);
+                   CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
   if (s.has_shared()) {
     MEGAMOE_CHECK(Is % 128 == 0, "fused_moe needs the shared intermediate % 128 == 0");
     wm.sw13 = make_map("shared_w13", CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, w.shared_w13, {H, 8, 2, Is / 8, 1},
-                       {H, Is * H, 8 * H, 2 * Is * H}, {128, 8, 2, 8, 1}, CU_TENSOR_MAP_SWIZZLE_128B);
+                       {H, Is * H, 8 * H, 2 * Is * H}, {128, 8, 2, 8, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
     wm.sw2 = make_map("shared_w2", CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, w.shared_w2, {Is, H, 1}, {Is, H * Is},
-                      {128, 128, 1}, CU_TENSOR_MAP_SWIZZLE_128B);
+                      {128, 128, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
   } else {
     wm.sw13 = wm.w13;
     wm.sw2 = wm.w2;
