@@ -320,13 +320,10 @@ constexpr int kProfCtas = 1024;
 __device__ uint32_t g_profile[kProfCtas][kPfSlots];
 struct Prof {
   uint32_t v[kPfSlots] = {};
-  // Through an identity shuffle: under register pressure ptxas rematerializes a long-lived
-  // clock value by reading %clock again where it is used (the 128-token kernel's "tables"
-  // and epilogue intervals came out near 2^32, v17 / v18); a shuffle it does not redo.
-  __device__ __forceinline__ uint32_t now() const {
-    if (!kProfile) return 0u;
-    return __shfl_sync(__activemask(), sm90::clock_ordered(), threadIdx.x % 32);
-  }
+  // NOTE: ptxas may still re-read the clock for a long-lived start value (an S2UR
+  // rematerialized next to its use): the 128-token kernel's "tables" interval of phase 0
+  // reads near 2^32 (v18, bench/results/NOTES.md); the other intervals read right.
+  __device__ __forceinline__ uint32_t now() const { return kProfile ? sm90::clock_ordered() : 0u; }
   __device__ __forceinline__ void stamp(int slot) {
     if (kProfile) v[slot] = uint32_t(sm90::globaltimer_ns());
   }

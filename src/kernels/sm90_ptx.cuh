@@ -124,8 +124,8 @@ __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
 
 // Nanoseconds of the global timer (timeouts; not for measuring short intervals).
 // The SM's cycle counter (profile build): the "memory" clobber keeps the compiler from
-// moving loads and stores across the read. ptxas may still read it again later for a
-// value it rematerializes (fused_moe.cu's Prof::now() guards against that).
+// moving loads and stores across the read (the epilogue intervals read near 2^32 with
+// clock(), v17). ptxas may still read it again for a value it rematerializes (Prof).
 __device__ __forceinline__ uint32_t clock_ordered() {
   uint32_t t;
   asm volatile("mov.u32 %0, %%clock;" : "=r"(t)::"memory");
