@@ -1718,9 +1718,9 @@ CUtensorMap make_map(const char* what, CUtensorMapDataType dtype, int rank, cons
   i = 0;
   for (auto v : box) b[i++] = v;
   for (int k = 0; k < 5; ++k) es[k] = 1;
-  const CUresult r = encode_fn()(&m, dtype, cuuint32_t(rank), const_cast<void*>(base), d, s, b, es,
-                                 CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, promo,
-                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r =
+      encode_fn()(&m, dtype, cuuint32_t(rank), const_cast<void*>(base), d, s, b, es,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, promo, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw std::runtime_error(std::string("cuTensorMapEncodeTiled failed for ") + what + " (CUresult " +
                              std::to_string(int(r)) + ")");
@@ -1809,12 +1809,12 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   const uint64_t P = ws.inter_pitch;
   auto* base = static_cast<uint8_t*>(workspace);
   TensorMaps wm{};
-  // w13 viewed as [E][group I/8][half 2][row 8][H]: a box {128, 8, 2, 8, 1} is 64 gate and 64 up rows
-  // interleaved by 8 (gate 0-7, up 0-7, gate 8-15, ...), 16 KB.
   // The weight maps' L2 promotion (kWeightL2PromotionBytes, heuristics.h).
   static_assert(kWeightL2PromotionBytes == 128 || kWeightL2PromotionBytes == 256, "L2 promotion");
-  const CUtensorMapL2promotion wpromo =
-      kWeightL2PromotionBytes == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+  const CUtensorMapL2promotion wpromo = kWeightL2PromotionBytes == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                                                                       : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+  // w13 viewed as [E][group I/8][half 2][row 8][H]: a box {128, 8, 2, 8, 1} is 64 gate and 64 up rows
+  // interleaved by 8 (gate 0-7, up 0-7, gate 8-15, ...), 16 KB.
   wm.w13 = make_map("w13", CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, w.w13, {H, 8, 2, I / 8, E},
                     {H, I * H, 8 * H, 2 * I * H}, {128, 8, 2, 8, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
   wm.w2 = make_map("w2", CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, w.w2, {I, H, E}, {I, H * I}, {128, 128, 1},

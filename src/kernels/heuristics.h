@@ -28,10 +28,10 @@ constexpr int kSmemBudget = 227 * 1024;
 // row index innermost and a TMA box must start 16-byte aligned in global memory.
 constexpr int kRowAlign = 8;
 // L2 promotion of the expert weights' TMA loads: a box row is 128 bytes of one weight row,
-// and promoting it to 128 (not 256) bytes measured -2 % at T = 8 and 64 tokens, -0.5 to
-// -0.8 % at 1 and 256, level at 1024 and 16384 (GLM-5, two interleaved rounds, v18,
-// bench/results/ab/v18_l2_promotion.log; no promotion measured the same as 128). The
-// token maps keep 256 (no promotion there measured level).
+// and promoting it to 128 (not 256) bytes measured -2 % at T = 8 and 64 tokens, -0.2 to
+// -1 % at 1 and 256, level at 1024 and 16384 (GLM-5 and DeepSeek-V3, interleaved rounds,
+// v18, bench/results/ab/v18_l2_promotion.log and v18_bench_b3b1f72.log's call; no promotion
+// measured the same as 128). The token maps keep 256 (no promotion there measured level).
 constexpr int kWeightL2PromotionBytes = 128;
 // Finished tiles that may wait for the signal thread's release (fused_moe.cu) before
 // a consumer warp blocks on it.

@@ -122,7 +122,6 @@ __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-// Nanoseconds of the global timer (timeouts; not for measuring short intervals).
 // The SM's cycle counter (profile build): the "memory" clobber keeps the compiler from
 // moving loads and stores across the read (the epilogue intervals read near 2^32 with
 // clock(), v17). ptxas may still read it again for a value it rematerializes (Prof).
@@ -132,6 +131,7 @@ __device__ __forceinline__ uint32_t clock_ordered() {
   return t;
 }
 
+// Nanoseconds of the global timer (timeouts; not for measuring short intervals).
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
