@@ -901,24 +901,25 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   // Descriptors of stage 0's tiles; a stage and a K step add their offset >> 4 (v11).
   const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes + wg * 64 * 128);
   const uint32_t dw0 = sm90::smem_desc_sw128_lo(smem);
+  // A stage's chains at stage offset `so`: GEMM1 one chain, folded once
+  // (num::kGemm1FoldK = 128); GEMM2 two 64-deep halves (num::kInterGroup), in ba / bb.
+  auto issue_stage = [&](uint32_t so) {
+    if constexpr (kGemm == 1) {
+      issue_chain<128, kBlockK / num::kMmaStepK>(ba, dx0 + so, dw0 + so, 0);
+    } else {
+      issue_chain<128, 2>(ba, dx0 + so, dw0 + so, 0);
+      issue_chain<128, 2>(bb, dx0 + so, dw0 + so, 2);
+    }
+  };
   if (skip & 8) {  // measurement: the loop's wgmma and stage handling, no fold
     for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
       sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
-      const uint32_t so = uint32_t(rp.stage) * (kStageBytes >> 4);
-      if constexpr (kGemm == 1) {
-        issue_chain<128, kBlockK / num::kMmaStepK>(ba, dx0 + so, dw0 + so, 0);
-      } else {
-        issue_chain<128, 2>(ba, dx0 + so, dw0 + so, 0);
-        issue_chain<128, 2>(bb, dx0 + so, dw0 + so, 2);
-      }
+      issue_stage(uint32_t(rp.stage) * (kStageBytes >> 4));
       sm90::wgmma_wait<0>();
       release_stage(&empty_bar[rp.stage]);
     }
     return;
   }
-  auto issue = [&](float(&buf)[64], uint32_t so, int half) {  // a 64-deep half
-    issue_chain<128, 2>(buf, dx0 + so, dw0 + so, 2 * half);
-  };
   // acc += buf * product; columns 8j..: j even = gate (pg), j odd = up (pu); rows r0 / r1.
   auto fold = [&](const float(&buf)[64], float pg0, float pu0, float pg1, float pu1) {
 #pragma unroll
@@ -956,13 +957,7 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     pf.add(kPfFullWait, t0);
     const uint8_t* st = smem + rp.stage * kStageBytes;
     t0 = pf.now();
-    const uint32_t so = uint32_t(rp.stage) * (kStageBytes >> 4);
-    if constexpr (kGemm == 1) {  // one chain a stage, folded once (num::kGemm1FoldK = 128)
-      issue_chain<128, kBlockK / num::kMmaStepK>(ba, dx0 + so, dw0 + so, 0);
-    } else {  // two 64-deep halves (num::kInterGroup)
-      issue(ba, so, 0);
-      issue(bb, so, 1);
-    }
+    issue_stage(uint32_t(rp.stage) * (kStageBytes >> 4));
     pf.add(kPfIssue, t0);
     float sg, su;
     w_scales(kb, sg, su);  // (ptxas hoists these loads above the issue either way)
