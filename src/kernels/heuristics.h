@@ -71,7 +71,12 @@ constexpr int kNumBlockNs = 6;
 // large 51.4 / 39.6 / 57.3; the small tiles only win up to 64. With fewer than
 // kRouteLargeMinExperts experts (the 8-way shares: 32, 36) the large tile's 64 expert rows
 // are half empty: 1024 tokens took 46 / 32 / 36 us there against 32 / 25 / 27 medium.
+// Up to kRouteWideTokens the 64x32 tile runs its group's four K slices side by side (16
+// warps; v19, bench/results/ab/v19_combine_route.log: GLM-5 128 tokens 24.3 -> 17.6 us of
+// route_logits, 256 24.8 -> 18.9, DeepSeek-V3 256 level; at 512 level on GLM-5 and +3 us on
+// DeepSeek-V3, so not above 256).
 constexpr int kRouteSmallTokens = 64;
+constexpr int kRouteWideTokens = 256;
 constexpr int kRouteMediumTokens = 512;
 constexpr int kRouteMediumTokensFewExperts = 1024;
 constexpr int kRouteLargeMinExperts = 128;

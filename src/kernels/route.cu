@@ -299,6 +299,10 @@ template <typename WT>
 using RouteSmall = RouteTile<WT, 16, 16, kSlicesPerGroup, 1, 2, 6>;  // decode: a warp slice a slice
 template <typename WT>
 using RouteMedium = RouteTile<WT, 64, 32, 1, 2, 2, 4>;
+// The medium tile with the group's four slices side by side (16 warps): a quarter of the
+// dependent chain a warp and four times the copies in flight a block (v19).
+template <typename WT>
+using RouteMediumWide = RouteTile<WT, 64, 32, kSlicesPerGroup, 2, 2, 3>;
 template <typename WT>
 using RouteLarge = RouteTile<WT, 128, 64, 1, 2, 2, 3>;  // prefill: fewer re-reads
 // NOTE: with the running sum of the slices the F32 router's 2 x 2 warps spill six ints,
@@ -315,9 +319,12 @@ void launch_route_logits(const RouteArgs& a, const MoeShape& s, int hint, cudaSt
   }();
   if (forced == "small") return RouteSmall<WT>::launch(a, s, hint, stream);
   if (forced == "medium") return RouteMedium<WT>::launch(a, s, hint, stream);
+  if (forced == "medium4") return RouteMediumWide<WT>::launch(a, s, hint, stream);
   if (forced == "large") return RouteLarge<WT>::launch(a, s, hint, stream);
   if (hint <= kRouteSmallTokens)
     RouteSmall<WT>::launch(a, s, hint, stream);
+  else if (hint <= kRouteWideTokens)
+    RouteMediumWide<WT>::launch(a, s, hint, stream);
   else if (hint <= route_medium_max_tokens(s.experts))
     RouteMedium<WT>::launch(a, s, hint, stream);
   else
@@ -507,6 +514,7 @@ static int g_route_parts = kRoutePartLogits | kRoutePartTopk;
 void route_prepare() {
   RouteSmall<float>::prepare(), RouteMedium<float>::prepare(), RouteLarge<float>::prepare();
   RouteSmall<uint16_t>::prepare(), RouteMedium<uint16_t>::prepare(), RouteLarge<uint16_t>::prepare();
+  RouteMediumWide<float>::prepare(), RouteMediumWide<uint16_t>::prepare();
 }
 
 void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms,

@@ -217,7 +217,7 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
 }
 
 TEST_F(FusedMoe, RoutingBitsIndependentOfRouterTile) {
-  // The router GEMM picks its tile shape from the token hint (decode, medium,
+  // The router GEMM picks its tile shape from the token hint (decode, medium wide, medium,
   // prefill); every shape must give the same logits, so ids and weights match
   // bit for bit, for the F32 (three BF16 terms) and the BF16 router weight.
   // The odd shape's router slices are 72 columns: two steps each, the second zero-filled.
@@ -242,7 +242,7 @@ TEST_F(FusedMoe, RoutingBitsIndependentOfRouterTile) {
     CK(cudaMemcpy(dT, &T, sizeof(int), cudaMemcpyHostToDevice));
     std::vector<int32_t> ids0;
     std::vector<float> w0;
-    for (int hint : {T, 512, Tmax}) {
+    for (int hint : {T, 256, 512, Tmax}) {
       layer.route(dx, hint, dT, nullptr);
       CK(cudaDeviceSynchronize());
       std::vector<int32_t> ids(size_t(T) * s.topk);
