@@ -8,7 +8,8 @@
 //                into a ring of `kStages` shared-memory stages (full/empty
 //                mbarriers); thread 32 publishes finished tiles to the other
 //                CTAs (gpu-scope releases of the completion counters, off the
-//                consumers' path); the other threads exit after phase 0.
+//                consumers' path); warp 3 loads the combine's slot rows at the
+//                end (CombinePlan); the other threads exit after phase 0.
 //   warpgroups 1, 2: wgmma consumers. A tile is 128 weight rows x block_n
 //                token rows. Up to 64 tokens the weights are the wgmma M (64
 //                rows per warpgroup) and the tokens N ("swap AB", so a decode
@@ -1001,6 +1002,29 @@ __device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
 // kEp: expert parallelism (a separate instantiation, so the single-device kernel keeps
 // its registers: the EP paths' extra live values spill four ints at BN = 128, stored
 // once and reloaded once a tile, never inside the K loops -- checked in the SASS).
+// The single-device combine through shared memory (kCombineCols, heuristics.h): unit u is
+// token u / chunks, columns (u % chunks) * kCombineCols of every slot; CTA b takes units
+// b, b + G, ...; a stage holds one unit's slot rows, slot k at k * kCombineCols * 2 bytes.
+// Expert parallelism (two sources of rows), more than 32 slots or a ring without room
+// for two stages keep the warp-unit combine.
+// Named barrier 1 is the consumers' own; this one hands the ring from the consumers to
+// the combine's loads (warp 0).
+constexpr int kCombineRingBarrier = 2;
+constexpr int kCombineWarp = 3;  // of the producer warpgroup: idle after phase 0
+struct CombinePlan {
+  int slots, chunks, units, stages;
+  uint32_t stage_bytes;
+  bool bulk;
+  __device__ CombinePlan(const KernelArgs& a, int T, int ring_bytes, bool ep) {
+    slots = a.K + a.has_shared;
+    chunks = (a.H + kCombineCols - 1) / kCombineCols;
+    units = T * chunks;
+    stage_bytes = uint32_t(slots) * kCombineCols * 2;
+    stages = min(kCombineStages, ring_bytes / int(stage_bytes));
+    bulk = !ep && slots <= 32 && stages >= 2;
+  }
+};
+
 template <int BN, bool kEp>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
@@ -1028,6 +1052,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* free_bar = reinterpret_cast<uint64_t*>(tail + SmemTail::kFreeBar);
   int* slot_counter = reinterpret_cast<int*>(tail + SmemTail::kSlotCounter);
   int* stage_tile = reinterpret_cast<int*>(tail + SmemTail::kStageTile);  // -1: no more tiles
+  uint64_t* comb_full = reinterpret_cast<uint64_t*>(tail + SmemTail::kCombFull);
+  uint64_t* comb_empty = reinterpret_cast<uint64_t*>(tail + SmemTail::kCombEmpty);
+  uint32_t* comb_mask = reinterpret_cast<uint32_t*>(tail + SmemTail::kCombMask);
   int* tables = reinterpret_cast<int*>(tail + SmemTail::kTables);
   Sched sc{tables, tables + (kMaxExpertsTotal + 1), tables + 2 * (kMaxExpertsTotal + 1)};
   float* red = reinterpret_cast<float*>(tail + SmemTail::kRed);                      // [8 warps][BN]
@@ -1051,6 +1078,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kTileSlots; ++s) {
       sm90::mbar_init(&done_bar[s], kConsumerThreads / 32);
       sm90::mbar_init(&free_bar[s], 1);
+    }
+    for (int s = 0; s < kCombineStages; ++s) {
+      sm90::mbar_init(&comb_full[s], 1);
+      sm90::mbar_init(&comb_empty[s], kConsumerThreads);  // every reader arrives (see the combine)
     }
     sm90::mbar_init_fence();
   }
@@ -1305,6 +1336,48 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (counter < 0) break;  // the consumers saw the last tile
         sm90::red_release_gpu_add(&a.counters[counter], 1);
         sm90::mbar_arrive(&free_bar[slot]);
+      }
+    }
+    // ---- Combine loads (warp kCombineWarp): each unit's slot rows into a ring stage ----
+    // NOTE: not warp 0: its lanes waiting for lane 0's producer loop slowed that loop (the
+    // consumers' data waits rose, T = 16384 +5 % kernel cycles, v19); this warp waits at
+    // the barrier below, off every issue slot, until the consumers are done with the ring.
+    const CombinePlan cp(a, T, kStages * kStageBytes, kEp);
+    if (warp == kCombineWarp && cp.bulk && a.debug_stop != 3) {
+      // The consumers are done with the stage ring (they arrive after their last tile).
+      // (The counter below orders that too, through the gpu-scope releases, but
+      // compute-sanitizer's racecheck follows a barrier, not that chain.)
+      sm90::named_barrier(kCombineRingBarrier, kConsumerThreads + 32);
+      if (lane == 0) {
+        sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2], n2 * sc.unit_off[E_total]);
+        sm90::fence_proxy_async_global();  // y_rows (the GEMM2 epilogues' generic stores)
+        sm90::fence_proxy_async_shared();  // the ring's last generic reads, before bulk writes
+      }
+      __syncwarp();
+      // Lane k < slots: whether token t has slot k's row (a routed slot without an expert
+      // has none), loaded a unit ahead so the round trip overlaps the ring's waits.
+      auto has_row = [&](int u) {
+        if (u >= cp.units || lane >= cp.slots) return false;
+        return lane >= a.K || __ldcg(a.topk_ids + (u / cp.chunks) * a.K + lane) >= 0;
+      };
+      bool valid_next = has_row(blockIdx.x);
+      int i = 0;
+      for (int u = blockIdx.x; u < cp.units; u += gridDim.x, ++i) {
+        const uint32_t mask = __ballot_sync(0xffffffffu, valid_next);
+        valid_next = has_row(u + gridDim.x);
+        if (lane == 0) {
+          const int s = i % cp.stages;
+          const int t = u / cp.chunks, c0 = (u - t * cp.chunks) * kCombineCols;
+          const uint32_t bytes = uint32_t(min(kCombineCols, a.H - c0)) * 2;
+          sm90::mbar_wait(&comb_empty[s], ((i / cp.stages) & 1) ^ 1);
+          comb_mask[s] = mask;  // published by the full barrier's completion
+          sm90::mbar_arrive_expect_tx(&comb_full[s], __popc(mask) * bytes);
+          uint8_t* dst = smem + s * cp.stage_bytes;
+          const uint16_t* src = a.y_rows + size_t(t) * cp.slots * a.H + c0;
+          for (int k = 0; k < cp.slots; ++k)
+            if ((mask >> k) & 1)
+              sm90::bulk_load(dst + k * (kCombineCols * 2), src + size_t(k) * a.H, bytes, &comb_full[s]);
+        }
       }
     }
     return;
@@ -1582,6 +1655,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           __syncwarp();  // the tile is free for the next pass (or tile)
         }
       }
+      // The single-device combine reads y_rows by bulk copies (async proxy): the proxy
+      // fence before the release, as for act2.
+      if (!kEp) sm90::fence_proxy_async_global();
       pf.add(kPfEpi2, t_epi);
       tile_written(MoeWorkspaceLayout::kCounterDone2);
     }
@@ -1591,6 +1667,49 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (a.debug_stop == 3) return;
   const uint32_t t_comb = pf.now();
   // ---- Combine: y[t] = bf16(sum over slots, ascending, of the BF16 slot rows) ----
+  const CombinePlan cp(a, T, kStages * kStageBytes, kEp);
+  if (cp.bulk) {
+    // Through shared memory (CombinePlan): a thread sums 8 columns of a unit over its slots.
+    sm90::named_barrier_arrive(kCombineRingBarrier, kConsumerThreads + 32);  // the ring is free
+    int i = 0;
+    for (int u = blockIdx.x; u < cp.units; u += gridDim.x, ++i) {
+      const int s = i % cp.stages;
+      sm90::mbar_wait(&comb_full[s], (i / cp.stages) & 1);
+      const uint32_t mask = comb_mask[s];
+      const int t = u / cp.chunks;
+      const int col = (u - t * cp.chunks) * kCombineCols + ctid * 8;
+      if (col < a.H) {
+        const uint8_t* src = smem + s * cp.stage_bytes + ctid * 16;
+        float sum[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sum[j] = 0.0f;
+        // Slot order (routed 0..K-1, then shared), as the warp-unit combine below.
+        for (int k = 0; k < cp.slots; ++k) {
+          if (!((mask >> k) & 1)) continue;
+          const uint4 x = *reinterpret_cast<const uint4*>(src + k * (kCombineCols * 2));
+          const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            sum[2 * j] += __uint_as_float(w[j] << 16);
+            sum[2 * j + 1] += __uint_as_float(w[j] & 0xFFFF0000u);
+          }
+        }
+        uint4 o;
+        o.x = num::bf16x2_encode(sum[0], sum[1]);
+        o.y = num::bf16x2_encode(sum[2], sum[3]);
+        o.z = num::bf16x2_encode(sum[4], sum[5]);
+        o.w = num::bf16x2_encode(sum[6], sum[7]);
+        *reinterpret_cast<uint4*>(a.y + size_t(t) * a.H + col) = o;
+      }
+      // Every thread arrives itself: with one arrival a warp (release_stage) racecheck did
+      // not order the other lanes' reads before the next bulk copy into the stage.
+      sm90::mbar_arrive(&comb_empty[s]);
+    }
+    pf.add(kPfCombine, t_comb);
+    pf.add(kPfTotal, t_start);
+    if (ctid == 0) pf.store(0, kPfProdTotal);
+    return;
+  }
   // (t2 again from the shared tables: kept live across the tiles it cost a spill)
   if (ctid == 0)
     sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2], n2 * sc.unit_off[E_total]);

@@ -47,6 +47,16 @@ constexpr int kTailPool = 4;
 // move the combine's time. v15: the slots of a token are adjacent rows.)
 constexpr int kCombineBatch = 12;
 constexpr int kCombineVecs = 2;
+// Single device (v19): the combine's slot rows come into the free stage ring by bulk
+// copies (warp 3 of the producer warpgroup issues them, the consumers sum from shared
+// memory), a unit being one token's kCombineCols columns of every slot (8 columns a
+// consumer thread), up to kCombineStages units in flight a CTA. (The warp-unit combine
+// above, now for expert parallelism only, had one unit's loads in flight a warp and
+// waited for them before the next.) v19 (bench/results/ab/v19_combine_route.log, two
+// rounds): GLM-5 16384 -1.8 %, 4096 -4 % (the old binary bimodal there), 1024 -0.5 %,
+// DeepSeek-V3 16384 -2.0 %, decode level; the profile's combine at 16384 5.6 -> 4.8 %.
+constexpr int kCombineCols = 2048;
+constexpr int kCombineStages = 8;
 // Tile layout by token block: up to 64 tokens "swap AB" (weights in the wgmma M,
 // tokens in N: a decode tile wastes no rows), 128 tokens in M and weights in N
 // (prefill: the fold needs four scale products per thread, not one per token).
@@ -92,13 +102,16 @@ constexpr int stage_bytes(int block_n) {
 // Shared memory after the stage ring (byte offsets; fused_moe.cu places its regions
 // by these, so the size below and the kernel cannot drift apart).
 struct SmemTail {
-  static constexpr int kFullBar = 0;                                // uint64 [16]
-  static constexpr int kEmptyBar = kFullBar + 16 * 8;               // uint64 [16]
-  static constexpr int kDoneBar = kEmptyBar + 16 * 8;               // uint64 [kTileSlots]
-  static constexpr int kFreeBar = kDoneBar + kTileSlots * 8;        // uint64 [kTileSlots]
-  static constexpr int kSlotCounter = kFreeBar + kTileSlots * 8;    // int [kTileSlots]: counter to release
-  static constexpr int kStageTile = kSlotCounter + kTileSlots * 4;  // int [16]: tile id a stage starts
-  static constexpr int kTables = kStageTile + 16 * 4;  // int [3][kMaxExpertsTotal + 1]: schedule tables
+  static constexpr int kFullBar = 0;                                 // uint64 [16]
+  static constexpr int kEmptyBar = kFullBar + 16 * 8;                // uint64 [16]
+  static constexpr int kDoneBar = kEmptyBar + 16 * 8;                // uint64 [kTileSlots]
+  static constexpr int kFreeBar = kDoneBar + kTileSlots * 8;         // uint64 [kTileSlots]
+  static constexpr int kSlotCounter = kFreeBar + kTileSlots * 8;     // int [kTileSlots]: counter to release
+  static constexpr int kStageTile = kSlotCounter + kTileSlots * 4;   // int [16]: tile id a stage starts
+  static constexpr int kCombFull = kStageTile + 16 * 4;              // uint64 [kCombineStages]
+  static constexpr int kCombEmpty = kCombFull + kCombineStages * 8;  // uint64 [kCombineStages]
+  static constexpr int kCombMask = kCombEmpty + kCombineStages * 8;  // int [kCombineStages]: slots loaded
+  static constexpr int kTables = kCombMask + kCombineStages * 4;     // int [3][kMaxExpertsTotal + 1]
   static constexpr int kRed = kTables + 3 * (kMaxExpertsTotal + 1) * 4;  // float [8 warps][block_n]
   // float [block_n]: a decode GEMM1 tile's reciprocal token scales
   static constexpr int inv_scales(int block_n) { return kRed + 8 * block_n * 4; }

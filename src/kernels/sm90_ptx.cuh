@@ -79,6 +79,16 @@ __device__ __forceinline__ void tma_load_5d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 
+// A 1-D bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from global
+// to shared memory, completing its bytes on `bar`.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+
 // ---------------------------------------------------------------- fences
 // Generic-proxy writes (st.global) that a later TMA read (async proxy) must see.
 __device__ __forceinline__ void fence_proxy_async_global() {
@@ -156,6 +166,12 @@ __device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
 // Named barrier over `threads` threads (a multiple of 32); id 0 is __syncthreads.
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Arrives on named barrier `id` without waiting (the waiting side uses named_barrier
+// with the same thread count).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // Named barrier that also returns whether `pred` held for any of the threads.
