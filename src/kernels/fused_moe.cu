@@ -174,14 +174,16 @@ struct TensorMaps {
 };
 
 struct Tile {
-  int gemm;     // 1 or 2
+  int gemm;     // 1 or 2 (0: no further tile, in a stage's record)
   int e;        // expert (E = shared)
   int nblk;     // GEMM1: 64-column chunk of I; GEMM2: 128-row block of H
   int row0;     // first sorted row
   int rows;     // valid rows (<= block_n)
   int unit;     // (expert, token block) counter index
   int kblocks;  // 128-deep K blocks
+  int pad;      // (a record is two 16-byte words)
 };
+static_assert(sizeof(Tile) == 32, "SmemTail::kStageTile holds 8 ints a stage");
 
 // Shared-memory tables every role derives the schedule from.
 struct Sched {
@@ -1051,7 +1053,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* done_bar = reinterpret_cast<uint64_t*>(tail + SmemTail::kDoneBar);
   uint64_t* free_bar = reinterpret_cast<uint64_t*>(tail + SmemTail::kFreeBar);
   int* slot_counter = reinterpret_cast<int*>(tail + SmemTail::kSlotCounter);
-  int* stage_tile = reinterpret_cast<int*>(tail + SmemTail::kStageTile);  // -1: no more tiles
+  // The tile a stage starts, decoded by the producer (v19: the consumers decoded it again,
+  // a binary search over the experts and a division on their path at every tile).
+  Tile* stage_tile = reinterpret_cast<Tile*>(tail + SmemTail::kStageTile);
   uint64_t* comb_full = reinterpret_cast<uint64_t*>(tail + SmemTail::kCombFull);
   uint64_t* comb_empty = reinterpret_cast<uint64_t*>(tail + SmemTail::kCombEmpty);
   uint32_t* comb_mask = reinterpret_cast<uint32_t*>(tail + SmemTail::kCombMask);
@@ -1268,7 +1272,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (tile >= tiles) {
           // Sentinel stage: tells the consumers there is no further tile.
           sm90::mbar_wait(&empty_bar[rp.stage], rp.phase ^ 1);
-          stage_tile[rp.stage] = -1;
+          stage_tile[rp.stage].gemm = 0;
           sm90::mbar_arrive(&full_bar[rp.stage]);
           pf.add(kPfProdTotal, t_prod);
           pf.store(kPfProdTotal, kPfSlots);
@@ -1311,7 +1315,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           t0 = pf.now();
           sm90::mbar_wait(&empty_bar[stage], rp.phase ^ 1);
           pf.add(kPfProdEmpty, t0);
-          if (kb == 0) stage_tile[stage] = tile;  // published by the full barrier's completion
+          if (kb == 0) stage_tile[stage] = tl;  // published by the full barrier's completion
           sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx(tl));
           issue_weights(tl, kb, stage);
           if (ready)
@@ -1411,19 +1415,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     ++ntile;
   };
   for (;;) {
-    // The first stage of the next tile carries its id (the producer's schedule).
+    // The first stage of the next tile carries it (the producer's schedule, decoded).
     const uint32_t t_tile = pf.now();
     sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
-    // NOTE: lane 0 reads the id and broadcasts it: lane 0 also hands the stage back
+    // NOTE: lane 0 reads the record and broadcasts it: lane 0 also hands the stage back
     // (release_stage), so the read is ordered before the producer's next write to it in
     // a way compute-sanitizer's racecheck follows too.
-    int tile = lane == 0 ? stage_tile[rp.stage] : 0;
-    tile = __shfl_sync(0xffffffffu, tile, 0);
-    if (tile < 0) {
+    int rec[6] = {};
+    if (lane == 0) {
+      const int4* p = reinterpret_cast<const int4*>(&stage_tile[rp.stage]);
+      const int4 w0 = p[0], w1 = p[1];
+      rec[0] = w0.x, rec[1] = w0.y, rec[2] = w0.z, rec[3] = w0.w, rec[4] = w1.x, rec[5] = w1.y;
+    }
+#pragma unroll
+    for (int i = 0; i < 6; ++i) rec[i] = __shfl_sync(0xffffffffu, rec[i], 0);
+    if (rec[0] == 0) {
       tile_written(-1);
       break;
     }
-    const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
+    // (kblocks again from the kernel's constants: carried in a register through the tile,
+    // it cost the 128-token kernel a 4-byte spill)
+    const int kblocks = (rec[0] == 1 ? a.H : rec[1] < a.E ? a.I : a.Is) / 128;
+    const Tile tl{rec[0], rec[1], rec[2], rec[3], rec[4], rec[5], kblocks, 0};
     const bool shared = tl.e == a.E;
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
@@ -1608,7 +1621,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       } else {
         // Lane i < 16 loads the row_src entry of the warp's row i before the K loop.
-        const int32_t src = load_row_src(a, tl, lane < 16 ? wg * 64 + wwarp * 16 + lane : tl.rows);
+        // (the row from a fresh read of the thread index: kept in a register from the
+        // kernel's start, it was the 128-token kernel's one spill)
+        const int row_in_tile = (sm90::thread_index() - 128) / 32 * 16 + lane;  // wg * 64 + wwarp * 16 + lane
+        const int32_t src = load_row_src(a, tl, lane < 16 ? row_in_tile : tl.rows);
         mainloop_tokens_m<2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, wsc, wsc, a.debug_skip,
                              pf);
         t_epi = pf.now();

@@ -107,8 +107,8 @@ struct SmemTail {
   static constexpr int kDoneBar = kEmptyBar + 16 * 8;                // uint64 [kTileSlots]
   static constexpr int kFreeBar = kDoneBar + kTileSlots * 8;         // uint64 [kTileSlots]
   static constexpr int kSlotCounter = kFreeBar + kTileSlots * 8;     // int [kTileSlots]: counter to release
-  static constexpr int kStageTile = kSlotCounter + kTileSlots * 4;   // int [16]: tile id a stage starts
-  static constexpr int kCombFull = kStageTile + 16 * 4;              // uint64 [kCombineStages]
+  static constexpr int kStageTile = kSlotCounter + kTileSlots * 4;   // int [16][8]: the tile a stage starts
+  static constexpr int kCombFull = kStageTile + 16 * 8 * 4;          // uint64 [kCombineStages]
   static constexpr int kCombEmpty = kCombFull + kCombineStages * 8;  // uint64 [kCombineStages]
   static constexpr int kCombMask = kCombEmpty + kCombineStages * 8;  // int [kCombineStages]: slots loaded
   static constexpr int kTables = kCombMask + kCombineStages * 4;     // int [3][kMaxExpertsTotal + 1]

@@ -11,6 +11,14 @@
 
 namespace megamoe::sm90 {
 
+// threadIdx.x read where it is used (asm volatile: not kept live from an earlier read,
+// for a value ptxas would otherwise hold, or spill, across a long loop).
+__device__ __forceinline__ int thread_index() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

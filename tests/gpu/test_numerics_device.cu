@@ -1,6 +1,6 @@
 // GPU tests of the device-only shortcuts in numerics/ against the shared
-// definitions, for every 32-bit float: the branch-free SwiGLU (swiglu_fast,
-// where swiglu_fast_ok says) and the BF16 pair conversion (bf16x2_encode).
+// definitions, for every 32-bit float: exp_fma's shift rounding, the branch-free SwiGLU
+// (swiglu_fast, where swiglu_fast_ok says) and the BF16 pair conversion (bf16x2_encode).
 // Both must give the very bits of the definitions the CPU reference uses, so
 // the kernel's bytes did not change when its epilogues took them (v15).
 // Skipped without a device.
@@ -44,6 +44,22 @@ __device__ __forceinline__ uint32_t hash32(uint32_t x) {
   x *= 0x846ca68bU;
   x ^= x >> 16;
   return x;
+}
+
+// Every float x: exp_fma's device form (k by the 1.5 * 2^23 shift) == its host form (rintf).
+__global__ void exp_all_floats(Counts* out) {
+  unsigned long long checked = 0, bad = 0;
+  unsigned int first = 0;
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < (uint64_t(1) << 32);
+       i += uint64_t(gridDim.x) * blockDim.x) {
+    const float x = __uint_as_float(uint32_t(i));
+    ++checked;
+    if (__float_as_uint(exp_fma_impl<true>(x)) != __float_as_uint(exp_fma_impl<false>(x))) {
+      ++bad;
+      first = uint32_t(i);
+    }
+  }
+  report(out, checked, bad, first);
 }
 
 // Every float g (the bit pattern i) where swiglu_fast_ok holds: swiglu_fast ==
@@ -111,6 +127,14 @@ TEST(NumericsDevice, SwigluFastIsSwigluWhereOk) {
     // of all bit patterns.
     EXPECT_GT(r.checked, (1ull << 32) / 10 * 7);
   }
+}
+
+TEST(NumericsDevice, ExpFmaShiftIsRintForEveryFloat) {
+  REQUIRE_DEVICE();
+  const Counts c = run(+[](Counts* d) { exp_all_floats<<<kGrid, kBlock>>>(d); });
+  std::printf("exp_fma (shift vs rintf): %llu floats, %llu differ\n", c.checked, c.mismatches);
+  EXPECT_EQ(c.mismatches, 0u) << "first x bits 0x" << std::hex << c.first_bad;
+  EXPECT_EQ(c.checked, 1ull << 32);
 }
 
 TEST(NumericsDevice, Bf16x2EncodeIsBf16EncodeForEveryNonNan) {

@@ -54,12 +54,31 @@ MEGAMOE_HD void swiglu_clamp(float& g, float& u, float limit) {
 // intermediate's FP8 codes long before g < -86.)
 // NOTE: only explicit fmaf and lone products: a compiler contracting a * b + c into
 // one FMA on one side only would change bits.
-MEGAMOE_HD float exp_fma(float x) {
+// kShift: k = rint(x log2e) and its integer by the 1.5 * 2^23 shift (the sum rounds the
+// product to an integer, ties to even as rintf, and k sits in the sum's low significand
+// bits: |x log2e| < 2^22 here) with two adds and an integer subtract, instead of rintf and
+// a conversion (FRND and F2I, each at a quarter of the FMA rate on the device; a GEMM1
+// epilogue evaluates 32 of these a thread). The same bits either way: the device uses the
+// shift, the host rintf, and tests/gpu/test_numerics_device.cu compares the two for every
+// float. (__fmul_rn / __fadd_rn: no FMA contraction of the shift.)
+template <bool kShift>
+MEGAMOE_HD float exp_fma_impl(float x) {
   const bool nan = x != x;
   float xc = x < -86.0f ? -86.0f : x;
   xc = xc > 88.0f ? 88.0f : xc;
   xc = nan ? 0.0f : xc;
-  const float k = rintf(xc * 1.44269502f);
+  float k = 0.0f;
+  int ki = 0;
+  if constexpr (kShift) {
+#if defined(__CUDA_ARCH__)
+    const float shifted = __fadd_rn(__fmul_rn(xc, 1.44269502f), 0x1.8p23f);
+    k = __fsub_rn(shifted, 0x1.8p23f);
+    ki = int(float_bits(shifted) - float_bits(0x1.8p23f));
+#endif
+  } else {
+    k = rintf(xc * 1.44269502f);
+    ki = int(k);
+  }
   float r = fmaf(k, -0.693145751953125f, xc);  // ln2 high part: 16 significant bits
   r = fmaf(k, -1.428606765330187e-06f, r);     // ln2 - the high part
   float p = 1.0f / 5040.0f;
@@ -70,8 +89,16 @@ MEGAMOE_HD float exp_fma(float x) {
   p = fmaf(p, r, 0.5f);
   p = fmaf(p, r, 1.0f);
   p = fmaf(p, r, 1.0f);  // in [0.70, 1.42]; times 2^k, k in [-124, 127]: normal
-  const float e = bits_float(float_bits(p) + (uint32_t(int(k)) << 23));
+  const float e = bits_float(float_bits(p) + (uint32_t(ki) << 23));
   return nan ? x : e;
+}
+
+MEGAMOE_HD float exp_fma(float x) {
+#if defined(__CUDA_ARCH__)
+  return exp_fma_impl<true>(x);
+#else
+  return exp_fma_impl<false>(x);
+#endif
 }
 
 // SwiGLU with the optional clamp, times the routing weight, in fp32.
