@@ -204,6 +204,11 @@ __device__ __forceinline__ int largest_le(const int* off, int lo, int hi, int mu
   return lo;
 }
 
+// 128-deep K blocks of a GEMM1 (K = H) or GEMM2 (K = I, or Is for the shared expert E) tile.
+__device__ __forceinline__ int tile_kblocks(const KernelArgs& a, int gemm, int e) {
+  return (gemm == 1 ? a.H : e < a.E ? a.I : a.Is) / 128;
+}
+
 // Tile ids run expert by expert; inside an expert output block major (the token blocks
 // of one weight tile are neighbours, so concurrently running CTAs share it in L2).
 template <int BN>
@@ -221,14 +226,13 @@ __device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc
       t.e = a.E;
       local = tile - t1_routed;
     }
-    t.kblocks = a.H / 128;
   } else {
     t.gemm = 2;
     const int tile2 = tile - t1;
     t.e = largest_le(sc.unit_off, 0, a.E + a.has_shared - 1, n2, tile2);
     local = tile2 - n2 * sc.unit_off[t.e];
-    t.kblocks = (t.e < a.E ? a.I : a.Is) / 128;
   }
+  t.kblocks = tile_kblocks(a, t.gemm, t.e);
   nb = sc.unit_off[t.e + 1] - sc.unit_off[t.e];
   t.nblk = local / nb;
   const int b = local - t.nblk * nb;
@@ -996,21 +1000,35 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int ql) {
   w[0] = b0 ? r0 : w[0], w[2] = b0 ? r1 : w[2], w[1] = b0 ? w[1] : r0, w[3] = b0 ? w[3] : r1;
 }
 
+// sum[j] += column j of eight BF16 values (two a 32-bit word, the low half first): the
+// combine's step, in slot order.
+__device__ __forceinline__ void add_bf16x8(float (&sum)[8], const uint4& x) {
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    sum[2 * j] += __uint_as_float(w[j] << 16);
+    sum[2 * j + 1] += __uint_as_float(w[j] & 0xFFFF0000u);
+  }
+}
+
+// Eight floats as eight BF16 values (num::bf16x2_encode a pair).
+__device__ __forceinline__ uint4 bf16x8_encode(const float (&sum)[8]) {
+  return make_uint4(num::bf16x2_encode(sum[0], sum[1]), num::bf16x2_encode(sum[2], sum[3]),
+                    num::bf16x2_encode(sum[4], sum[5]), num::bf16x2_encode(sum[6], sum[7]));
+}
+
 // Two E4M3 codes in one 16-bit word (lo in the low byte).
 __device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
   return uint16_t(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
 }
 
-// kEp: expert parallelism (a separate instantiation, so the single-device kernel keeps
-// its registers: the EP paths' extra live values spill four ints at BN = 128, stored
-// once and reloaded once a tile, never inside the K loops -- checked in the SASS).
 // The single-device combine through shared memory (kCombineCols, heuristics.h): unit u is
 // token u / chunks, columns (u % chunks) * kCombineCols of every slot; CTA b takes units
 // b, b + G, ...; a stage holds one unit's slot rows, slot k at k * kCombineCols * 2 bytes.
 // Expert parallelism (two sources of rows), more than 32 slots or a ring without room
 // for two stages keep the warp-unit combine.
 // Named barrier 1 is the consumers' own; this one hands the ring from the consumers to
-// the combine's loads (warp 0).
+// the combine's loads (warp kCombineWarp).
 constexpr int kCombineRingBarrier = 2;
 constexpr int kCombineWarp = 3;  // of the producer warpgroup: idle after phase 0
 struct CombinePlan {
@@ -1027,6 +1045,9 @@ struct CombinePlan {
   }
 };
 
+// kEp: expert parallelism (a separate instantiation, so the single-device kernel keeps
+// its registers: the EP paths' extra live values spill four ints at BN = 128, stored
+// once and reloaded once a tile, never inside the K loops -- checked in the SASS).
 template <int BN, bool kEp>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
@@ -1435,8 +1456,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // (kblocks again from the kernel's constants: carried in a register through the tile,
     // it cost the 128-token kernel a 4-byte spill)
-    const int kblocks = (rec[0] == 1 ? a.H : rec[1] < a.E ? a.I : a.Is) / 128;
-    const Tile tl{rec[0], rec[1], rec[2], rec[3], rec[4], rec[5], kblocks, 0};
+    const Tile tl{rec[0], rec[1], rec[2], rec[3], rec[4], rec[5], tile_kblocks(a, rec[0], rec[1]), 0};
     const bool shared = tl.e == a.E;
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
@@ -1702,20 +1722,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         // Slot order (routed 0..K-1, then shared), as the warp-unit combine below.
         for (int k = 0; k < cp.slots; ++k) {
           if (!((mask >> k) & 1)) continue;
-          const uint4 x = *reinterpret_cast<const uint4*>(src + k * (kCombineCols * 2));
-          const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            sum[2 * j] += __uint_as_float(w[j] << 16);
-            sum[2 * j + 1] += __uint_as_float(w[j] & 0xFFFF0000u);
-          }
+          add_bf16x8(sum, *reinterpret_cast<const uint4*>(src + k * (kCombineCols * 2)));
         }
-        uint4 o;
-        o.x = num::bf16x2_encode(sum[0], sum[1]);
-        o.y = num::bf16x2_encode(sum[2], sum[3]);
-        o.z = num::bf16x2_encode(sum[4], sum[5]);
-        o.w = num::bf16x2_encode(sum[6], sum[7]);
-        *reinterpret_cast<uint4*>(a.y + size_t(t) * a.H + col) = o;
+        *reinterpret_cast<uint4*>(a.y + size_t(t) * a.H + col) = bf16x8_encode(sum);
       }
       // Every thread arrives itself: with one arrival a warp (release_stage) racecheck did
       // not order the other lanes' reads before the next bulk copy into the stage.
@@ -1788,25 +1797,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = 0; i < kCombineBatch; ++i) {
         if (r[i] < 0) continue;
 #pragma unroll
-        for (int v = 0; v < V; ++v) {
-          const uint32_t w[4] = {x[i][v].x, x[i][v].y, x[i][v].z, x[i][v].w};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            sum[v][2 * j] += __uint_as_float(w[j] << 16);
-            sum[v][2 * j + 1] += __uint_as_float(w[j] & 0xFFFF0000u);
-          }
-        }
+        for (int v = 0; v < V; ++v) add_bf16x8(sum[v], x[i][v]);
       }
     }
 #pragma unroll
     for (int v = 0; v < V; ++v) {
       if ((c8 + 32 * v) * 8 >= a.H) break;
-      uint4 o;
-      o.x = num::bf16x2_encode(sum[v][0], sum[v][1]);
-      o.y = num::bf16x2_encode(sum[v][2], sum[v][3]);
-      o.z = num::bf16x2_encode(sum[v][4], sum[v][5]);
-      o.w = num::bf16x2_encode(sum[v][6], sum[v][7]);
-      reinterpret_cast<uint4*>(a.y + size_t(t) * a.H)[c8 + 32 * v] = o;
+      reinterpret_cast<uint4*>(a.y + size_t(t) * a.H)[c8 + 32 * v] = bf16x8_encode(sum[v]);
     }
   }
   pf.add(kPfCombine, t_comb);

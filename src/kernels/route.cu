@@ -311,7 +311,7 @@ using RouteLarge = RouteTile<WT, 128, 64, 1, 2, 2, 3>;  // prefill: fewer re-rea
 
 template <typename WT>
 void launch_route_logits(const RouteArgs& a, const MoeShape& s, int hint, cudaStream_t stream) {
-  // MEGAMOE_ROUTE_TILE=small|medium|large forces a tile shape (same bits; for timing),
+  // MEGAMOE_ROUTE_TILE=small|wide|medium|large forces a tile shape (same bits; for timing),
   // read once per process.
   static const std::string forced = [] {
     const char* env = std::getenv("MEGAMOE_ROUTE_TILE");
@@ -319,7 +319,7 @@ void launch_route_logits(const RouteArgs& a, const MoeShape& s, int hint, cudaSt
   }();
   if (forced == "small") return RouteSmall<WT>::launch(a, s, hint, stream);
   if (forced == "medium") return RouteMedium<WT>::launch(a, s, hint, stream);
-  if (forced == "medium4") return RouteMediumWide<WT>::launch(a, s, hint, stream);
+  if (forced == "wide") return RouteMediumWide<WT>::launch(a, s, hint, stream);
   if (forced == "large") return RouteLarge<WT>::launch(a, s, hint, stream);
   if (hint <= kRouteSmallTokens)
     RouteSmall<WT>::launch(a, s, hint, stream);

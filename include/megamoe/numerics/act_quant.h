@@ -60,7 +60,8 @@ MEGAMOE_HD void swiglu_clamp(float& g, float& u, float limit) {
 // a conversion (FRND and F2I, each at a quarter of the FMA rate on the device; a GEMM1
 // epilogue evaluates 32 of these a thread). The same bits either way: the device uses the
 // shift, the host rintf, and tests/gpu/test_numerics_device.cu compares the two for every
-// float. (__fmul_rn / __fadd_rn: no FMA contraction of the shift.)
+// float. (__fmul_rn / __fadd_rn: no FMA contraction of the shift. kShift is device code
+// only: compiled for the host it would leave k = 0.)
 template <bool kShift>
 MEGAMOE_HD float exp_fma_impl(float x) {
   const bool nan = x != x;
