@@ -1043,6 +1043,11 @@ struct CombinePlan {
     stages = min(kCombineStages, ring_bytes / int(stage_bytes));
     bulk = !ep && slots <= 32 && stages >= 2;
   }
+  __device__ int token(int u) const { return u / chunks; }
+  __device__ int col0(int u) const { return (u - token(u) * chunks) * kCombineCols; }
+  // A CTA's i-th unit: its ring stage and the parity of that stage's use.
+  __device__ int stage(int i) const { return i % stages; }
+  __device__ uint32_t parity(int i) const { return (i / stages) & 1; }
 };
 
 // kEp: expert parallelism (a separate instantiation, so the single-device kernel keeps
@@ -1383,7 +1388,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // has none), loaded a unit ahead so the round trip overlaps the ring's waits.
       auto has_row = [&](int u) {
         if (u >= cp.units || lane >= cp.slots) return false;
-        return lane >= a.K || __ldcg(a.topk_ids + (u / cp.chunks) * a.K + lane) >= 0;
+        return lane >= a.K || __ldcg(a.topk_ids + cp.token(u) * a.K + lane) >= 0;
       };
       bool valid_next = has_row(blockIdx.x);
       int i = 0;
@@ -1391,14 +1396,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t mask = __ballot_sync(0xffffffffu, valid_next);
         valid_next = has_row(u + gridDim.x);
         if (lane == 0) {
-          const int s = i % cp.stages;
-          const int t = u / cp.chunks, c0 = (u - t * cp.chunks) * kCombineCols;
+          const int s = cp.stage(i), c0 = cp.col0(u);
           const uint32_t bytes = uint32_t(min(kCombineCols, a.H - c0)) * 2;
-          sm90::mbar_wait(&comb_empty[s], ((i / cp.stages) & 1) ^ 1);
+          sm90::mbar_wait(&comb_empty[s], cp.parity(i) ^ 1);
           comb_mask[s] = mask;  // published by the full barrier's completion
           sm90::mbar_arrive_expect_tx(&comb_full[s], __popc(mask) * bytes);
           uint8_t* dst = smem + s * cp.stage_bytes;
-          const uint16_t* src = a.y_rows + size_t(t) * cp.slots * a.H + c0;
+          const uint16_t* src = a.y_rows + size_t(cp.token(u)) * cp.slots * a.H + c0;
           for (int k = 0; k < cp.slots; ++k)
             if ((mask >> k) & 1)
               sm90::bulk_load(dst + k * (kCombineCols * 2), src + size_t(k) * a.H, bytes, &comb_full[s]);
@@ -1709,11 +1713,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::named_barrier_arrive(kCombineRingBarrier, kConsumerThreads + 32);  // the ring is free
     int i = 0;
     for (int u = blockIdx.x; u < cp.units; u += gridDim.x, ++i) {
-      const int s = i % cp.stages;
-      sm90::mbar_wait(&comb_full[s], (i / cp.stages) & 1);
+      const int s = cp.stage(i);
+      sm90::mbar_wait(&comb_full[s], cp.parity(i));
+      if (i == 0) pf.add(kPfDone2, t_comb);  // the first unit waited for every GEMM2 tile too
       const uint32_t mask = comb_mask[s];
-      const int t = u / cp.chunks;
-      const int col = (u - t * cp.chunks) * kCombineCols + ctid * 8;
+      const int t = cp.token(u);
+      const int col = cp.col0(u) + ctid * 8;
       if (col < a.H) {
         const uint8_t* src = smem + s * cp.stage_bytes + ctid * 16;
         float sum[8];
