@@ -146,6 +146,7 @@ struct KernelArgs {
   int round_robin;     // MEGAMOE_SCHEDULE=rr: plain round-robin instead of TileSchedule's balance
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
   int tail_pool;       // GEMM2 tiles a CTA left to claims at the end (kTailPool)
+  int half_tiles;      // FusedMoeConfig::half_tiles (per forward)
   const int* num_tokens;
   const uint16_t* x;
   uint16_t* y;
@@ -1426,6 +1427,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   float acc[kAcc];
   RingPos<kStages> rp;
+  // Half tiles (a.half_tiles, kHalfTileMaxAvgRows): a 128-token tile of at most 64 rows has
+  // none in warpgroup 1's half, which then only hands the stages back (mainloop_tokens_m's
+  // skip bit 0), so the tensor cores run warpgroup 0's chains alone; its epilogue stores
+  // nothing. (The producer still loads all 128 token rows: choosing a 64-row box there
+  // spilled its registers in the stage loop.)
+  auto wg_idle = [&](const Tile& tl) { return !kSwapAB && a.half_tiles && wg * 64 >= tl.rows ? 1 : 0; };
   int ntile = 0;  // tiles this CTA finished (the done_bar / free_bar slot sequence)
   // This warp's outputs of the tile are written: hand the counter to release (index in
   // a.counters; -1 = no more tiles) to the signal thread.
@@ -1543,7 +1550,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float rw0 = n0p < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p) : 0.0f;
         const float rw1 = n0p + 8 < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p + 8) : 0.0f;
         mainloop_tokens_m<1>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, sg_row, su_row,
-                             a.debug_skip, pf);
+                             a.debug_skip | wg_idle(tl), pf);
         t_epi = pf.now();
         // ---- GEMM1 epilogue (tokens in M) ----
         // Thread holds tokens n0 = wg * 64 + lrow and n0 + 8; for i in 0..7 the gate
@@ -1649,8 +1656,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         // kernel's start, it was the 128-token kernel's one spill)
         const int row_in_tile = (sm90::thread_index() - 128) / 32 * 16 + lane;  // wg * 64 + wwarp * 16 + lane
         const int32_t src = load_row_src(a, tl, lane < 16 ? row_in_tile : tl.rows);
-        mainloop_tokens_m<2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, wsc, wsc, a.debug_skip,
-                             pf);
+        mainloop_tokens_m<2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, wsc, wsc,
+                             a.debug_skip | wg_idle(tl), pf);
         t_epi = pf.now();
         // ---- GEMM2 epilogue (tokens in M): the warp's 16 token rows x 128 columns ----
         // Out through the warp's shared-memory tile, 64 columns a pass: stmatrix takes
@@ -2151,6 +2158,7 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
   const FusedMoeConfig cfg = fused_moe_config(p, host_tokens_hint);
   maybe_print_config(p->shape, host_tokens_hint, cfg);
   KernelArgs a = p->args;
+  a.half_tiles = cfg.half_tiles;
   a.num_tokens = t.num_tokens;
   a.x = t.x;
   a.y = t.y;

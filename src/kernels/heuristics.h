@@ -71,6 +71,14 @@ constexpr bool swap_ab(int block_n) { return block_n < 128; }
 // 32 splits half of the experts into two blocks (v13: +14 %).
 constexpr int kBlockNs[] = {8, 16, 32, 48, 64, 128};
 constexpr int kNumBlockNs = 6;
+// Half tiles: a 128-token tile with at most 64 rows (an expert's last block) leaves
+// warpgroup 1 idle (it hands the stages back; warpgroup 0 has the tensor cores to itself),
+// up to this many rows an expert on average. v20 (bench/results/ab/v20_half_tiles_*.log,
+// interleaved with the old binary): GLM-5 1536 -11 %, 2048 -7 %, 3072 -0.7 %, DeepSeek-V3
+// 1536 -10 %, 2048 -7 %, GLM-5.3-Flash 2048 -10 %, 3072 -2 %; but on at 4096 and 16384
+// tokens it cost +4..+8 % and +6..+12 % (not explained; the warpgroups kept in step at
+// each half tile measured the same), so it stops at 96.
+constexpr double kHalfTileMaxAvgRows = 96.0;
 
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
 // tiles (decode: 64+ blocks stream the router weight at once), up to

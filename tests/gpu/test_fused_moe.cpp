@@ -153,6 +153,7 @@ class FusedMoe : public ::testing::Test {
   void SetUp() override {
     if (!have_device()) GTEST_SKIP() << "no sm_90 device";
     unsetenv("MEGAMOE_BLOCK_N");
+    unsetenv("MEGAMOE_HALF_TILES");
   }
 };
 
@@ -212,6 +213,15 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
       EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
           << s.describe() << ": block_n " << bn << " changes the bytes";
     }
+    // 128-token tiles with warpgroup 1 idle on tiles of <= 64 rows (T = 200: ~25 rows an
+    // expert, so every routed tile) and with both warpgroups computing: the same bytes.
+    for (const char* half : {"0", "1"}) {
+      setenv("MEGAMOE_HALF_TILES", half, 1);
+      const GpuRun c = run_gpu(layer, x, T);
+      EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
+          << s.describe() << ": MEGAMOE_HALF_TILES=" << half << " changes the bytes";
+    }
+    unsetenv("MEGAMOE_HALF_TILES");
     unsetenv("MEGAMOE_BLOCK_N");
   }
 }

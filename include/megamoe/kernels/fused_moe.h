@@ -84,6 +84,8 @@ struct FusedMoeConfig {
   int stages = 8;   // shared-memory ring depth
   int num_sms = 0;  // persistent grid
   int router_ksplit = 1;
+  // 128-token tiles of at most 64 rows run on one warpgroup (kHalfTileMaxAvgRows).
+  bool half_tiles = false;
 };
 
 struct DeviceTensors {
