@@ -65,10 +65,12 @@ constexpr int kCombineStages = 8;
 // counter (v14); an atomic counter for every tile was measured ~5 % slower at
 // T >= 64 (bench/results/NOTES.md, v4) and is gone.
 constexpr bool swap_ab(int block_n) { return block_n < 128; }
-// The token blocks the kernel is built for (one instantiation each). 48 sits between
+// The token blocks the kernel is built for (one instantiation each). 48 sat between
 // 32 and 64 for ~32 rows an expert (GLM-5 and DeepSeek-V3 at 1024 tokens): the decode
 // loop is bound by its own instructions there (v13), which scale with block_n, and
-// 32 splits half of the experts into two blocks (v13: +14 %).
+// 32 splits half of the experts into two blocks (v13: +14 %). Since v20's half tiles
+// take over from 24 rows (kHalfTileMinAvgRows), choose_config picks 48 for 21-23 rows
+// and 64 only through MEGAMOE_BLOCK_N.
 constexpr int kBlockNs[] = {8, 16, 32, 48, 64, 128};
 constexpr int kNumBlockNs = 6;
 // Half tiles: a 128-token tile with at most 64 rows (an expert's last block) leaves
@@ -79,6 +81,11 @@ constexpr int kNumBlockNs = 6;
 // tokens it cost +4..+8 % and +6..+12 % (not explained; the warpgroups kept in step at
 // each half tile measured the same), so it stops at 96.
 constexpr double kHalfTileMaxAvgRows = 96.0;
+// ... and from this many rows an expert on average, 128-token tiles (with half tiles)
+// replace the 48- and 64-token ones (choose_config). v20 (bench/results/ab/v20_block_n_half.log,
+// forced 128 against the old rule's 48 / 64): GLM-5 768 -1.8 %, 1024 -3.6 %, 1280 -6.5 %;
+// DeepSeek-V3 -2.8 / -3.7 / -6.0 %; GLM-5.3-Flash 1024 -4.7 %, 1280 -7.3 %.
+constexpr double kHalfTileMinAvgRows = 24.0;
 
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
 // tiles (decode: 64+ blocks stream the router weight at once), up to
