@@ -16,17 +16,19 @@ FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms) {
   // weights are then streamed twice), and a wider block only adds tensor work and
   // folds (the decode loop is bound by its instructions from ~32 rows, v13). Never
   // wider than twice the average (the rule before v14). Gives 8 up to 4 rows, 16 up
-  // to 8, 32 below kHalfTileMinAvgRows (24); from there 128-token tiles with half tiles
-  // (v20: faster than the 48- and 64-token tiles this rule chose up to 43 rows).
+  // to 8, 32 up to 20, 48 below kHalfTileMinAvgRows (24), and from there 128-token
+  // tiles with half tiles (v20: faster than the 48- and 64-token tiles this rule chose
+  // up to 43 rows).
   const double avg_rows = double(tokens) * s.topk / s.experts;
   const double need =
       std::min(2.0 * avg_rows, std::max(1.5 * avg_rows, avg_rows + 2.5 * std::sqrt(avg_rows)));
   c.block_n = 128;
-  for (int bn : kBlockNs) {
-    if (avg_rows >= kHalfTileMinAvgRows) break;
-    if (bn >= need) {
-      c.block_n = bn;
-      break;
+  if (avg_rows < kHalfTileMinAvgRows) {
+    for (int bn : kBlockNs) {
+      if (bn >= need) {
+        c.block_n = bn;
+        break;
+      }
     }
   }
   if (const char* env = std::getenv("MEGAMOE_BLOCK_N")) c.block_n = std::atoi(env);
