@@ -140,9 +140,7 @@ struct KernelArgs {
   float swiglu_limit;
   int debug_stop;  // MEGAMOE_DEBUG_STOP: 0 = full kernel; 1/2/3 stop after tables / phase 0 / the mainloop
   // Measurement switches (wrong outputs when set; for timing the parts of the kernel):
-  int debug_skip;      // MEGAMOE_DEBUG_SKIP: bit 0 = no wgmma and no fold,
-                       //   bit 2 = no TMA loads (stages complete at once: the consumers' own speed),
-                       //   bit 3 = prefill K loops without the fold (wgmma and stage handling only)
+  int debug_skip;      // MEGAMOE_DEBUG_SKIP: kSkipMma | kSkipLoads | kSkipFold (below)
   int round_robin;     // MEGAMOE_SCHEDULE=rr: plain round-robin instead of TileSchedule's balance
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
   int tail_pool;       // GEMM2 tiles a CTA left to claims at the end (kTailPool)
@@ -168,6 +166,13 @@ struct KernelArgs {
   int units_base;  // index in counters of the first GEMM1-done counter (after the routing counts)
   EpArgs ep;
 };
+
+// The K loops' skip bits (KernelArgs::debug_skip, MEGAMOE_DEBUG_SKIP; wrong outputs, for
+// timing the parts of the kernel) -- except kSkipMma, which is also how a half tile's idle
+// warpgroup runs its K loop (the consumers' wg_idle): stages handed back, nothing computed.
+constexpr int kSkipMma = 1;    // no wgmma and no fold
+constexpr int kSkipLoads = 4;  // no TMA loads (stages complete at once: the consumers' own speed)
+constexpr int kSkipFold = 8;   // prefill K loops without the fold (wgmma and stage handling only)
 
 struct TensorMaps {
   CUtensorMap w13, sw13, w2, sw2;  // weights (shared by every block_n)
@@ -795,7 +800,7 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     issue(bb, stage_off(r), 1);
     pf.add(kPfIssue, t0);
   };
-  if (skip & 1) {
+  if (skip & kSkipMma) {
     for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
       wait_full(rp);
       release_stage(&empty_bar[rp.stage]);
@@ -896,7 +901,7 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   constexpr int kStageBytes = stage_bytes(BN);
   constexpr int kWBytes = kBlockM * kBlockK;
   constexpr int kXBytes = BN * kBlockK;
-  if (skip & 1) {
+  if (skip & kSkipMma) {
     for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
       sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
       release_stage(&empty_bar[rp.stage]);
@@ -919,7 +924,7 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
       issue_chain<128, 2>(bb, dx0 + so, dw0 + so, 2);
     }
   };
-  if (skip & 8) {  // measurement: the loop's wgmma and stage handling, no fold
+  if (skip & kSkipFold) {  // measurement: the loop's wgmma and stage handling, no fold
     for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
       sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
       issue_stage(uint32_t(rp.stage) * (kStageBytes >> 4));
@@ -1152,7 +1157,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // A stage's weights and its tokens are issued separately: the weights never
   // depend on anything, the tokens on phase 0 (GEMM1) or on the tile's GEMM1
   // units (GEMM2), so weight loads start before those are done.
-  const bool no_loads = a.debug_skip & 4;
+  const bool no_loads = a.debug_skip & kSkipLoads;
   auto stage_tx = [&](const Tile& tl) -> uint32_t {
     return no_loads ? 0 : kWBytes + kXBytes + (tl.gemm == 1 ? 1 : 2) * BN * 4;
   };
@@ -1428,11 +1433,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[kAcc];
   RingPos<kStages> rp;
   // Half tiles (a.half_tiles, kHalfTileMaxAvgRows): a 128-token tile of at most 64 rows has
-  // none in warpgroup 1's half, which then only hands the stages back (mainloop_tokens_m's
-  // skip bit 0), so the tensor cores run warpgroup 0's chains alone; its epilogue stores
-  // nothing. (The producer still loads all 128 token rows: choosing a 64-row box there
-  // spilled its registers in the stage loop.)
-  auto wg_idle = [&](const Tile& tl) { return !kSwapAB && a.half_tiles && wg * 64 >= tl.rows ? 1 : 0; };
+  // none in warpgroup 1's half, which then only hands the stages back (kSkipMma in
+  // mainloop_tokens_m), so the tensor cores run warpgroup 0's chains alone; its epilogue
+  // stores nothing. (The producer still loads all 128 token rows: choosing a 64-row box
+  // there spilled its registers in the stage loop.) Tokens-in-M tiles only.
+  auto wg_idle = [&](const Tile& tl) { return a.half_tiles && wg * 64 >= tl.rows ? kSkipMma : 0; };
   int ntile = 0;  // tiles this CTA finished (the done_bar / free_bar slot sequence)
   // This warp's outputs of the tile are written: hand the counter to release (index in
   // a.counters; -1 = no more tiles) to the signal thread.
