@@ -215,8 +215,9 @@ __device__ __forceinline__ int tile_kblocks(const KernelArgs& a, int gemm, int e
   return (gemm == 1 ? a.H : e < a.E ? a.I : a.Is) / 128;
 }
 
-// Tile ids run expert by expert; inside an expert output block major (the token blocks
-// of one weight tile are neighbours, so concurrently running CTAs share it in L2).
+// Tile ids run expert by expert; inside an expert by chunks of kTokenChunk token blocks,
+// output block major inside a chunk (the token blocks of one weight tile are neighbours,
+// so concurrently running CTAs share it in L2, and a chunk's tokens stay there).
 template <int BN>
 __device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc, int tile, int t1_routed,
                                             int t1) {
@@ -240,8 +241,12 @@ __device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc
   }
   t.kblocks = tile_kblocks(a, t.gemm, t.e);
   nb = sc.unit_off[t.e + 1] - sc.unit_off[t.e];
-  t.nblk = local / nb;
-  const int b = local - t.nblk * nb;
+  // Chunks of kTokenChunk token blocks (the last one shorter), each output block major.
+  const int per_chunk = kTokenChunk * (t.gemm == 1 ? n1 : n2);
+  const int q = local / per_chunk, b0 = q * kTokenChunk;
+  const int csize = min(kTokenChunk, nb - b0), in_chunk = local - q * per_chunk;
+  t.nblk = in_chunk / csize;
+  const int b = b0 + in_chunk - t.nblk * csize;
   t.unit = sc.unit_off[t.e] + b;
   t.row0 = sc.row_off[t.e] + b * BN;
   t.rows = min(BN, sc.cnt[t.e] - b * BN);

@@ -41,6 +41,13 @@ constexpr int kTileSlots = 4;
 // against a static tail (0) -1.0 to -1.7 % for T = 8..256, T=4096 -1.5 %; 2 gained
 // less, 8 about as much (bench/results/ab/v14_pool.log).
 constexpr int kTailPool = 4;
+// Tile order inside an expert: output blocks major, its token blocks minor, in chunks of
+// kTokenChunk token blocks (decode_tile in fused_moe.cu). One chunk's tokens stay in L2
+// while the chunk walks the output blocks; a weight block is read once a chunk. With
+// one chunk for all of an expert's blocks (the order up to v21) the shared expert at
+// 16384 tokens (128 blocks, 100 MB of GEMM1 tokens) re-read its tokens from HBM for
+// each of its 32 output blocks (ncu: 21 GB read against ~12.7 GB of distinct bytes).
+constexpr int kTokenChunk = 16;
 // Slots whose rows a combine lane loads at once, kCombineVecs x 16 bytes each: every
 // slot of the presets (top-8 + shared) in one batch. (v13, rows gathered from the
 // expert-sorted order: two units a warp at once, twice the loads in flight, did not

@@ -1,0 +1,337 @@
+// kloop_probe: the prefill K loop (tokens in M, 128 tokens x 128 weight rows x
+// 128-deep stages, two consumer warpgroups) taken out of the fused kernel, to
+// measure what a stage costs in cycles with and without the scale fold, with one
+// or two warpgroups, with and without the ring's mbarriers and loads, and with
+// other fold arrangements. Timing only: the bytes are random, the sums unchecked.
+//
+// Build (here or on the device machine):
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Isrc/kernels \
+//        bench/probes/kloop_probe.cu -o kloop_probe
+// Run: ./kloop_probe [stages per CTA, default 4000]
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "sm90_ptx.cuh"
+
+namespace sm90 = megamoe::sm90;
+
+#define CK(x)                                                                         \
+  do {                                                                                \
+    cudaError_t e_ = (x);                                                             \
+    if (e_ != cudaSuccess) {                                                          \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                   \
+    }                                                                                 \
+  } while (0)
+
+// kNW consumer warpgroups in the block (2: the kernel's; 3: a 192-token tile at 152
+// registers a consumer thread), each 64 token rows of the stage.
+template <int kNW>
+struct Geo {
+  static constexpr int kStages = kNW == 3 ? 5 : 6;
+  static constexpr int kWBytes = 128 * 128, kXBytes = 64 * kNW * 128, kSBytes = 64 * kNW * 4;
+  // 1024-byte aligned (the 128-byte swizzle's TMA destination); kNW = 2: 33792, as the kernel's
+  static constexpr int kStageBytes = (kWBytes + kXBytes + kSBytes + 1023) / 1024 * 1024;
+  static constexpr int kSmem = kStages * kStageBytes + 2 * kStages * 8 + 1024;
+  static constexpr int kConsumerRegs = kNW == 3 ? 152 : 224;
+};
+
+// Fold arrangements.
+enum Fold : int {
+  kNone = 0,        // chain + wait only
+  kAfterWait = 1,   // the kernel's: chain, wait 0, release, 64 FFMA
+  kTwoBuffers = 2,  // two stages an iteration: chain k+1 runs during fold k
+  kHalf = 3,        // 32 FFMA instead of 64 (is the cost linear?)
+  kAdd = 4,         // 64 FADD acc += buf (two sources, no scale register)
+  kMulAdd = 5,      // buf *= p (FMUL, in place) then acc += buf (FADD)
+};
+
+// kRel: 0 = a stage handed back before its fold (the kernel's), 1 = after its fold,
+// 2 = before, with the next stage's full-barrier wait also before the fold, 3 = after,
+// with the next stage's wait before the fold.
+template <int kFold, int kWgs, int kBars, int kNW, int kRel>
+__global__ void __launch_bounds__(128 * (kNW + 1), 1)
+    kloop(const uint8_t* __restrict__ src, size_t src_bytes, const float* __restrict__ wscale, int nstages,
+          long long* cycles, float* sink, const __grid_constant__ CUtensorMap wmap,
+          const __grid_constant__ CUtensorMap xmap, int wrows, int xrows) {
+  using G = Geo<kNW>;
+  constexpr int kStages = G::kStages, kWBytes = G::kWBytes, kXBytes = G::kXBytes,
+                kStageBytes = G::kStageBytes;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem =
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  uint64_t* empty = full + kStages;
+  const int tid = threadIdx.x;
+  // Random E4M3 bytes without NaN (exponent below 15), random scales near 1.
+  for (int i = tid; i < kStages * kStageBytes / 4; i += blockDim.x) {
+    uint32_t h = (i * 2654435761u) ^ (blockIdx.x * 40503u);
+    h ^= h >> 13, h *= 0x5bd1e995u, h ^= h >> 15;
+    reinterpret_cast<uint32_t*>(smem)[i] = h & 0xB7B7B7B7u;
+  }
+  for (int s = 0; s < kStages; ++s)
+    for (int i = tid; i < 64 * kNW; i += blockDim.x)
+      reinterpret_cast<float*>(smem + s * kStageBytes + kWBytes + kXBytes)[i] = 1.0f + i * 1e-3f;
+  if (tid == 0)
+    for (int s = 0; s < kStages; ++s) sm90::mbar_init(&full[s], 1), sm90::mbar_init(&empty[s], 4 * kWgs);
+  sm90::mbar_init_fence();
+  sm90::fence_proxy_async_shared();  // the generic stores above, read by wgmma
+  __syncthreads();
+  const int wg = tid / 128 - 1;
+  if (wg < 0) {  // producer warpgroup
+    sm90::setmaxnreg_dec<56>();
+    if (kBars == 0 || tid != 0) return;
+    const size_t span = src_bytes / 65536;
+    size_t blk = blockIdx.x * 7 % span;
+    for (int k = 0; k < nstages; ++k) {
+      const int s = k % kStages;
+      if (k >= kStages) sm90::mbar_wait(&empty[s], ((k / kStages) - 1) & 1);
+      if (kBars == 1) {
+        sm90::mbar_arrive(&full[s]);
+      } else if (kBars >= 3) {                           // TMA boxes of 128-byte rows, as the kernel's maps
+        const int xb = kBars == 4 ? 64 * 128 : kXBytes;  // 4: 64 token rows only (24 KB a stage)
+        sm90::mbar_arrive_expect_tx(&full[s], kWBytes + xb);
+        const int kc = (k % 64) * 128;
+        const int wr = int((blockIdx.x * 37 + k / 64) * 128 % wrows);
+        const int xr = int((blockIdx.x * 11 + k / 64) * 64 * kNW % xrows);
+        sm90::tma_load_2d(smem + s * kStageBytes, &wmap, &full[s], kc, wr);
+        sm90::tma_load_2d(smem + s * kStageBytes + kWBytes, &xmap, &full[s], kc, xr);
+      } else {  // 32 KB of weights and tokens from an L2-resident buffer, two bulk copies
+        sm90::mbar_arrive_expect_tx(&full[s], kWBytes + kXBytes);
+        sm90::bulk_load(smem + s * kStageBytes, src + blk * 65536, kWBytes, &full[s]);
+        sm90::bulk_load(smem + s * kStageBytes + kWBytes, src + blk * 65536 + kWBytes, kXBytes, &full[s]);
+        blk = blk + 1 == span ? 0 : blk + 1;
+      }
+    }
+    return;
+  }
+  sm90::setmaxnreg_inc<G::kConsumerRegs>();
+  if (wg >= kWgs) return;
+  const int lane = tid % 32, warp = (tid / 32) % 4;
+  const int lrow = warp * 16 + lane / 4;
+  const int r0 = wg * 64 + lrow, r1 = r0 + 8;
+  float acc[64], ba[64], bb[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes + wg * 64 * 128);
+  const uint32_t dw0 = sm90::smem_desc_sw128_lo(smem);
+  auto chain = [&](float(&buf)[64], int s) {
+    const uint32_t so = uint32_t(s) * (kStageBytes >> 4);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      sm90::Wgmma<128>::mma(buf, sm90::smem_desc_sw128_at(dx0 + so + 2 * k),
+                            sm90::smem_desc_sw128_at(dw0 + so + 2 * k), k);
+    sm90::wgmma_commit();
+  };
+  auto products = [&](int s, int kb, float& g0, float& u0, float& g1, float& u1) {
+    const float* ss = reinterpret_cast<const float*>(smem + s * kStageBytes + kWBytes + kXBytes);
+    const float sg = __ldg(wscale + (kb & 63)), su = __ldg(wscale + 64 + (kb & 63));
+    const float x0 = ss[r0], x1 = ss[r1];
+    g0 = x0 * sg, u0 = x0 * su, g1 = x1 * sg, u1 = x1 * su;
+  };
+  auto fold = [&](const float(&buf)[64], float g0, float u0, float g1, float u1, int n) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      if (j * 4 >= n) break;
+      const float q0 = (j % 2 == 0) ? g0 : u0, q1 = (j % 2 == 0) ? g1 : u1;
+      acc[j * 4 + 0] = fmaf(buf[j * 4 + 0], q0, acc[j * 4 + 0]);
+      acc[j * 4 + 1] = fmaf(buf[j * 4 + 1], q0, acc[j * 4 + 1]);
+      acc[j * 4 + 2] = fmaf(buf[j * 4 + 2], q1, acc[j * 4 + 2]);
+      acc[j * 4 + 3] = fmaf(buf[j * 4 + 3], q1, acc[j * 4 + 3]);
+    }
+  };
+  auto wait_full = [&](int k) {
+    if (kBars) sm90::mbar_wait(&full[k % kStages], (k / kStages) & 1);
+  };
+  auto release = [&](int k) {
+    if (kBars) {
+      __syncwarp();
+      if (lane == 0) sm90::mbar_arrive(&empty[k % kStages]);
+    }
+  };
+  __syncwarp();
+  const long long t0 = clock64();
+  if (kFold == kTwoBuffers) {
+    // Two stages an iteration, nothing in flight across the back-edge (ptxas serializes
+    // the chains otherwise, C7514): stage 1's chain runs during stage 0's fold.
+    float g0, u0, g1, u1;
+    for (int k = 0; k < nstages; k += 2) {
+      wait_full(k);
+      wait_full(k + 1);
+      chain(ba, k % kStages);
+      chain(bb, (k + 1) % kStages);
+      products(k % kStages, k, g0, u0, g1, u1);
+      sm90::wgmma_wait<1>();
+      fold(ba, g0, u0, g1, u1, 64);
+      if (kRel & 1) release(k);
+      products((k + 1) % kStages, k + 1, g0, u0, g1, u1);
+      sm90::wgmma_wait<0>();
+      if (!(kRel & 1)) release(k), release(k + 1);
+      fold(bb, g0, u0, g1, u1, 64);
+      if (kRel & 1) release(k + 1);
+    }
+  } else {
+    if (kRel >= 2) wait_full(0);
+    for (int k = 0; k < nstages; ++k) {
+      const int s = k % kStages;
+      if (kRel < 2) wait_full(k);
+      chain(ba, s);
+      float g0, u0, g1, u1;
+      products(s, k, g0, u0, g1, u1);
+      sm90::wgmma_wait<0>();
+      if (!(kRel & 1)) release(k);
+      if (kRel >= 2 && k + 1 < nstages) wait_full(k + 1);
+      if (kFold == kAfterWait) fold(ba, g0, u0, g1, u1, 64);
+      if (kRel & 1) release(k);
+      if (kFold == kHalf) fold(ba, g0, u0, g1, u1, 32);
+      if (kFold == kNone) {
+        // keep ba live without arithmetic on it: one value a stage
+        acc[0] += ba[0];
+      }
+      if (kFold == kAdd) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[i] += ba[i];
+      }
+      if (kFold == kMulAdd) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const float q0 = (j % 2 == 0) ? g0 : u0, q1 = (j % 2 == 0) ? g1 : u1;
+          ba[j * 4 + 0] *= q0, ba[j * 4 + 1] *= q0, ba[j * 4 + 2] *= q1, ba[j * 4 + 3] *= q1;
+        }
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[i] += ba[i];
+      }
+    }
+  }
+  const long long t1 = clock64();
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) s += acc[i];
+  if (s == 12345.f) sink[tid] = s;  // keeps the sums live
+  if (tid % 128 == 0) cycles[blockIdx.x * 4 + wg] = t1 - t0;
+}
+
+struct Variant2 {
+  const char* name;
+  void (*fn)(const uint8_t*, size_t, const float*, int, long long*, float*, CUtensorMap, CUtensorMap, int,
+             int);
+  int wgs, nw, bars;
+  bool hbm;
+};
+
+template <int F, int W, int B, int NW = 2, int R = 0>
+Variant2 make(const char* name, bool hbm = false) {
+  return {name, kloop<F, W, B, NW, R>, W, NW, B, hbm};
+}
+
+int main(int argc, char** argv) {
+  const int nstages = argc > 1 ? std::atoi(argv[1]) : 4000;
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const size_t src_bytes = size_t(16) << 20;  // L2-resident source of the loads
+  uint8_t* src;
+  float *wscale, *sink;
+  long long* cycles;
+  CK(cudaMalloc(&src, src_bytes));
+  CK(cudaMemset(src, 0x31, src_bytes));
+  CK(cudaMalloc(&wscale, 128 * 4));
+  std::vector<float> hs(128);
+  for (int i = 0; i < 128; ++i) hs[i] = 0.5f + i * 1e-3f;
+  CK(cudaMemcpy(wscale, hs.data(), 512, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&sink, 4096));
+  CK(cudaMalloc(&cycles, sms * 4 * sizeof(long long)));
+  const Variant2 vs[] = {
+      make<kNone, 2, 0>("no fold, no bars"),
+      make<kAfterWait, 2, 0>("fold, no bars"),
+      make<kAfterWait, 2, 1, 2, 0>("fold, bars, rel before"),
+      make<kAfterWait, 2, 1, 2, 1>("fold, bars, rel after"),
+      make<kAfterWait, 2, 1, 2, 2>("fold, bars, rel before, wait early"),
+      make<kAfterWait, 2, 1, 2, 3>("fold, bars, rel after, wait early"),
+      make<kTwoBuffers, 2, 1, 2, 0>("pairs, bars, rel before"),
+      make<kTwoBuffers, 2, 1, 2, 1>("pairs, bars, rel after"),
+      make<kNone, 2, 3>("no fold, TMA 32K L2"),
+      make<kAfterWait, 2, 3, 2, 0>("fold, TMA 32K L2, rel before"),
+      make<kAfterWait, 2, 3, 2, 1>("fold, TMA 32K L2, rel after"),
+      make<kAfterWait, 2, 3, 2, 3>("fold, TMA 32K L2, rel after, wait early"),
+      make<kTwoBuffers, 2, 3, 2, 1>("pairs, TMA 32K L2, rel after"),
+      make<kNone, 2, 4>("no fold, TMA 24K L2"),
+      make<kAfterWait, 2, 4, 2, 0>("fold, TMA 24K L2, rel before"),
+      make<kAfterWait, 2, 4, 2, 1>("fold, TMA 24K L2, rel after"),
+      make<kAfterWait, 2, 4, 2, 3>("fold, TMA 24K L2, rel after, wait early"),
+      make<kNone, 2, 3>("no fold, TMA 32K w HBM", true),
+      make<kAfterWait, 2, 3, 2, 0>("fold, TMA 32K w HBM, rel before", true),
+      make<kAfterWait, 2, 3, 2, 1>("fold, TMA 32K w HBM, rel after", true),
+      make<kAfterWait, 3, 1, 3, 0>("3 WG fold, bars, rel before"),
+      make<kAfterWait, 3, 1, 3, 1>("3 WG fold, bars, rel after"),
+      make<kAfterWait, 3, 3, 3, 1>("3 WG fold, TMA 40K L2, rel after"),
+  };
+  // Tensor maps with the kernel's box geometry (128-byte rows, 128-byte swizzle): an
+  // L2-resident 16 MB [2048][8192] and an HBM-sized 1 GB [131072][8192] source.
+  using EncodeFn =
+      CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
+                   const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  void* ep = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ep, 12000, cudaEnableDefault, &q));
+  auto encode = reinterpret_cast<EncodeFn>(ep);
+  uint8_t* big;
+  const size_t big_bytes = size_t(1) << 30;
+  CK(cudaMalloc(&big, big_bytes));
+  CK(cudaMemset(big, 0x32, big_bytes));
+  auto make_map = [&](void* base, uint64_t rows, uint32_t box_rows, CUtensorMapL2promotion promo) {
+    CUtensorMap m{};
+    cuuint64_t d[2] = {8192, rows}, st[1] = {8192};
+    cuuint32_t b[2] = {128, box_rows}, es[2] = {1, 1};
+    if (encode(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base, d, st, b, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+               CU_TENSOR_MAP_SWIZZLE_128B, promo, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+      std::fprintf(stderr, "encode failed\n");
+      std::exit(1);
+    }
+    return m;
+  };
+  const CUtensorMap w_l2 = make_map(src, 2048, 128, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+  const CUtensorMap w_hbm = make_map(big, 131072, 128, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+  const CUtensorMap x2 = make_map(src, 2048, 128, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+  const CUtensorMap x3 = make_map(src, 2048, 192, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+  const CUtensorMap x64 = make_map(src, 2048, 64, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::printf(
+      "%d stages a CTA, %d CTAs; cycles a stage (median / max over CTAs), ms, TFLOP/s of the CTA tiles\n",
+      nstages, sms);
+  for (int round = 0; round < 2; ++round)
+    for (const Variant2& v : vs) {
+      const int smem = v.nw == 3 ? Geo<3>::kSmem : Geo<2>::kSmem, threads = 128 * (v.nw + 1);
+      CK(cudaFuncSetAttribute(v.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      const CUtensorMap& wm = v.hbm ? w_hbm : w_l2;
+      const CUtensorMap& xm = v.bars == 4 ? x64 : v.nw == 3 ? x3 : x2;
+      const int wrows = v.hbm ? 131072 : 2048;
+      v.fn<<<sms, threads, smem>>>(src, src_bytes, wscale, nstages / 10, cycles, sink, wm, xm, wrows,
+                                   2048);  // warm-up
+      CK(cudaGetLastError());
+      CK(cudaEventRecord(e0));
+      v.fn<<<sms, threads, smem>>>(src, src_bytes, wscale, nstages, cycles, sink, wm, xm, wrows, 2048);
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, e0, e1));
+      std::vector<long long> c(sms * 4);
+      CK(cudaMemcpy(c.data(), cycles, c.size() * 8, cudaMemcpyDeviceToHost));
+      std::vector<double> per;
+      for (int i = 0; i < sms; ++i) per.push_back(double(c[i * 4]) / nstages);
+      std::sort(per.begin(), per.end());
+      const double flop = 2.0 * 64 * 128 * 128 * double(nstages) * sms * v.wgs;
+      std::printf("%-34s %7.1f / %7.1f cyc  %8.3f ms  %7.1f TFLOP/s  (clock %.2f GHz)\n", v.name,
+                  per[sms / 2], per.back(), ms, flop / ms / 1e9, per[sms / 2] * nstages / ms / 1e6);
+    }
+  return 0;
+}
