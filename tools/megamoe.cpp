@@ -158,6 +158,7 @@ struct BenchArgs {
   std::vector<int> tokens;
   std::string json;
   bool no_baseline = false, no_ep = false, diagnostics = false;
+  double energy = 0;
   int iters = 15;
   int ranks = 1;
   std::string transport = "virtual";
@@ -174,6 +175,7 @@ int run_bench_cmd(const BenchArgs& a) {
   if (!a.tokens.empty()) o.tokens = a.tokens;
   o.baseline = !a.no_baseline;
   o.diagnostics = a.diagnostics;
+  o.energy_seconds = a.energy;
   o.ep8_share = !a.no_ep;
   o.iters = a.iters;
   o.ranks = a.ranks;
@@ -285,6 +287,10 @@ int main(int argc, char** argv) {
   c_bench->add_flag("--no-ep", bench.no_ep, "skip the 8-way expert-parallel share");
   c_bench->add_flag("--diagnostics", bench.diagnostics,
                     "also time the routing kernels one by one and a read of each case's weight bytes");
+  c_bench
+      ->add_option("--energy", bench.energy,
+                   "also the board energy of each layer (NVML) over this many seconds of replays")
+      ->check(CLI::NonNegativeNumber);
   c_bench
       ->add_option("--ranks", bench.ranks,
                    "expert-parallel ranks (virtual ranks on this GPU; --tokens per rank, default 1 8 64 "

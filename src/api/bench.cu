@@ -68,6 +68,18 @@ bench::Timing time_graph(cudaStream_t stream, const BenchOptions& opt,
   return t;
 }
 
+// Board energy of graph replays of `body` (opt.energy_seconds of them, each after an L2
+// flush, as timed); call_us sizes the loop.
+bench::EnergyRun energy_graph(cudaStream_t stream, const BenchOptions& opt, double call_us,
+                              const std::function<void(cudaStream_t)>& body) {
+  cudaGraphExec_t g = capture(stream, body);
+  const bench::EnergyRun e =
+      bench::measure_energy([&](cudaStream_t st2) { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(g, st2)); }, stream,
+                            opt.energy_seconds, call_us, true);
+  MEGAMOE_CUDA_CHECK(cudaGraphExecDestroy(g));
+  return e;
+}
+
 // The expert-parallel layer over opt.ranks virtual ranks, T tokens per rank, against
 // one device running all R * T tokens: time, exchanged bytes, and whether the bytes
 // of the outputs agree.
@@ -245,6 +257,10 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
             time_graph(stream, opt, [&](cudaStream_t st2) { layer.forward(xp, yp, T, dTp, st2); });
         const bench::Timing route =
             time_graph(stream, opt, [&](cudaStream_t st2) { layer.route(xp, T, dTp, st2); });
+        bench::EnergyRun energy;
+        if (opt.energy_seconds > 0 && T > 0)
+          energy = energy_graph(stream, opt, ours.median_us,
+                                [&](cudaStream_t st2) { layer.forward(xp, yp, T, dTp, st2); });
         layer.forward(xp, yp, T, nullptr, stream);
         MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
         kernels::fused_moe_print_profile(T);
@@ -323,19 +339,28 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
         c["speedup_vs_baseline"] = base_us > 0 ? base_us / ours.median_us : 0.0;
         c["nonfinite_outputs"] = nonfinite;
         c["config"] = layer.config_for(T);
+        if (energy.calls > 0) {
+          c["energy_mJ"] = energy.mJ_per_call;
+          c["power_W"] = energy.watts;
+          c["energy_calls"] = energy.calls;
+        }
         if (opt.diagnostics && T > 0) {
           c["route_logits_alone_us"] = diag_logits_us;
           c["route_topk_alone_us"] = diag_topk_us;
           c["read_after_flush_us"] = diag_read_us;
         }
         out["cases"].push_back(c);
+        const std::string energy_note = energy.calls > 0
+                                            ? fmt::format(" | {:.1f} mJ a layer, {:.0f} W over {} calls",
+                                                          energy.mJ_per_call, energy.watts, energy.calls)
+                                            : std::string();
         log(fmt::format(
             "{:14s} E={:3d} T={:5d}: {:9.1f} us (p10 {:.1f}, p90 {:.1f}; route {:.1f}) floor {:8.1f} "
-            "(x{:.2f}) {:7.1f} TFLOP/s {:5.2f} TB/s | cuBLASLt {:9.1f} us (x{:.2f}) | {}",
+            "(x{:.2f}) {:7.1f} TFLOP/s {:5.2f} TB/s | cuBLASLt {:9.1f} us (x{:.2f}) | {}{}",
             name, s.experts, T, ours.median_us, ours.p10_us, ours.p90_us, route.median_us, floor_us,
             ours.median_us / floor_us, flops / (ours.median_us * 1e-6) * 1e-12,
             bytes / (ours.median_us * 1e-6) * 1e-12, base_us, base_us > 0 ? base_us / ours.median_us : 0.0,
-            layer.config_for(T)));
+            layer.config_for(T), energy_note));
       }
     }
   }

@@ -1,9 +1,15 @@
 // Device ceilings and timing helpers for `megamoe bench` (see
 // include/megamoe/bench/baselines.h): the streaming-read bandwidth, the L2
 // flush and device-event timing with median and spread.
+#include <dlfcn.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "cuda_check.h"
@@ -154,6 +160,91 @@ Timing time_device(const std::function<void(cudaStream_t)>& fn, cudaStream_t str
   t.p10_us = percentile(us, 0.1);
   t.p90_us = percentile(us, 0.9);
   return t;
+}
+
+namespace {
+
+// NVML's energy counter through dlopen: nothing links against the driver's management
+// library, so the tools still start on a machine without it. Only the three entry
+// points used here are declared (C ABI, opaque device handle).
+struct NvmlEnergy {
+  using Device = void*;
+  int (*Init)() = nullptr;
+  int (*HandleByPciBusId)(const char*, Device*) = nullptr;
+  int (*TotalEnergy)(Device, unsigned long long*) = nullptr;
+
+  static const NvmlEnergy& get() {
+    static std::mutex m;
+    static NvmlEnergy api;
+    static std::string error;
+    std::lock_guard<std::mutex> lock(m);
+    if (api.TotalEnergy) return api;
+    if (!error.empty()) throw std::runtime_error(error);
+    void* h = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!h) error = std::string("energy: cannot load libnvidia-ml.so.1 (") + dlerror() + ")";
+    NvmlEnergy a;
+    if (h) {
+      a.Init = reinterpret_cast<int (*)()>(dlsym(h, "nvmlInit_v2"));
+      a.HandleByPciBusId =
+          reinterpret_cast<int (*)(const char*, Device*)>(dlsym(h, "nvmlDeviceGetHandleByPciBusId_v2"));
+      a.TotalEnergy = reinterpret_cast<int (*)(Device, unsigned long long*)>(
+          dlsym(h, "nvmlDeviceGetTotalEnergyConsumption"));
+      if (!a.Init || !a.HandleByPciBusId || !a.TotalEnergy)
+        error = "energy: libnvidia-ml.so.1 lacks nvmlDeviceGetTotalEnergyConsumption";
+      else if (const int r = a.Init(); r != 0)
+        error = "energy: nvmlInit_v2 failed (NVML error " + std::to_string(r) + ")";
+    }
+    if (!error.empty()) throw std::runtime_error(error);
+    api = a;
+    return api;
+  }
+
+  // Millijoules since the driver loaded, for the current CUDA device.
+  unsigned long long read_mJ() const {
+    int dev = 0;
+    MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
+    char bus[32] = {};
+    MEGAMOE_CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof(bus), dev));
+    Device d = nullptr;
+    if (const int r = HandleByPciBusId(bus, &d); r != 0)
+      throw std::runtime_error(std::string("energy: no NVML device for ") + bus + " (NVML error " +
+                               std::to_string(r) + ")");
+    unsigned long long mJ = 0;
+    if (const int r = TotalEnergy(d, &mJ); r != 0)
+      throw std::runtime_error("energy: nvmlDeviceGetTotalEnergyConsumption failed (NVML error " +
+                               std::to_string(r) + ")");
+    return mJ;
+  }
+};
+
+}  // namespace
+
+EnergyRun measure_energy(const std::function<void(cudaStream_t)>& fn, cudaStream_t stream, double seconds,
+                         double call_us_estimate, bool flush_l2_each) {
+  const NvmlEnergy& nvml = NvmlEnergy::get();
+  // Enough calls for `seconds`, enqueued in batches so the host never runs far ahead.
+  const int calls = std::max(1, int(std::ceil(seconds * 1e6 / std::max(call_us_estimate, 1.0))));
+  const int batch = std::max(1, std::min(calls, int(std::ceil(0.05e6 / std::max(call_us_estimate, 1.0)))));
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const unsigned long long e0 = nvml.read_mJ();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int done = 0; done < calls;) {
+    const int n = std::min(batch, calls - done);
+    for (int i = 0; i < n; ++i) {
+      if (flush_l2_each) flush_l2(stream);
+      fn(stream);
+    }
+    done += n;
+    MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  const unsigned long long e1 = nvml.read_mJ();
+  EnergyRun r;
+  r.calls = calls;
+  r.seconds = std::chrono::duration<double>(t1 - t0).count();
+  r.mJ_per_call = double(e1 - e0) / calls;
+  r.watts = double(e1 - e0) * 1e-3 / r.seconds;
+  return r;
 }
 
 }  // namespace megamoe::bench

@@ -20,6 +20,10 @@ struct BenchOptions {
   // Also time the routing's kernels one by one and a streaming read of each case's
   // weight bytes after the same L2 flush.
   bool diagnostics = false;
+  // > 0: also the board energy of each case's layer (NVML), over graph replays for
+  // this many seconds after the timing (bench::measure_energy). Off by default: it
+  // adds seconds a case.
+  double energy_seconds = 0;
   // ranks > 1: the expert-parallel layer over that many virtual ranks on this GPU,
   // `tokens` per rank, against one device running all R * T tokens (the
   // virtual-rank overhead); the figures above are not measured then.

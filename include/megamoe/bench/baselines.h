@@ -71,6 +71,23 @@ struct Timing {
 Timing time_device(const std::function<void(cudaStream_t)>& fn, cudaStream_t stream, int warmup, int iters,
                    bool flush_l2_each);
 
+// Board energy of repeated calls: fn(stream) (after an L2 flush when flush_l2_each, as
+// the timed cases run) replayed back to back for at least `seconds`, NVML's energy
+// counter read before and after. At prefill the card runs at its power cap (700 W on
+// the H200), so the clock and with it the time follow the energy a layer spends
+// (bench/results/NOTES.md, v19); the counter is updated coarsely, hence a loop of
+// seconds rather than the timed iterations. The figures include the flushes.
+struct EnergyRun {
+  double mJ_per_call = 0;  // millijoules a call
+  double watts = 0;        // mean board power over the loop
+  int calls = 0;
+  double seconds = 0;
+};
+// Throws when NVML (libnvidia-ml.so.1, opened at run time) cannot read the current
+// device's energy counter: the figure is asked for, so it is not silently left out.
+EnergyRun measure_energy(const std::function<void(cudaStream_t)>& fn, cudaStream_t stream, double seconds,
+                         double call_us_estimate, bool flush_l2_each);
+
 // ---- one block-scaled FP8 GEMM through cuBLASLt ----
 
 enum class GemmOut { kF32, kBF16 };
