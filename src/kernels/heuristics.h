@@ -46,7 +46,7 @@ constexpr int kTailPool = 4;
 // while the chunk walks the output blocks; a weight block is read once a chunk. With
 // one chunk for all of an expert's blocks (the order up to v21) the shared expert at
 // 16384 tokens (128 blocks, 100 MB of GEMM1 tokens) re-read its tokens from HBM for
-// each of its 32 output blocks (ncu: 21 GB read against ~12.7 GB of distinct bytes).
+// each of its 32 output blocks (ncu: 21 GB read against ~12.9 GB of distinct bytes; now 17.7 GB).
 constexpr int kTokenChunk = 16;
 // Slots whose rows a combine lane loads at once, kCombineVecs x 16 bytes each: every
 // slot of the presets (top-8 + shared) in one batch. (v13, rows gathered from the

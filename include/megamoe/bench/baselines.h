@@ -73,10 +73,11 @@ Timing time_device(const std::function<void(cudaStream_t)>& fn, cudaStream_t str
 
 // Board energy of repeated calls: fn(stream) (after an L2 flush when flush_l2_each, as
 // the timed cases run) replayed back to back for at least `seconds`, NVML's energy
-// counter read before and after. At prefill the card runs at its power cap (700 W on
-// the H200), so the clock and with it the time follow the energy a layer spends
-// (bench/results/NOTES.md, v19); the counter is updated coarsely, hence a loop of
-// seconds rather than the timed iterations. The figures include the flushes.
+// counter read before and after. The card runs at its power cap (700 W on the H200) at
+// prefill and drew about as much at 64 tokens, so the clock and with it the time follow
+// the energy a layer spends (bench/results/NOTES.md, v19, v22); the counter is updated
+// coarsely, hence a loop of seconds rather than the timed iterations. The figures
+// include the flushes.
 struct EnergyRun {
   double mJ_per_call = 0;  // millijoules a call
   double watts = 0;        // mean board power over the loop
