@@ -1,8 +1,10 @@
 // kloop_probe: the prefill K loop (tokens in M, 128 tokens x 128 weight rows x
 // 128-deep stages, two consumer warpgroups) taken out of the fused kernel, to
-// measure what a stage costs in cycles with and without the scale fold, with one
-// or two warpgroups, with and without the ring's mbarriers and loads, and with
-// other fold arrangements. Timing only: the bytes are random, the sums unchecked.
+// measure what a stage costs in cycles with and without the scale fold, with two or
+// three consumer warpgroups, with and without the ring's mbarriers and loads, and with
+// the stage handed back before or after the fold. Timing only: the bytes are random,
+// the sums unchecked. The variant list reproduces the table of bench/results/NOTES.md
+// v22 (logs: bench/results/ab/v22_kloop_probe*.log).
 //
 // Build (here or on the device machine):
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Isrc/kernels \
@@ -45,17 +47,23 @@ struct Geo {
 // Fold arrangements.
 enum Fold : int {
   kNone = 0,        // chain + wait only
-  kAfterWait = 1,   // the kernel's: chain, wait 0, release, 64 FFMA
+  kAfterWait = 1,   // the kernel's: chain, wait 0, 64 FFMA (the release placed by kRel)
   kTwoBuffers = 2,  // two stages an iteration: chain k+1 runs during fold k
-  kHalf = 3,        // 32 FFMA instead of 64 (is the cost linear?)
-  kAdd = 4,         // 64 FADD acc += buf (two sources, no scale register)
-  kMulAdd = 5,      // buf *= p (FMUL, in place) then acc += buf (FADD)
+};
+
+// What fills a stage.
+enum Loads : int {
+  kNoBars = 0,  // nothing: the consumers cycle over the ring without mbarriers
+  kArrive = 1,  // the ring's mbarriers, a producer that only arrives (no bytes)
+  kBulk = 2,    // two bulk copies (weights, tokens) from an L2-resident buffer
+  kTma = 3,     // TMA boxes of 128-byte rows with the kernel's geometry
+  kTma64 = 4,   // the same with 64 token rows a stage (24 KB: a two-CTA multicast's L2 reads)
 };
 
 // kRel: 0 = a stage handed back before its fold (the kernel's), 1 = after its fold,
 // 2 = before, with the next stage's full-barrier wait also before the fold, 3 = after,
 // with the next stage's wait before the fold.
-template <int kFold, int kWgs, int kBars, int kNW, int kRel>
+template <int kFold, int kWgs, int kBars, int kNW, int kRel>  // kBars: Loads
 __global__ void __launch_bounds__(128 * (kNW + 1), 1)
     kloop(const uint8_t* __restrict__ src, size_t src_bytes, const float* __restrict__ wscale, int nstages,
           long long* cycles, float* sink, const __grid_constant__ CUtensorMap wmap,
@@ -86,16 +94,16 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
   const int wg = tid / 128 - 1;
   if (wg < 0) {  // producer warpgroup
     sm90::setmaxnreg_dec<56>();
-    if (kBars == 0 || tid != 0) return;
+    if (kBars == kNoBars || tid != 0) return;
     const size_t span = src_bytes / 65536;
     size_t blk = blockIdx.x * 7 % span;
     for (int k = 0; k < nstages; ++k) {
       const int s = k % kStages;
       if (k >= kStages) sm90::mbar_wait(&empty[s], ((k / kStages) - 1) & 1);
-      if (kBars == 1) {
+      if (kBars == kArrive) {
         sm90::mbar_arrive(&full[s]);
-      } else if (kBars >= 3) {                           // TMA boxes of 128-byte rows, as the kernel's maps
-        const int xb = kBars == 4 ? 64 * 128 : kXBytes;  // 4: 64 token rows only (24 KB a stage)
+      } else if (kBars == kTma || kBars == kTma64) {
+        const int xb = kBars == kTma64 ? 64 * 128 : kXBytes;
         sm90::mbar_arrive_expect_tx(&full[s], kWBytes + xb);
         const int kc = (k % 64) * 128;
         const int wr = int((blockIdx.x * 37 + k / 64) * 128 % wrows);
@@ -136,10 +144,9 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
     const float x0 = ss[r0], x1 = ss[r1];
     g0 = x0 * sg, u0 = x0 * su, g1 = x1 * sg, u1 = x1 * su;
   };
-  auto fold = [&](const float(&buf)[64], float g0, float u0, float g1, float u1, int n) {
+  auto fold = [&](const float(&buf)[64], float g0, float u0, float g1, float u1) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      if (j * 4 >= n) break;
       const float q0 = (j % 2 == 0) ? g0 : u0, q1 = (j % 2 == 0) ? g1 : u1;
       acc[j * 4 + 0] = fmaf(buf[j * 4 + 0], q0, acc[j * 4 + 0]);
       acc[j * 4 + 1] = fmaf(buf[j * 4 + 1], q0, acc[j * 4 + 1]);
@@ -169,12 +176,12 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
       chain(bb, (k + 1) % kStages);
       products(k % kStages, k, g0, u0, g1, u1);
       sm90::wgmma_wait<1>();
-      fold(ba, g0, u0, g1, u1, 64);
+      fold(ba, g0, u0, g1, u1);
       if (kRel & 1) release(k);
       products((k + 1) % kStages, k + 1, g0, u0, g1, u1);
       sm90::wgmma_wait<0>();
       if (!(kRel & 1)) release(k), release(k + 1);
-      fold(bb, g0, u0, g1, u1, 64);
+      fold(bb, g0, u0, g1, u1);
       if (kRel & 1) release(k + 1);
     }
   } else {
@@ -188,26 +195,9 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
       sm90::wgmma_wait<0>();
       if (!(kRel & 1)) release(k);
       if (kRel >= 2 && k + 1 < nstages) wait_full(k + 1);
-      if (kFold == kAfterWait) fold(ba, g0, u0, g1, u1, 64);
+      if (kFold == kAfterWait) fold(ba, g0, u0, g1, u1);
       if (kRel & 1) release(k);
-      if (kFold == kHalf) fold(ba, g0, u0, g1, u1, 32);
-      if (kFold == kNone) {
-        // keep ba live without arithmetic on it: one value a stage
-        acc[0] += ba[0];
-      }
-      if (kFold == kAdd) {
-#pragma unroll
-        for (int i = 0; i < 64; ++i) acc[i] += ba[i];
-      }
-      if (kFold == kMulAdd) {
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          const float q0 = (j % 2 == 0) ? g0 : u0, q1 = (j % 2 == 0) ? g1 : u1;
-          ba[j * 4 + 0] *= q0, ba[j * 4 + 1] *= q0, ba[j * 4 + 2] *= q1, ba[j * 4 + 3] *= q1;
-        }
-#pragma unroll
-        for (int i = 0; i < 64; ++i) acc[i] += ba[i];
-      }
+      if (kFold == kNone) acc[0] += ba[0];  // keeps ba live: one value a stage
     }
   }
   const long long t1 = clock64();
@@ -248,29 +238,37 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&sink, 4096));
   CK(cudaMalloc(&cycles, sms * 4 * sizeof(long long)));
   const Variant2 vs[] = {
-      make<kNone, 2, 0>("no fold, no bars"),
-      make<kAfterWait, 2, 0>("fold, no bars"),
-      make<kAfterWait, 2, 1, 2, 0>("fold, bars, rel before"),
-      make<kAfterWait, 2, 1, 2, 1>("fold, bars, rel after"),
-      make<kAfterWait, 2, 1, 2, 2>("fold, bars, rel before, wait early"),
-      make<kAfterWait, 2, 1, 2, 3>("fold, bars, rel after, wait early"),
-      make<kTwoBuffers, 2, 1, 2, 0>("pairs, bars, rel before"),
-      make<kTwoBuffers, 2, 1, 2, 1>("pairs, bars, rel after"),
-      make<kNone, 2, 3>("no fold, TMA 32K L2"),
-      make<kAfterWait, 2, 3, 2, 0>("fold, TMA 32K L2, rel before"),
-      make<kAfterWait, 2, 3, 2, 1>("fold, TMA 32K L2, rel after"),
-      make<kAfterWait, 2, 3, 2, 3>("fold, TMA 32K L2, rel after, wait early"),
-      make<kTwoBuffers, 2, 3, 2, 1>("pairs, TMA 32K L2, rel after"),
-      make<kNone, 2, 4>("no fold, TMA 24K L2"),
-      make<kAfterWait, 2, 4, 2, 0>("fold, TMA 24K L2, rel before"),
-      make<kAfterWait, 2, 4, 2, 1>("fold, TMA 24K L2, rel after"),
-      make<kAfterWait, 2, 4, 2, 3>("fold, TMA 24K L2, rel after, wait early"),
-      make<kNone, 2, 3>("no fold, TMA 32K w HBM", true),
-      make<kAfterWait, 2, 3, 2, 0>("fold, TMA 32K w HBM, rel before", true),
-      make<kAfterWait, 2, 3, 2, 1>("fold, TMA 32K w HBM, rel after", true),
-      make<kAfterWait, 3, 1, 3, 0>("3 WG fold, bars, rel before"),
-      make<kAfterWait, 3, 1, 3, 1>("3 WG fold, bars, rel after"),
-      make<kAfterWait, 3, 3, 3, 1>("3 WG fold, TMA 40K L2, rel after"),
+      make<kNone, 2, kNoBars>("no fold, no bars"),
+      make<kAfterWait, 2, kNoBars>("fold, no bars"),
+      make<kNone, 2, kArrive>("no fold, bars"),
+      make<kAfterWait, 2, kArrive, 2, 0>("fold, bars, rel before"),
+      make<kAfterWait, 2, kArrive, 2, 1>("fold, bars, rel after"),
+      make<kAfterWait, 2, kArrive, 2, 2>("fold, bars, rel before, wait early"),
+      make<kAfterWait, 2, kArrive, 2, 3>("fold, bars, rel after, wait early"),
+      make<kTwoBuffers, 2, kArrive, 2, 0>("pairs, bars, rel before"),
+      make<kTwoBuffers, 2, kArrive, 2, 1>("pairs, bars, rel after"),
+      make<kNone, 2, kTma>("no fold, TMA 32K L2"),
+      make<kAfterWait, 2, kTma, 2, 0>("fold, TMA 32K L2, rel before"),
+      make<kAfterWait, 2, kTma, 2, 1>("fold, TMA 32K L2, rel after"),
+      make<kAfterWait, 2, kTma, 2, 3>("fold, TMA 32K L2, rel after, wait early"),
+      make<kTwoBuffers, 2, kTma, 2, 1>("pairs, TMA 32K L2, rel after"),
+      make<kNone, 2, kTma64>("no fold, TMA 24K L2"),
+      make<kAfterWait, 2, kTma64, 2, 0>("fold, TMA 24K L2, rel before"),
+      make<kAfterWait, 2, kTma64, 2, 1>("fold, TMA 24K L2, rel after"),
+      make<kAfterWait, 2, kTma64, 2, 3>("fold, TMA 24K L2, rel after, wait early"),
+      make<kNone, 2, kTma>("no fold, TMA 32K w HBM", true),
+      make<kAfterWait, 2, kTma, 2, 0>("fold, TMA 32K w HBM, rel before", true),
+      make<kAfterWait, 2, kTma, 2, 1>("fold, TMA 32K w HBM, rel after", true),
+      make<kNone, 2, kBulk>("no fold, bulk 32K"),
+      make<kAfterWait, 2, kBulk>("fold, bulk 32K, rel before"),
+      make<kNone, 3, kNoBars, 3>("3 WG no fold, no bars"),
+      make<kAfterWait, 3, kNoBars, 3>("3 WG fold, no bars"),
+      make<kAfterWait, 3, kArrive, 3, 0>("3 WG fold, bars, rel before"),
+      make<kAfterWait, 3, kArrive, 3, 1>("3 WG fold, bars, rel after"),
+      make<kNone, 3, kTma, 3>("3 WG no fold, TMA 40K L2"),
+      make<kAfterWait, 3, kTma, 3, 0>("3 WG fold, TMA 40K L2, rel before"),
+      make<kAfterWait, 3, kTma, 3, 1>("3 WG fold, TMA 40K L2, rel after"),
+      make<kAfterWait, 3, kTma, 3, 0>("3 WG fold, TMA 40K w HBM, rel before", true),
   };
   // Tensor maps with the kernel's box geometry (128-byte rows, 128-byte swizzle): an
   // L2-resident 16 MB [2048][8192] and an HBM-sized 1 GB [131072][8192] source.
@@ -313,7 +311,7 @@ int main(int argc, char** argv) {
       const int smem = v.nw == 3 ? Geo<3>::kSmem : Geo<2>::kSmem, threads = 128 * (v.nw + 1);
       CK(cudaFuncSetAttribute(v.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
       const CUtensorMap& wm = v.hbm ? w_hbm : w_l2;
-      const CUtensorMap& xm = v.bars == 4 ? x64 : v.nw == 3 ? x3 : x2;
+      const CUtensorMap& xm = v.bars == kTma64 ? x64 : v.nw == 3 ? x3 : x2;
       const int wrows = v.hbm ? 131072 : 2048;
       v.fn<<<sms, threads, smem>>>(src, src_bytes, wscale, nstages / 10, cycles, sink, wm, xm, wrows,
                                    2048);  // warm-up

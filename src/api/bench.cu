@@ -46,38 +46,39 @@ std::vector<num::bf16_t> bench_input(int T, int H) {
   return x;
 }
 
-cudaGraphExec_t capture(cudaStream_t stream, const std::function<void(cudaStream_t)>& body) {
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  body(stream);
-  MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
-  MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-  MEGAMOE_CUDA_CHECK(cudaGraphDestroy(g));
-  return ge;
-}
+// `body` captured once as a CUDA graph; calling the object launches it on a stream.
+class CapturedGraph {
+ public:
+  CapturedGraph(cudaStream_t stream, const std::function<void(cudaStream_t)>& body) {
+    cudaGraph_t g;
+    MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    body(stream);
+    MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+    MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec_, g, 0));
+    MEGAMOE_CUDA_CHECK(cudaGraphDestroy(g));
+  }
+  ~CapturedGraph() { cudaGraphExecDestroy(exec_); }
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  void operator()(cudaStream_t stream) const { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec_, stream)); }
+
+ private:
+  cudaGraphExec_t exec_ = nullptr;
+};
 
 // Graph replays of `body`, timed (median, p10, p90 of device time).
 bench::Timing time_graph(cudaStream_t stream, const BenchOptions& opt,
                          const std::function<void(cudaStream_t)>& body) {
-  cudaGraphExec_t g = capture(stream, body);
-  const bench::Timing t =
-      bench::time_device([&](cudaStream_t st2) { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(g, st2)); }, stream,
-                         opt.warmup, opt.iters, true);
-  MEGAMOE_CUDA_CHECK(cudaGraphExecDestroy(g));
-  return t;
+  const CapturedGraph g(stream, body);
+  return bench::time_device(std::cref(g), stream, opt.warmup, opt.iters, true);
 }
 
 // Board energy of graph replays of `body` (opt.energy_seconds of them, each after an L2
 // flush, as timed); call_us sizes the loop.
 bench::EnergyRun energy_graph(cudaStream_t stream, const BenchOptions& opt, double call_us,
                               const std::function<void(cudaStream_t)>& body) {
-  cudaGraphExec_t g = capture(stream, body);
-  const bench::EnergyRun e =
-      bench::measure_energy([&](cudaStream_t st2) { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(g, st2)); }, stream,
-                            opt.energy_seconds, call_us, true);
-  MEGAMOE_CUDA_CHECK(cudaGraphExecDestroy(g));
-  return e;
+  const CapturedGraph g(stream, body);
+  return bench::measure_energy(std::cref(g), stream, opt.energy_seconds, call_us, true);
 }
 
 // The expert-parallel layer over opt.ranks virtual ranks, T tokens per rank, against

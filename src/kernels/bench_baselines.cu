@@ -241,9 +241,8 @@ EnergyRun measure_energy(const std::function<void(cudaStream_t)>& fn, cudaStream
   const unsigned long long e1 = nvml.read_mJ();
   EnergyRun r;
   r.calls = calls;
-  r.seconds = std::chrono::duration<double>(t1 - t0).count();
   r.mJ_per_call = double(e1 - e0) / calls;
-  r.watts = double(e1 - e0) * 1e-3 / r.seconds;
+  r.watts = double(e1 - e0) * 1e-3 / std::chrono::duration<double>(t1 - t0).count();
   return r;
 }
 

@@ -82,7 +82,6 @@ struct EnergyRun {
   double mJ_per_call = 0;  // millijoules a call
   double watts = 0;        // mean board power over the loop
   int calls = 0;
-  double seconds = 0;
 };
 // Throws when NVML (libnvidia-ml.so.1, opened at run time) cannot read the current
 // device's energy counter: the figure is asked for, so it is not silently left out.
