@@ -223,26 +223,29 @@ __device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc
                                             int t1) {
   Tile t;
   const int n1 = a.I / 64, n2 = a.H / 128;
-  int local, nb;
+  int local, nb, n;  // n: the expert's output blocks in this GEMM
   if (tile < t1) {
     t.gemm = 1;
     if (tile < t1_routed) {
       t.e = largest_le(sc.unit_off, 0, a.E - 1, n1, tile);
       local = tile - n1 * sc.unit_off[t.e];
+      n = n1;
     } else {
       t.e = a.E;
       local = tile - t1_routed;
+      n = a.Is / 64;  // (S shared experts: S times the routed experts' blocks)
     }
   } else {
     t.gemm = 2;
     const int tile2 = tile - t1;
     t.e = largest_le(sc.unit_off, 0, a.E + a.has_shared - 1, n2, tile2);
     local = tile2 - n2 * sc.unit_off[t.e];
+    n = n2;
   }
   t.kblocks = tile_kblocks(a, t.gemm, t.e);
   nb = sc.unit_off[t.e + 1] - sc.unit_off[t.e];
   // Chunks of kTokenChunk token blocks (the last one shorter), each output block major.
-  const int per_chunk = kTokenChunk * (t.gemm == 1 ? n1 : n2);
+  const int per_chunk = kTokenChunk * n;
   const int q = local / per_chunk, b0 = q * kTokenChunk;
   const int csize = min(kTokenChunk, nb - b0), in_chunk = local - q * per_chunk;
   t.nblk = in_chunk / csize;

@@ -167,6 +167,14 @@ TEST_F(FusedMoe, ReducedShapeLargeT) {
   for (int T : {512, 2048, 2600}) check_against_reference(reduced_shape(), T, 200 + T);
 }
 
+TEST_F(FusedMoe, TwoSharedExperts) {
+  // S = 2: the shared MLP has 2I columns, twice the routed experts' output blocks in
+  // GEMM1 (decode_tile's chunks count them apart; 2600 tokens: 21 blocks, two chunks).
+  MoeShape s = reduced_shape();
+  s.shared_experts = 2;
+  for (int T : {5, 300, 2600}) check_against_reference(s, T, 400 + T);
+}
+
 TEST_F(FusedMoe, OddKBlockCounts) {
   // Decode (swap AB, two stages an iteration plus an odd last one) and prefill tiles.
   for (int T : {3, 40, 300}) check_against_reference(odd_blocks_shape(), T, 300 + T);
