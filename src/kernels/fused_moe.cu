@@ -145,6 +145,7 @@ struct KernelArgs {
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
   int tail_pool;       // GEMM2 tiles a CTA left to claims at the end (kTailPool)
   int half_tiles;      // FusedMoeConfig::half_tiles (per forward)
+  int pairs;           // FusedMoeConfig::pair_tiles (per forward; launched in clusters of two)
   const int* num_tokens;
   const uint16_t* x;
   uint16_t* y;
@@ -177,6 +178,7 @@ constexpr int kSkipFold = 8;   // prefill K loops without the fold (wgmma and st
 struct TensorMaps {
   CUtensorMap w13, sw13, w2, sw2;  // weights (shared by every block_n)
   CUtensorMap x, xs, a2, a2s;      // activations (box depends on block_n)
+  CUtensorMap xh, a2h;             // x and act2 in 64-row boxes (pair tiles: a CTA's half)
 };
 
 struct Tile {
@@ -218,38 +220,40 @@ __device__ __forceinline__ int tile_kblocks(const KernelArgs& a, int gemm, int e
 // Tile ids run expert by expert; inside an expert by chunks of kTokenChunk token blocks,
 // output block major inside a chunk (the token blocks of one weight tile are neighbours,
 // so concurrently running CTAs share it in L2, and a chunk's tokens stay there).
+// Pair tiles (sh = 1): an id names a pair of output blocks, 2j and 2j + 1, and the CTA of
+// cluster rank `rank` takes block 2j + rank (t1_routed and t1 count pairs then too).
 template <int BN>
 __device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc, int tile, int t1_routed,
-                                            int t1) {
+                                            int t1, int sh, int rank) {
   Tile t;
-  const int n1 = a.I / 64, n2 = a.H / 128;
-  int local, nb, n;  // n: the expert's output blocks in this GEMM
+  const int n1 = (a.I / 64) >> sh, n2 = (a.H / 128) >> sh;
+  int local, nb;
   if (tile < t1) {
     t.gemm = 1;
     if (tile < t1_routed) {
       t.e = largest_le(sc.unit_off, 0, a.E - 1, n1, tile);
       local = tile - n1 * sc.unit_off[t.e];
-      n = n1;
     } else {
       t.e = a.E;
       local = tile - t1_routed;
-      n = a.Is / 64;  // (S shared experts: S times the routed experts' blocks)
     }
   } else {
     t.gemm = 2;
     const int tile2 = tile - t1;
     t.e = largest_le(sc.unit_off, 0, a.E + a.has_shared - 1, n2, tile2);
     local = tile2 - n2 * sc.unit_off[t.e];
-    n = n2;
   }
   t.kblocks = tile_kblocks(a, t.gemm, t.e);
   nb = sc.unit_off[t.e + 1] - sc.unit_off[t.e];
-  // Chunks of kTokenChunk token blocks (the last one shorter), each output block major.
+  // Chunks of kTokenChunk token blocks (the last one shorter), each output block major,
+  // the expert's own output blocks (S shared experts: S times the routed ones in GEMM1).
+  const int n = t.gemm == 2 ? n2 : (t.e == a.E ? a.Is / 64 : a.I / 64) >> sh;
   const int per_chunk = kTokenChunk * n;
   const int q = local / per_chunk, b0 = q * kTokenChunk;
   const int csize = min(kTokenChunk, nb - b0), in_chunk = local - q * per_chunk;
-  t.nblk = in_chunk / csize;
-  const int b = b0 + in_chunk - t.nblk * csize;
+  const int pair = in_chunk / csize;
+  const int b = b0 + in_chunk - pair * csize;
+  t.nblk = (pair << sh) + rank;
   t.unit = sc.unit_off[t.e] + b;
   t.row0 = sc.row_off[t.e] + b * BN;
   t.rows = min(BN, sc.cnt[t.e] - b * BN);
@@ -367,6 +371,16 @@ struct Prof {
 __device__ __forceinline__ void release_stage(uint64_t* empty) {
   __syncwarp();
   if (threadIdx.x % 32 == 0) sm90::mbar_arrive(empty);
+}
+
+// The same for a pair tile's stage: on this CTA's barrier and on the pair peer's (`peer`:
+// its shared::cluster address), whose producer wrote half of this stage's token rows.
+__device__ __forceinline__ void release_stage_pair(uint64_t* empty, uint32_t peer) {
+  __syncwarp();
+  if (threadIdx.x % 32 == 0) {
+    sm90::mbar_arrive(empty);
+    sm90::mbar_arrive_cluster(peer);
+  }
 }
 
 // Sorted row (or -1) and routing weight of token t's slot `lane` (routed 0..K-1,
@@ -900,19 +914,27 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
 // before half 0 is folded, so the tensor cores work on half 1 during that fold (v6
 // waited for each 2-wgmma chain before folding it: tensor pipe 32 % busy at T =
 // 16384, ncu).
-template <int kGemm>
+template <int kGemm, bool kPairs>
 __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks, RingPos<stages_for(128)>& rp,
                                                   uint8_t* smem, uint64_t* full_bar, uint64_t* empty_bar,
-                                                  int wg, int lrow, const float* gate_scale,
-                                                  const float* up_scale, int skip, Prof& pf) {
+                                                  uint32_t peer_empty, int wg, int lrow,
+                                                  const float* gate_scale, const float* up_scale, int skip,
+                                                  Prof& pf) {
   constexpr int BN = 128;
   constexpr int kStageBytes = stage_bytes(BN);
   constexpr int kWBytes = kBlockM * kBlockK;
   constexpr int kXBytes = BN * kBlockK;
+  // Pair tiles: the stage goes back to both CTAs (release_stage_pair).
+  auto release = [&](int stage) {
+    if constexpr (kPairs)
+      release_stage_pair(&empty_bar[stage], peer_empty + stage * 8);
+    else
+      release_stage(&empty_bar[stage]);
+  };
   if (skip & kSkipMma) {
     for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
       sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
-      release_stage(&empty_bar[rp.stage]);
+      release(rp.stage);
     }
     return;
   }
@@ -937,7 +959,7 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
       sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
       issue_stage(uint32_t(rp.stage) * (kStageBytes >> 4));
       sm90::wgmma_wait<0>();
-      release_stage(&empty_bar[rp.stage]);
+      release(rp.stage);
     }
     return;
   }
@@ -992,7 +1014,7 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     t0 = pf.now();
     sm90::wgmma_wait<0>();
     pf.add(kPfMmaWait, t0);
-    release_stage(&empty_bar[rp.stage]);
+    release(rp.stage);
     if constexpr (kGemm == 1)
       fold(ba, p[0], p[1], p[2], p[3]);
     else
@@ -1067,7 +1089,9 @@ struct CombinePlan {
 // kEp: expert parallelism (a separate instantiation, so the single-device kernel keeps
 // its registers: the EP paths' extra live values spill four ints at BN = 128, stored
 // once and reloaded once a tile, never inside the K loops -- checked in the SASS).
-template <int BN, bool kEp>
+// kPairs: pair tiles (FusedMoeConfig::pair_tiles), launched in clusters of two CTAs; its
+// own instantiation, so the other kernels' registers do not move.
+template <int BN, bool kEp, bool kPairs = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
   constexpr int kStages = stages_for(BN);
@@ -1117,7 +1141,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       sm90::mbar_init(&full_bar[s], 1);
-      sm90::mbar_init(&empty_bar[s], kConsumerThreads / 32);  // one arrival per consumer warp
+      // One arrival per consumer warp (pair tiles: of both CTAs, release_stage_pair).
+      sm90::mbar_init(&empty_bar[s], (kPairs ? 2 : 1) * kConsumerThreads / 32);
     }
     for (int s = 0; s < kTileSlots; ++s) {
       sm90::mbar_init(&done_bar[s], kConsumerThreads / 32);
@@ -1134,6 +1159,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::tma_prefetch_desc(&tm.w2);
     sm90::tma_prefetch_desc(&tm.x);
     sm90::tma_prefetch_desc(&tm.a2);
+    if (kPairs) sm90::tma_prefetch_desc(&tm.xh), sm90::tma_prefetch_desc(&tm.a2h);
   }
 
   // ---- Schedule tables: rows and token blocks per expert (one warp scans). ----
@@ -1146,6 +1172,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           sc, E_total, BN, lane,
           [&](int e) { return e < a.E ? a.counters[MoeWorkspaceLayout::kCounterExperts + e] : T; }, 0, false);
     __syncthreads();
+    // Pair tiles: the peer's barriers are initialized before this CTA multicasts into its
+    // stages or arrives on them (and the reverse).
+    if (kPairs) sm90::cluster_arrive(), sm90::cluster_wait();
   } else if (!ep_exchange(a, sc, et, T, a.ep.state[0], BN)) {
     return;  // a peer did not arrive (status set); nothing is in flight yet
   }
@@ -1159,7 +1188,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int nb_shared = a.has_shared ? sc.unit_off[a.E + 1] - sc.unit_off[a.E] : 0;
   const int t1 = t1_routed + (a.Is / 64) * nb_shared;
   const int t2 = n2 * sc.unit_off[E_total];
-  const int tiles = t1 + t2;
+  // Pair tiles: the schedule's ids count pairs of output blocks (decode_tile), and a
+  // cluster takes the place of a CTA in TileSchedule (every count above is even then).
+  static_assert(!kPairs || (BN == 128 && !kEp), "pair tiles: 128-token tiles on one device");
+  constexpr int sh = kPairs ? 1 : 0;
+  const int tiles = (t1 + t2) >> sh;
 
   // ---- Producer helpers (thread 0 only) ----
   // A stage's weights and its tokens are issued separately: the weights never
@@ -1184,11 +1217,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (no_loads) return;
     uint8_t* x_s = smem + stage * kStageBytes + kWBytes;
     uint8_t* s_s = x_s + kXBytes;
+    // Pair tiles: this CTA's 64 of the tile's token rows into both CTAs' stage (the
+    // peer loads the other 64); the scales each CTA loads for itself.
+    auto rows = [&](const CUtensorMap* map, const CUtensorMap* half_map) {
+      if constexpr (kPairs) {
+        const int half = int(sm90::cluster_ctarank());
+        sm90::tma_load_2d_multicast(x_s + half * 64 * 128, half_map, &full_bar[stage], kb * 128,
+                                    tl.row0 + half * 64, 0x3);
+      } else {
+        sm90::tma_load_2d(x_s, map, &full_bar[stage], kb * 128, tl.row0);
+      }
+    };
     if (tl.gemm == 1) {
-      sm90::tma_load_2d(x_s, &tm.x, &full_bar[stage], kb * 128, tl.row0);
+      rows(&tm.x, &tm.xh);
       sm90::tma_load_2d(s_s, &tm.xs, &full_bar[stage], tl.row0, kb);
     } else {
-      sm90::tma_load_2d(x_s, &tm.a2, &full_bar[stage], kb * 128, tl.row0);
+      rows(&tm.a2, &tm.a2h);
       sm90::tma_load_2d(s_s, &tm.a2s, &full_bar[stage], tl.row0, kb * 2);
     }
   };
@@ -1196,6 +1240,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // A CTA's next tile: its own list's, then claims of the pool (TileSchedule).
   auto next_tile = [&](TileSchedule& sch) {
     const int t = sch.next();
+    if constexpr (kPairs) return t;  // (no pool)
     return t == sch.pool_begin() && t < tiles
                ? t + atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterPool], 1)
                : t;
@@ -1209,8 +1254,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   TileSchedule sched;
   int first_tile = tiles;
   if (tid == 0) {
-    sched.init(blockIdx.x, gridDim.x, t1, t2, a.H / 128, a.I / 128, !a.round_robin,
-               a.round_robin ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
+    // (no tail pool for pairs: both CTAs of a cluster would have to claim the same tile)
+    sched.init(blockIdx.x >> sh, gridDim.x >> sh, t1 >> sh, t2 >> sh, a.H / 128, a.I / 128, !a.round_robin,
+               a.round_robin || sh ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
     first_tile = next_tile(sched);
   }
 
@@ -1318,7 +1364,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           pf.store(kPfProdTotal, kPfSlots);
           break;
         }
-        const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1);
+        const Tile tl =
+            decode_tile<BN>(a, sc, tile, t1_routed >> sh, t1 >> sh, sh, sh ? sm90::cluster_ctarank() : 0);
         // The tile after this one, chosen now: a pool claim's round trip overlaps this
         // tile's loads (it is used at the end of the loop).
         const int next = next_tile(sched);
@@ -1446,6 +1493,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // stores nothing. (The producer still loads all 128 token rows: choosing a 64-row box
   // there spilled its registers in the stage loop.) Tokens-in-M tiles only.
   auto wg_idle = [&](const Tile& tl) { return a.half_tiles && wg * 64 >= tl.rows ? kSkipMma : 0; };
+  // Pair tiles: a stage goes back to both CTAs (the peer's producer wrote half of its
+  // token rows here and waits for this CTA's consumers too).
+  const uint32_t peer_empty =
+      kPairs ? sm90::mapa_shared(sm90::smem_u32(empty_bar), sm90::cluster_ctarank() ^ 1u) : 0u;
   int ntile = 0;  // tiles this CTA finished (the done_bar / free_bar slot sequence)
   // This warp's outputs of the tile are written: hand the counter to release (index in
   // a.counters; -1 = no more tiles) to the signal thread.
@@ -1562,8 +1613,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int n0p = wg * 64 + lrow;
         const float rw0 = n0p < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p) : 0.0f;
         const float rw1 = n0p + 8 < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p + 8) : 0.0f;
-        mainloop_tokens_m<1>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, sg_row, su_row,
-                             a.debug_skip | wg_idle(tl), pf);
+        mainloop_tokens_m<1, kPairs>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, peer_empty, wg, lrow,
+                                     sg_row, su_row, a.debug_skip | wg_idle(tl), pf);
         t_epi = pf.now();
         // ---- GEMM1 epilogue (tokens in M) ----
         // Thread holds tokens n0 = wg * 64 + lrow and n0 + 8; for i in 0..7 the gate
@@ -1669,8 +1720,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         // kernel's start, it was the 128-token kernel's one spill)
         const int row_in_tile = (sm90::thread_index() - 128) / 32 * 16 + lane;  // wg * 64 + wwarp * 16 + lane
         const int32_t src = load_row_src(a, tl, lane < 16 ? row_in_tile : tl.rows);
-        mainloop_tokens_m<2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, wsc, wsc,
-                             a.debug_skip | wg_idle(tl), pf);
+        mainloop_tokens_m<2, kPairs>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, peer_empty, wg, lrow,
+                                     wsc, wsc, a.debug_skip | wg_idle(tl), pf);
         t_epi = pf.now();
         // ---- GEMM2 epilogue (tokens in M): the warp's 16 token rows x 128 columns ----
         // Out through the warp's shared-memory tile, 64 columns a pass: stmatrix takes
@@ -1723,8 +1774,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     pf.add(kPfTile, t_tile);
   }
+  // Pair tiles: this CTA's consumers are done with the peer's barriers; the CTA leaves
+  // once the peer's consumers are done with its own (leave_cluster, at every exit below).
+  if (sh) sm90::cluster_arrive();
+  auto leave_cluster = [&] {
+    if (sh) sm90::cluster_wait();
+  };
 
-  if (a.debug_stop == 3) return;
+  if (a.debug_stop == 3) return leave_cluster();
   const uint32_t t_comb = pf.now();
   // ---- Combine: y[t] = bf16(sum over slots, ascending, of the BF16 slot rows) ----
   const CombinePlan cp(a, T, kStages * kStageBytes, kEp);
@@ -1758,7 +1815,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     pf.add(kPfCombine, t_comb);
     pf.add(kPfTotal, t_start);
     if (ctid == 0) pf.store(0, kPfProdTotal);
-    return;
+    return leave_cluster();
   }
   // (t2 again from the shared tables: kept live across the tiles it cost a spill)
   if (ctid == 0)
@@ -1834,6 +1891,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   pf.add(kPfCombine, t_comb);
   pf.add(kPfTotal, t_start);
   if (ctid == 0) pf.store(0, kPfProdTotal);
+  leave_cluster();
 }
 
 // ============================================================================
@@ -1896,8 +1954,28 @@ void set_smem_attr() {
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(BN)));
 }
 
+// The launch of pair tiles: clusters of two CTAs along x (cluster rank = blockIdx.x % 2).
+struct PairLaunch {
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr[1]{};
+  PairLaunch(int grid, cudaStream_t stream) {
+    cfg.gridDim = dim3(grid), cfg.blockDim = dim3(kThreads), cfg.dynamicSmemBytes = smem_bytes(128);
+    cfg.stream = stream;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 2, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr, cfg.numAttrs = 1;
+  }
+};
+
 template <int BN>
 void launch_fused(const KernelArgs& args, const TensorMaps& maps, int grid, cudaStream_t stream) {
+  if constexpr (BN == 128) {
+    if (args.pairs) {
+      PairLaunch l(grid, stream);
+      MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&l.cfg, fused_moe_kernel<128, false, true>, args, maps));
+      return;
+    }
+  }
   if (args.ep.ranks)
     fused_moe_kernel<BN, true><<<grid, kThreads, smem_bytes(BN), stream>>>(args, maps);
   else
@@ -1913,6 +1991,7 @@ struct FusedMoePlan {
   MoeWeightsView w;
   void* workspace = nullptr;
   int num_sms = 0;
+  bool pairs_ok = false;  // the shape and grid allow pair tiles (FusedMoeConfig::pair_tiles)
   TensorMaps maps[kNumBlockNs];
   KernelArgs args{};
 };
@@ -1992,6 +2071,12 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
                     CU_TENSOR_MAP_SWIZZLE_128B);
     m.a2s = make_map("act2_scale", CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, base + ws.act2_scale.offset,
                      {R, P / num::kInterGroup}, {R * 4}, {bn, 2}, CU_TENSOR_MAP_SWIZZLE_NONE);
+    if (bn == 128) {
+      m.xh = make_map("x_sorted (pair half)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base + ws.x_sorted.offset,
+                      {H, R}, {H}, {128, 64}, CU_TENSOR_MAP_SWIZZLE_128B);
+      m.a2h = make_map("act2 (pair half)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base + ws.act2.offset, {P, R},
+                       {P}, {128, 64}, CU_TENSOR_MAP_SWIZZLE_128B);
+    }
     plan->maps[i] = m;
   }
   // The router kernels address x and the router weight with 32-bit element offsets.
@@ -2006,6 +2091,19 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   set_smem_attr<48>();
   set_smem_attr<64>();
   set_smem_attr<128>();
+  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<128, false, true>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(128)));
+  // Pair tiles need every GEMM's output blocks in pairs (I / 64, Is / 64 and H / 128 even),
+  // one device, an even grid, and the grid's clusters resident at once (the kernel's grid
+  // barrier waits for every CTA).
+  const bool even_blocks =
+      (s.inter / 64) % 2 == 0 && (s.shared_inter() / 64) % 2 == 0 && (s.hidden / 128) % 2 == 0;
+  if (!ep && even_blocks && plan->num_sms % 2 == 0) {
+    PairLaunch l(plan->num_sms, nullptr);
+    int clusters = 0;
+    MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, fused_moe_kernel<128, false, true>, &l.cfg));
+    plan->pairs_ok = 2 * clusters >= plan->num_sms;
+  }
 
   KernelArgs& a = plan->args;
   a.H = s.hidden, a.I = s.inter, a.Is = s.shared_inter(), a.E = ws.local_experts, a.K = s.topk;
@@ -2139,6 +2237,7 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
   FusedMoeConfig cfg =
       choose_config(p->shape, int(std::min<int64_t>(int64_t(tokens) * R, 1 << 30)), p->num_sms);
   cfg.router_ksplit = kRouterSlices;
+  cfg.pair_tiles = cfg.pair_tiles && cfg.block_n == 128 && p->pairs_ok;
   return cfg;
 }
 
@@ -2172,6 +2271,7 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
   maybe_print_config(p->shape, host_tokens_hint, cfg);
   KernelArgs a = p->args;
   a.half_tiles = cfg.half_tiles;
+  a.pairs = cfg.pair_tiles;
   a.num_tokens = t.num_tokens;
   a.x = t.x;
   a.y = t.y;

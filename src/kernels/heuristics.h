@@ -93,6 +93,12 @@ constexpr double kHalfTileMaxAvgRows = 96.0;
 // forced 128 against the old rule's 48 / 64): GLM-5 768 -1.8 %, 1024 -3.6 %, 1280 -6.5 %;
 // DeepSeek-V3 -2.8 / -3.7 / -6.0 %; GLM-5.3-Flash 1024 -4.7 %, 1280 -7.3 %.
 constexpr double kHalfTileMinAvgRows = 24.0;
+// Pair tiles (FusedMoeConfig::pair_tiles): 128-token tiles run in clusters of two CTAs,
+// output blocks 2j and 2j + 1 of one token block, each CTA loading 64 of the 128 token
+// rows into both (TMA multicast): 24 KB a stage from L2 instead of 32. v22's probe of the
+// prefill K loop: 580-660 cycles a stage against 750-850 with the kernel's loads. On from
+// this many rows an expert on average (the tail pool is off for pairs).
+constexpr double kPairTileMinAvgRows = 24.0;
 
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
 // tiles (decode: 64+ blocks stream the router weight at once), up to

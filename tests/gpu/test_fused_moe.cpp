@@ -154,6 +154,7 @@ class FusedMoe : public ::testing::Test {
     if (!have_device()) GTEST_SKIP() << "no sm_90 device";
     unsetenv("MEGAMOE_BLOCK_N");
     unsetenv("MEGAMOE_HALF_TILES");
+    unsetenv("MEGAMOE_PAIR_TILES");
   }
 };
 
@@ -165,6 +166,20 @@ TEST_F(FusedMoe, ReducedShapeLargeT) {
   // 2600: the shared expert's 21 token blocks take two chunks of the tile order
   // (kTokenChunk = 16), the second one short.
   for (int T : {512, 2048, 2600}) check_against_reference(reduced_shape(), T, 200 + T);
+}
+
+TEST_F(FusedMoe, PairTilesSmall) {
+  // 128-token tiles in CTA pairs (clusters of two, half of each token tile multicast by
+  // each CTA) against the reference, with half tiles and without: a small case for
+  // compute-sanitizer (the large-T cases run pairs by the heuristic's choice).
+  setenv("MEGAMOE_BLOCK_N", "128", 1);
+  setenv("MEGAMOE_PAIR_TILES", "1", 1);
+  for (const char* half : {"1", "0"}) {
+    setenv("MEGAMOE_HALF_TILES", half, 1);
+    check_against_reference(reduced_shape(), 200, 500);
+  }
+  const std::string cfg = make_case(reduced_shape(), 500, 200, 200).layer->config_for(200);
+  EXPECT_NE(cfg.find("pair_tiles"), std::string::npos) << "pair tiles did not run: " << cfg;
 }
 
 TEST_F(FusedMoe, TwoSharedExperts) {
@@ -232,6 +247,17 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
           << s.describe() << ": MEGAMOE_HALF_TILES=" << half << " changes the bytes";
     }
     unsetenv("MEGAMOE_HALF_TILES");
+    // 128-token tiles in CTA pairs (clusters of two, the token tile multicast) and alone:
+    // the same bytes (the odd shape's H / 128 = 9 output blocks cannot pair: it runs alone).
+    setenv("MEGAMOE_BLOCK_N", "128", 1);
+    for (const char* pairs : {"0", "1"}) {
+      setenv("MEGAMOE_PAIR_TILES", pairs, 1);
+      const GpuRun c = run_gpu(layer, x, T);
+      EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
+          << s.describe() << ": MEGAMOE_PAIR_TILES=" << pairs << " changes the bytes (" << layer.config_for(T)
+          << ")";
+    }
+    unsetenv("MEGAMOE_PAIR_TILES");
     unsetenv("MEGAMOE_BLOCK_N");
   }
 }

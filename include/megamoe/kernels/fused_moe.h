@@ -86,6 +86,10 @@ struct FusedMoeConfig {
   int router_ksplit = 1;
   // 128-token tiles of at most 64 rows run on one warpgroup (kHalfTileMaxAvgRows).
   bool half_tiles = false;
+  // 128-token tiles in CTA pairs (clusters of two): the pair computes one token block
+  // against two neighbouring output blocks, each CTA loading half of the token tile for
+  // both (TMA multicast). Only where the shape allows it (fused_moe_config).
+  bool pair_tiles = false;
 };
 
 struct DeviceTensors {
