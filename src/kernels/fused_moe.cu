@@ -41,6 +41,13 @@
 // separately: a GEMM2 tile's weights go out while its token loads wait for the
 // completion counter of its (expert, token block). Expert row segments start on
 // multiples of 8 rows (kRowAlign: TMA boxes start 16-byte aligned).
+//
+// Pair tiles (kPairs, 128-token tiles on one device, heuristics.h): clusters of two
+// CTAs, in which the schedule's unit is a pair of output blocks 2j, 2j + 1 of one token
+// block and TileSchedule's "CTA" is a cluster. Each CTA loads its own weights and 64 of
+// the 128 token rows, multicast into both CTAs' stage; each consumer warp hands a stage
+// back to both CTAs (the peer's producer wrote into it). A CTA leaves only once the
+// peer's consumers are done with its barriers (barrier.cluster).
 #include <cuda.h>
 #include <cuda_fp8.h>
 

@@ -34,7 +34,7 @@ FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms) {
   if (const char* env = std::getenv("MEGAMOE_BLOCK_N")) c.block_n = std::atoi(env);
   c.half_tiles = c.block_n == 128 && avg_rows <= kHalfTileMaxAvgRows;
   if (const char* env = std::getenv("MEGAMOE_HALF_TILES")) c.half_tiles = std::atoi(env) != 0;
-  c.pair_tiles = c.block_n == 128 && avg_rows >= kPairTileMinAvgRows;
+  c.pair_tiles = kPairTiles && c.block_n == 128;
   if (const char* env = std::getenv("MEGAMOE_PAIR_TILES")) c.pair_tiles = std::atoi(env) != 0;
   c.stages = stages_for(c.block_n);
   c.num_sms = num_sms;

@@ -95,10 +95,13 @@ constexpr double kHalfTileMaxAvgRows = 96.0;
 constexpr double kHalfTileMinAvgRows = 24.0;
 // Pair tiles (FusedMoeConfig::pair_tiles): 128-token tiles run in clusters of two CTAs,
 // output blocks 2j and 2j + 1 of one token block, each CTA loading 64 of the 128 token
-// rows into both (TMA multicast): 24 KB a stage from L2 instead of 32. v22's probe of the
-// prefill K loop: 580-660 cycles a stage against 750-850 with the kernel's loads. On from
-// this many rows an expert on average (the tail pool is off for pairs).
-constexpr double kPairTileMinAvgRows = 24.0;
+// rows into both (TMA multicast): 24 KB a stage from L2 instead of 32 (v22's probe of the
+// prefill K loop: 580-660 cycles a stage against 750-850). v23, interleaved against the
+// same binary without pairs (bench/results/ab/v23_pairs*.log): GLM-5 16384 -3.4 %, 4096
+// -2..-6 % (unpaired 4096 is bimodal), DeepSeek-V3 16384 -3..-4 %, GLM-5.3-Flash 16384
+// -6 %, 1024..3072 level to -1.4 %; energy a layer -1.6..-6.6 % (DeepSeek-V3 level). So
+// on with every 128-token tile (the tail pool is off for pairs), where the shape allows.
+constexpr bool kPairTiles = true;
 
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
 // tiles (decode: 64+ blocks stream the router weight at once), up to
