@@ -142,6 +142,9 @@ struct EpArgs {
 
 struct KernelArgs {
   int H, I, Is, E, K;  // E: the experts this kernel computes (E/R under expert parallelism)
+  // Output blocks of a routed GEMM1 (I / 64), the shared one's (Is / 64) and a GEMM2 (H / 128):
+  // read from here where a tile is decoded (computed there, ptxas kept them live and spilled).
+  int n1, n1s, n2;
   int has_shared;
   int rows_cap, inter_pitch;
   float swiglu_limit;
@@ -207,63 +210,24 @@ struct Sched {
   int* unit_off;  // [E_total + 1] token blocks before expert e
 };
 
-__device__ __forceinline__ int largest_le(const int* off, int lo, int hi, int mul, int v) {
-  // largest e in [lo, hi] with mul * off[e] <= v (off non-decreasing, mul * off[lo] <= v)
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (mul * off[mid] <= v)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo;
-}
-
 // 128-deep K blocks of a GEMM1 (K = H) or GEMM2 (K = I, or Is for the shared expert E) tile.
 __device__ __forceinline__ int tile_kblocks(const KernelArgs& a, int gemm, int e) {
   return (gemm == 1 ? a.H : e < a.E ? a.I : a.Is) / 128;
 }
 
-// Tile ids run expert by expert; inside an expert by chunks of kTokenChunk token blocks,
-// output block major inside a chunk (the token blocks of one weight tile are neighbours,
-// so concurrently running CTAs share it in L2, and a chunk's tokens stay there).
-// Pair tiles (sh = 1): an id names a pair of output blocks, 2j and 2j + 1, and the CTA of
-// cluster rank `rank` takes block 2j + rank (t1_routed and t1 count pairs then too).
+// Tile id -> tile (TileIds in tile_schedule.h has the order and the pair tiles' ids).
 template <int BN>
 __device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc, int tile, int t1_routed,
                                             int t1, int sh, int rank) {
+  const TileIds ids{a.n1 >> sh, a.n1s >> sh, a.n2 >> sh,  a.E, a.E + a.has_shared,
+                    t1_routed,  t1,          kTokenChunk, sh,  sc.unit_off};
+  const TileCoord c = ids.decode(tile, rank);
   Tile t;
-  const int n1 = (a.I / 64) >> sh, n2 = (a.H / 128) >> sh;
-  int local, nb;
-  if (tile < t1) {
-    t.gemm = 1;
-    if (tile < t1_routed) {
-      t.e = largest_le(sc.unit_off, 0, a.E - 1, n1, tile);
-      local = tile - n1 * sc.unit_off[t.e];
-    } else {
-      t.e = a.E;
-      local = tile - t1_routed;
-    }
-  } else {
-    t.gemm = 2;
-    const int tile2 = tile - t1;
-    t.e = largest_le(sc.unit_off, 0, a.E + a.has_shared - 1, n2, tile2);
-    local = tile2 - n2 * sc.unit_off[t.e];
-  }
+  t.gemm = c.gemm, t.e = c.e, t.nblk = c.nblk;
   t.kblocks = tile_kblocks(a, t.gemm, t.e);
-  nb = sc.unit_off[t.e + 1] - sc.unit_off[t.e];
-  // Chunks of kTokenChunk token blocks (the last one shorter), each output block major,
-  // the expert's own output blocks (S shared experts: S times the routed ones in GEMM1).
-  const int n = t.gemm == 2 ? n2 : (t.e == a.E ? a.Is / 64 : a.I / 64) >> sh;
-  const int per_chunk = kTokenChunk * n;
-  const int q = local / per_chunk, b0 = q * kTokenChunk;
-  const int csize = min(kTokenChunk, nb - b0), in_chunk = local - q * per_chunk;
-  const int pair = in_chunk / csize;
-  const int b = b0 + in_chunk - pair * csize;
-  t.nblk = (pair << sh) + rank;
-  t.unit = sc.unit_off[t.e] + b;
-  t.row0 = sc.row_off[t.e] + b * BN;
-  t.rows = min(BN, sc.cnt[t.e] - b * BN);
+  t.unit = sc.unit_off[t.e] + c.block;
+  t.row0 = sc.row_off[t.e] + c.block * BN;
+  t.rows = min(BN, sc.cnt[t.e] - c.block * BN);
   return t;
 }
 
@@ -2114,6 +2078,7 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
 
   KernelArgs& a = plan->args;
   a.H = s.hidden, a.I = s.inter, a.Is = s.shared_inter(), a.E = ws.local_experts, a.K = s.topk;
+  a.n1 = a.I / 64, a.n1s = a.Is / 64, a.n2 = a.H / 128;
   a.units_base = MoeWorkspaceLayout::kCounterExperts + ws.experts_total;
   a.has_shared = s.has_shared() ? 1 : 0;
   a.rows_cap = ws.rows_cap, a.inter_pitch = ws.inter_pitch;

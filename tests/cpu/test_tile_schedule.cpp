@@ -125,5 +125,69 @@ TEST(TileSchedule, BalancesDecodeBytes) {
   }
 }
 
+// The kernel's tile ids (TileIds::decode, as fused_moe.cu counts them): every (GEMM, expert,
+// output block, token block) exactly once, for every rank of a pair, and inside an expert
+// the token blocks by chunks in increasing id order.
+struct IdCase {
+  int E, S, H, I, BN, T, K;  // S shared experts (Is = S * I); T tokens, K routed slots each
+  int sh;                    // 1: pair tiles
+  uint64_t seed;
+};
+
+void check_tile_ids(const IdCase& k) {
+  std::mt19937_64 rng(k.seed);
+  const int E_total = k.E + (k.S > 0 ? 1 : 0);
+  std::vector<int> rows(E_total, 0);
+  for (int i = 0; i < k.T * k.K; ++i) ++rows[rng() % k.E];  // uneven, some experts empty
+  if (k.S > 0) rows[k.E] = k.T;
+  std::vector<int> unit_off(E_total + 1, 0);
+  for (int e = 0; e < E_total; ++e) unit_off[e + 1] = unit_off[e] + (rows[e] + k.BN - 1) / k.BN;
+  const int n1 = k.I / 64, n1s = k.S * k.I / 64, n2 = k.H / 128, chunk = 16;
+  const int t1_routed = n1 * unit_off[k.E];
+  const int t1 = t1_routed + n1s * (unit_off[E_total] - unit_off[k.E]);
+  const int t2 = n2 * unit_off[E_total];
+  const kernels::TileIds ids{n1 >> k.sh,        n1s >> k.sh, n2 >> k.sh, k.E,  E_total,
+                             t1_routed >> k.sh, t1 >> k.sh,  chunk,      k.sh, unit_off.data()};
+  // seen[gemm - 1][unit][nblk]
+  std::vector<std::vector<int>> seen[2];
+  for (int g = 0; g < 2; ++g)
+    for (int e = 0; e < E_total; ++e)
+      for (int b = unit_off[e]; b < unit_off[e + 1]; ++b)
+        seen[g].push_back(std::vector<int>(g == 1 ? n2 : e == k.E ? n1s : n1, 0));
+  std::vector<int> last_chunk(2 * E_total, -1);
+  const int tiles = (t1 + t2) >> k.sh;
+  for (int tile = 0; tile < tiles; ++tile) {
+    for (int rank = 0; rank < (1 << k.sh); ++rank) {
+      const kernels::TileCoord c = ids.decode(tile, rank);
+      ASSERT_TRUE(c.gemm == 1 || c.gemm == 2) << "tile " << tile;
+      ASSERT_TRUE(c.e >= 0 && c.e < E_total && (c.gemm == 2 || c.e < k.E || k.S > 0)) << "tile " << tile;
+      const int nb = unit_off[c.e + 1] - unit_off[c.e];
+      ASSERT_TRUE(c.block >= 0 && c.block < nb) << "tile " << tile << " expert " << c.e;
+      auto& row = seen[c.gemm - 1][unit_off[c.e] + c.block];
+      ASSERT_TRUE(c.nblk >= 0 && c.nblk < int(row.size())) << "tile " << tile << " expert " << c.e;
+      ++row[c.nblk];
+      int& lc = last_chunk[(c.gemm - 1) * E_total + c.e];
+      EXPECT_GE(c.block / chunk, lc) << "tile " << tile << ": chunks out of order";
+      lc = c.block / chunk;
+    }
+  }
+  for (int g = 0; g < 2; ++g)
+    for (const auto& row : seen[g])
+      for (int v : row) ASSERT_EQ(v, 1) << "GEMM" << g + 1 << ": a tile decoded " << v << " times";
+}
+
+TEST(TileSchedule, TileIdsCoverEveryTileOnce) {
+  const IdCase cases[] = {
+      {256, 1, 6144, 2048, 128, 16384, 8, 0, 1},  // GLM-5 prefill: 4-5 blocks an expert
+      {256, 1, 6144, 2048, 128, 16384, 8, 1, 2},  // ... pair tiles
+      {256, 1, 6144, 2048, 8, 1, 8, 0, 3},        // decode: most experts empty
+      {32, 2, 1024, 512, 128, 2600, 4, 0, 4},     // two shared experts (Is = 2I), 21 shared blocks
+      {32, 2, 1024, 512, 128, 2600, 4, 1, 5},     // ... pair tiles
+      {32, 0, 1152, 384, 16, 300, 4, 0, 6},       // no shared expert, odd H / 128
+      {8, 3, 256, 128, 32, 700, 2, 0, 7},         // three shared experts, chunks of 16 blocks and more
+  };
+  for (const IdCase& k : cases) check_tile_ids(k);
+}
+
 }  // namespace
 }  // namespace megamoe

@@ -64,4 +64,67 @@ struct TileSchedule {
   }
 };
 
+// The largest e in [lo, hi] with mul * off[e] <= v (off non-decreasing, mul * off[lo] <= v).
+MEGAMOE_HD int largest_le(const int* off, int lo, int hi, int mul, int v) {
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (mul * off[mid] <= v)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+// Where a tile id sits (plain C++ as well, so the CPU tests check the decode exactly).
+// Tile ids run GEMM1 then GEMM2, expert by expert (the shared expert, E, last); inside
+// an expert by chunks of `chunk` token blocks (the last one shorter), output block major
+// inside a chunk (the token blocks of one weight tile are neighbours, so concurrently
+// running CTAs share it in L2, and a chunk's tokens stay there). Pair tiles (sh = 1): an
+// id names a pair of output blocks 2j, 2j + 1, of which cluster rank `rank` takes
+// 2j + rank; every count below then counts pairs.
+struct TileCoord {
+  int gemm;   // 1 or 2
+  int e;      // expert (E: the shared one)
+  int nblk;   // output block: GEMM1 64 columns of the intermediate, GEMM2 128 rows of H
+  int block;  // token block inside the expert
+};
+
+struct TileIds {
+  int n1, n1s, n2;      // output blocks of a routed expert's GEMM1, the shared one's, any GEMM2 (>> sh)
+  int E, E_total;       // routed experts; + 1 with a shared expert
+  int t1_routed, t1;    // the first shared GEMM1 id and the first GEMM2 id
+  int chunk, sh;        // token blocks a chunk; 1 for pair tiles
+  const int* unit_off;  // [E_total + 1] token blocks before expert e
+
+  MEGAMOE_HD TileCoord decode(int tile, int rank) const {
+    TileCoord t;
+    int local;
+    if (tile < t1) {
+      t.gemm = 1;
+      if (tile < t1_routed) {
+        t.e = largest_le(unit_off, 0, E - 1, n1, tile);
+        local = tile - n1 * unit_off[t.e];
+      } else {
+        t.e = E;
+        local = tile - t1_routed;
+      }
+    } else {
+      t.gemm = 2;
+      const int tile2 = tile - t1;
+      t.e = largest_le(unit_off, 0, E_total - 1, n2, tile2);
+      local = tile2 - n2 * unit_off[t.e];
+    }
+    const int nb = unit_off[t.e + 1] - unit_off[t.e];
+    const int n = t.gemm == 1 ? (t.e < E ? n1 : n1s) : n2;  // this expert's output blocks
+    const int per_chunk = chunk * n;
+    const int q = local / per_chunk, b0 = q * chunk;
+    const int csize = (nb - b0 < chunk ? nb - b0 : chunk), in_chunk = local - q * per_chunk;
+    const int pair = in_chunk / csize;
+    t.block = b0 + in_chunk - pair * csize;
+    t.nblk = (pair << sh) + rank;
+    return t;
+  }
+};
+
 }  // namespace megamoe::kernels
