@@ -101,6 +101,9 @@ constexpr double kHalfTileMinAvgRows = 24.0;
 // -2..-6 % (unpaired 4096 is bimodal), DeepSeek-V3 16384 -3..-4 %, GLM-5.3-Flash 16384
 // -6 %, 1024..3072 level to -1.4 %; energy a layer -1.6..-6.6 % (DeepSeek-V3 level). So
 // on with every 128-token tile (the tail pool is off for pairs), where the shape allows.
+// (ncu: GLM-5 16384 reads 24.5 GB from DRAM with pairs against 17.6 without: the weight
+// tiles' reuse across token blocks through L2 needs neighbouring units to run in step, and
+// 66 clusters keep it less well than 132 CTAs; NOTES v23 item 8.)
 constexpr bool kPairTiles = true;
 
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
