@@ -120,9 +120,9 @@ struct TileIds {
     const int per_chunk = chunk * n;
     const int q = local / per_chunk, b0 = q * chunk;
     const int csize = (nb - b0 < chunk ? nb - b0 : chunk), in_chunk = local - q * per_chunk;
-    const int pair = in_chunk / csize;
-    t.block = b0 + in_chunk - pair * csize;
-    t.nblk = (pair << sh) + rank;
+    const int j = in_chunk / csize;  // the output block (pair tiles: the pair)
+    t.block = b0 + in_chunk - j * csize;
+    t.nblk = (j << sh) + rank;
     return t;
   }
 };
