@@ -155,7 +155,6 @@ struct KernelArgs {
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
   int tail_pool;       // GEMM2 tiles a CTA left to claims at the end (kTailPool)
   int half_tiles;      // FusedMoeConfig::half_tiles (per forward)
-  int pairs;           // FusedMoeConfig::pair_tiles (per forward; launched in clusters of two)
   const int* num_tokens;
   const uint16_t* x;
   uint16_t* y;
@@ -1939,9 +1938,9 @@ struct PairLaunch {
 };
 
 template <int BN>
-void launch_fused(const KernelArgs& args, const TensorMaps& maps, int grid, cudaStream_t stream) {
+void launch_fused(const KernelArgs& args, const TensorMaps& maps, int grid, bool pairs, cudaStream_t stream) {
   if constexpr (BN == 128) {
-    if (args.pairs) {
+    if (pairs) {
       PairLaunch l(grid, stream);
       MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&l.cfg, fused_moe_kernel<128, false, true>, args, maps));
       return;
@@ -2243,18 +2242,17 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
   maybe_print_config(p->shape, host_tokens_hint, cfg);
   KernelArgs a = p->args;
   a.half_tiles = cfg.half_tiles;
-  a.pairs = cfg.pair_tiles;
   a.num_tokens = t.num_tokens;
   a.x = t.x;
   a.y = t.y;
   const TensorMaps& maps = p->maps[block_n_index(cfg.block_n)];
   switch (cfg.block_n) {
-    case 8: launch_fused<8>(a, maps, p->num_sms, stream); break;
-    case 16: launch_fused<16>(a, maps, p->num_sms, stream); break;
-    case 32: launch_fused<32>(a, maps, p->num_sms, stream); break;
-    case 48: launch_fused<48>(a, maps, p->num_sms, stream); break;
-    case 64: launch_fused<64>(a, maps, p->num_sms, stream); break;
-    default: launch_fused<128>(a, maps, p->num_sms, stream); break;
+    case 8: launch_fused<8>(a, maps, p->num_sms, cfg.pair_tiles, stream); break;
+    case 16: launch_fused<16>(a, maps, p->num_sms, cfg.pair_tiles, stream); break;
+    case 32: launch_fused<32>(a, maps, p->num_sms, cfg.pair_tiles, stream); break;
+    case 48: launch_fused<48>(a, maps, p->num_sms, cfg.pair_tiles, stream); break;
+    case 64: launch_fused<64>(a, maps, p->num_sms, cfg.pair_tiles, stream); break;
+    default: launch_fused<128>(a, maps, p->num_sms, cfg.pair_tiles, stream); break;
   }
 }
 
