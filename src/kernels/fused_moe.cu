@@ -214,12 +214,20 @@ __device__ __forceinline__ int tile_kblocks(const KernelArgs& a, int gemm, int e
   return (gemm == 1 ? a.H : e < a.E ? a.I : a.Is) / 128;
 }
 
-// Tile id -> tile (TileIds in tile_schedule.h has the order and the pair tiles' ids).
+// The tile ids of this forward (TileIds in tile_schedule.h has their order and the pair
+// tiles' ids); sh = 1 for pair tiles.
+__device__ __forceinline__ TileIds tile_ids(const KernelArgs& a, const Sched& sc, int sh) {
+  return TileIds::count(a.n1, a.n1s, a.n2, a.E, a.E + a.has_shared, kTokenChunk, sh, sc.unit_off);
+}
+
+// Tile id -> tile, given the ids' t1_routed and t1 (tile_ids, computed once: derived
+// again from the tables at each tile, the producer spilled).
 template <int BN>
 __device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc, int tile, int t1_routed,
                                             int t1, int sh, int rank) {
-  const TileIds ids{a.n1 >> sh, a.n1s >> sh, a.n2 >> sh,  a.E, a.E + a.has_shared,
-                    t1_routed,  t1,          kTokenChunk, sh,  sc.unit_off};
+  const TileIds ids{a.n1 >> sh,         a.n1s >> sh, a.n2 >> sh, a.E,
+                    a.E + a.has_shared, t1_routed,   t1,         0 /* t2: not needed */,
+                    kTokenChunk,        sh,          sc.unit_off};
   const TileCoord c = ids.decode(tile, rank);
   Tile t;
   t.gemm = c.gemm, t.e = c.e, t.nblk = c.nblk;
@@ -1153,16 +1161,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t t_tasks = pf.now();
 
   // ---- Tile schedule (identical in every role) ----
-  const int n1 = a.I / 64, n2 = a.H / 128;
-  const int t1_routed = n1 * sc.unit_off[a.E];
-  const int nb_shared = a.has_shared ? sc.unit_off[a.E + 1] - sc.unit_off[a.E] : 0;
-  const int t1 = t1_routed + (a.Is / 64) * nb_shared;
-  const int t2 = n2 * sc.unit_off[E_total];
-  // Pair tiles: the schedule's ids count pairs of output blocks (decode_tile), and a
-  // cluster takes the place of a CTA in TileSchedule (every count above is even then).
+  // Pair tiles: the schedule's ids count pairs of output blocks (TileIds), and a cluster
+  // takes the place of a CTA in TileSchedule.
   static_assert(!kPairs || (BN == 128 && !kEp), "pair tiles: 128-token tiles on one device");
   constexpr int sh = kPairs ? 1 : 0;
-  const int tiles = (t1 + t2) >> sh;
+  const TileIds ids = tile_ids(a, sc, sh);
+  const int t1_routed = ids.t1_routed, t1 = ids.t1, t2 = ids.t2, tiles = ids.tiles();
 
   // ---- Producer helpers (thread 0 only) ----
   // A stage's weights and its tokens are issued separately: the weights never
@@ -1225,7 +1229,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int first_tile = tiles;
   if (tid == 0) {
     // (no tail pool for pairs: both CTAs of a cluster would have to claim the same tile)
-    sched.init(blockIdx.x >> sh, gridDim.x >> sh, t1 >> sh, t2 >> sh, a.H / 128, a.I / 128, !a.round_robin,
+    sched.init(blockIdx.x >> sh, gridDim.x >> sh, t1, t2, a.H / 128, a.I / 128, !a.round_robin,
                a.round_robin || sh ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
     first_tile = next_tile(sched);
   }
@@ -1334,8 +1338,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           pf.store(kPfProdTotal, kPfSlots);
           break;
         }
-        const Tile tl =
-            decode_tile<BN>(a, sc, tile, t1_routed >> sh, t1 >> sh, sh, sh ? sm90::cluster_ctarank() : 0);
+        const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1, sh, sh ? sm90::cluster_ctarank() : 0);
         // The tile after this one, chosen now: a pool claim's round trip overlaps this
         // tile's loads (it is used at the end of the loop).
         const int next = next_tile(sched);
@@ -1410,7 +1413,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // compute-sanitizer's racecheck follows a barrier, not that chain.)
       sm90::named_barrier(kCombineRingBarrier, kConsumerThreads + 32);
       if (lane == 0) {
-        sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2], n2 * sc.unit_off[E_total]);
+        sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2],
+                                   a.n2 * sc.unit_off[E_total]);
         sm90::fence_proxy_async_global();  // y_rows (the GEMM2 epilogues' generic stores)
         sm90::fence_proxy_async_shared();  // the ring's last generic reads, before bulk writes
       }
@@ -1789,7 +1793,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   // (t2 again from the shared tables: kept live across the tiles it cost a spill)
   if (ctid == 0)
-    sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2], n2 * sc.unit_off[E_total]);
+    sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2], a.n2 * sc.unit_off[E_total]);
   sm90::named_barrier(1, kConsumerThreads);
   pf.add(kPfDone2, t_comb);
   const uint16_t* ep_combine = nullptr;  // expert parallelism: routed slot rows, [T][K][H]

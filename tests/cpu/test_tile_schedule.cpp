@@ -143,11 +143,7 @@ void check_tile_ids(const IdCase& k) {
   std::vector<int> unit_off(E_total + 1, 0);
   for (int e = 0; e < E_total; ++e) unit_off[e + 1] = unit_off[e] + (rows[e] + k.BN - 1) / k.BN;
   const int n1 = k.I / 64, n1s = k.S * k.I / 64, n2 = k.H / 128, chunk = 16;
-  const int t1_routed = n1 * unit_off[k.E];
-  const int t1 = t1_routed + n1s * (unit_off[E_total] - unit_off[k.E]);
-  const int t2 = n2 * unit_off[E_total];
-  const kernels::TileIds ids{n1 >> k.sh,        n1s >> k.sh, n2 >> k.sh, k.E,  E_total,
-                             t1_routed >> k.sh, t1 >> k.sh,  chunk,      k.sh, unit_off.data()};
+  const auto ids = kernels::TileIds::count(n1, n1s, n2, k.E, E_total, chunk, k.sh, unit_off.data());
   // seen[gemm - 1][unit][nblk]
   std::vector<std::vector<int>> seen[2];
   for (int g = 0; g < 2; ++g)
@@ -155,8 +151,7 @@ void check_tile_ids(const IdCase& k) {
       for (int b = unit_off[e]; b < unit_off[e + 1]; ++b)
         seen[g].push_back(std::vector<int>(g == 1 ? n2 : e == k.E ? n1s : n1, 0));
   std::vector<int> last_chunk(2 * E_total, -1);
-  const int tiles = (t1 + t2) >> k.sh;
-  for (int tile = 0; tile < tiles; ++tile) {
+  for (int tile = 0; tile < ids.tiles(); ++tile) {
     for (int rank = 0; rank < (1 << k.sh); ++rank) {
       const kernels::TileCoord c = ids.decode(tile, rank);
       ASSERT_TRUE(c.gemm == 1 || c.gemm == 2) << "tile " << tile;

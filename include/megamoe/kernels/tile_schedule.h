@@ -94,8 +94,22 @@ struct TileIds {
   int n1, n1s, n2;      // output blocks of a routed expert's GEMM1, the shared one's, any GEMM2 (>> sh)
   int E, E_total;       // routed experts; + 1 with a shared expert
   int t1_routed, t1;    // the first shared GEMM1 id and the first GEMM2 id
+  int t2;               // GEMM2 ids
   int chunk, sh;        // token blocks a chunk; 1 for pair tiles
   const int* unit_off;  // [E_total + 1] token blocks before expert e
+
+  // The ids of one forward, from the experts' token blocks (unit_off) and the output
+  // blocks of a routed GEMM1 (I / 64), the shared one's (Is / 64) and a GEMM2 (H / 128);
+  // with sh = 1 every count is even (the plan's condition for pair tiles).
+  MEGAMOE_HD static TileIds count(int n1, int n1s, int n2, int E, int E_total, int chunk, int sh,
+                                  const int* unit_off) {
+    const int t1_routed = n1 * unit_off[E];
+    const int t1 = t1_routed + n1s * (unit_off[E_total] - unit_off[E]);
+    return {
+        n1 >> sh, n1s >> sh, n2 >> sh, E, E_total, t1_routed >> sh, t1 >> sh, (n2 * unit_off[E_total]) >> sh,
+        chunk,    sh,        unit_off};
+  }
+  MEGAMOE_HD int tiles() const { return t1 + t2; }
 
   MEGAMOE_HD TileCoord decode(int tile, int rank) const {
     TileCoord t;
