@@ -58,12 +58,32 @@ enum Loads : int {
   kBulk = 2,    // two bulk copies (weights, tokens) from an L2-resident buffer
   kTma = 3,     // TMA boxes of 128-byte rows with the kernel's geometry
   kTma64 = 4,   // the same with 64 token rows a stage (24 KB: a two-CTA multicast's L2 reads)
+  kTmaW = 5,    // the weights' 16 KB only (the token rows stay): 16 KB from L2 into shared memory
+  kSts = 6,     // the producer warpgroup stores 32 KB with st.shared (shared-memory bytes, no L2)
+  kMc = 7,      // kCl = 2: the v23 pair (tokens multicast, 24 KB from L2); kCl = 4: a 2 x 2 cluster
+                // (weight halves and token halves multicast, 16 KB from L2); 32 KB into each CTA
+  kMcW = 8,     // kCl = 2, the weights shared instead: weight half `rank` to both, own 128 token rows
 };
 
 // kRel: 0 = a stage handed back before its fold (the kernel's), 1 = after its fold,
 // 2 = before, with the next stage's full-barrier wait also before the fold, 3 = after,
 // with the next stage's wait before the fold.
-template <int kFold, int kWgs, int kBars, int kNW, int kRel>  // kBars: Loads
+// One poll of an mbarrier phase (test_wait: no suspension), for the backing-off producer.
+__device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
+  uint32_t r;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(r)
+      : "r"(sm90::smem_u32(bar)), "r"(parity)
+      : "memory");
+  return r != 0;
+}
+
+// kX: 0 = as described; 1 = the producer backs off (nanosleep) between empty-barrier polls;
+// 2 = the consumers skip the full-barrier wait (kArrive only: what the wait costs);
+// 3 = the release without __syncwarp.
+template <int kFold, int kWgs, int kBars, int kNW, int kRel, int kCl,
+          int kX = 0>  // kBars: Loads; kCl: cluster size
 __global__ void __launch_bounds__(128 * (kNW + 1), 1)
     kloop(const uint8_t* __restrict__ src, size_t src_bytes, const float* __restrict__ wscale, int nstages,
           long long* cycles, float* sink, const __grid_constant__ CUtensorMap wmap,
@@ -86,22 +106,82 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
   for (int s = 0; s < kStages; ++s)
     for (int i = tid; i < 64 * kNW; i += blockDim.x)
       reinterpret_cast<float*>(smem + s * kStageBytes + kWBytes + kXBytes)[i] = 1.0f + i * 1e-3f;
+  // A cluster CTA's stage is written by itself and by the peers it writes to (pair: the
+  // other CTA; 2 x 2: the CTA of its token pair and the one of its weight pair), so its
+  // empty barrier counts their consumer warps as well, and each consumer warp releases
+  // the stage to all of them.
+  const uint32_t rank = kCl > 1 ? sm90::cluster_ctarank() : 0;
+  const uint32_t ob = rank & 1, tb = rank >> 1;
+  constexpr int kWriters = kCl == 4 ? 3 : kCl;
   if (tid == 0)
-    for (int s = 0; s < kStages; ++s) sm90::mbar_init(&full[s], 1), sm90::mbar_init(&empty[s], 4 * kWgs);
+    for (int s = 0; s < kStages; ++s)
+      sm90::mbar_init(&full[s], 1), sm90::mbar_init(&empty[s], 4 * kWgs * kWriters);
   sm90::mbar_init_fence();
   sm90::fence_proxy_async_shared();  // the generic stores above, read by wgmma
   __syncthreads();
+  if (kCl > 1) sm90::cluster_arrive(), sm90::cluster_wait();
   const int wg = tid / 128 - 1;
   if (wg < 0) {  // producer warpgroup
     sm90::setmaxnreg_dec<56>();
+    if (kBars == kSts) {  // all 128 threads store the stage, thread 0 arrives
+      for (int k = 0; k < nstages; ++k) {
+        const int s = k % kStages;
+        if (k >= kStages) sm90::mbar_wait(&empty[s], ((k / kStages) - 1) & 1);
+        uint4* d = reinterpret_cast<uint4*>(smem + s * kStageBytes);
+        const uint32_t v = 0x31313131u + (k & 7);
+#pragma unroll
+        for (int i = 0; i < (kWBytes + kXBytes) / 16 / 128; ++i) d[i * 128 + tid] = make_uint4(v, v, v, v);
+        sm90::fence_proxy_async_shared();
+        sm90::named_barrier(1, 128);
+        if (tid == 0) sm90::mbar_arrive(&full[s]);
+      }
+      return;
+    }
     if (kBars == kNoBars || tid != 0) return;
     const size_t span = src_bytes / 65536;
     size_t blk = blockIdx.x * 7 % span;
     for (int k = 0; k < nstages; ++k) {
       const int s = k % kStages;
-      if (k >= kStages) sm90::mbar_wait(&empty[s], ((k / kStages) - 1) & 1);
+      if (k >= kStages) {
+        if (kX == 1)
+          while (!mbar_test(&empty[s], ((k / kStages) - 1) & 1)) __nanosleep(32);
+        else
+          sm90::mbar_wait(&empty[s], ((k / kStages) - 1) & 1);
+      }
       if (kBars == kArrive) {
         sm90::mbar_arrive(&full[s]);
+      } else if (kBars == kTmaW) {
+        sm90::mbar_arrive_expect_tx(&full[s], kWBytes);
+        const int wr = int((blockIdx.x * 37 + k / 64) * 128 % wrows);
+        sm90::tma_load_2d(smem + s * kStageBytes, &wmap, &full[s], (k % 64) * 128, wr);
+      } else if (kBars == kMcW) {  // wmap's box 64 rows, xmap's 128
+        sm90::mbar_arrive_expect_tx(&full[s], kWBytes + kXBytes);
+        const int kc = (k % 64) * 128;
+        const int cl = blockIdx.x / 2;
+        uint8_t* st = smem + s * kStageBytes;
+        const int wr = int((cl * 37 + k / 64) * 128 % wrows);
+        const int xr = int((blockIdx.x * 11 + k / 64) * 128 % xrows);
+        sm90::tma_load_2d_multicast(st + rank * 64 * 128, &wmap, &full[s], kc, wr + rank * 64, 3);
+        sm90::tma_load_2d(st + kWBytes, &xmap, &full[s], kc, xr);
+      } else if (kBars == kMc) {
+        // wmap's box is 128 rows (pair) or 64 (2 x 2), xmap's 64 rows.
+        sm90::mbar_arrive_expect_tx(&full[s], kWBytes + kXBytes);
+        const int kc = (k % 64) * 128;
+        const int cl = blockIdx.x / kCl;
+        uint8_t* st = smem + s * kStageBytes;
+        if (kCl == 2) {  // own weights; token half `rank` to both
+          const int wr = int((blockIdx.x * 37 + k / 64) * 128 % wrows);
+          const int xr = int((cl * 11 + k / 64) * 128 % xrows);
+          sm90::tma_load_2d(st, &wmap, &full[s], kc, wr);
+          sm90::tma_load_2d_multicast(st + kWBytes + rank * 64 * 128, &xmap, &full[s], kc, xr + rank * 64, 3);
+        } else {  // weight half tb to the CTAs of output block ob; token half ob to those of token block tb
+          const int wr = int(((cl * 2 + ob) * 37 + k / 64) * 128 % wrows);
+          const int xr = int(((cl * 2 + tb) * 11 + k / 64) * 128 % xrows);
+          sm90::tma_load_2d_multicast(st + tb * 64 * 128, &wmap, &full[s], kc, wr + tb * 64,
+                                      uint16_t((1u << ob) | (4u << ob)));
+          sm90::tma_load_2d_multicast(st + kWBytes + ob * 64 * 128, &xmap, &full[s], kc, xr + ob * 64,
+                                      uint16_t(3u << (2 * tb)));
+        }
       } else if (kBars == kTma || kBars == kTma64) {
         const int xb = kBars == kTma64 ? 64 * 128 : kXBytes;
         sm90::mbar_arrive_expect_tx(&full[s], kWBytes + xb);
@@ -155,12 +235,19 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
     }
   };
   auto wait_full = [&](int k) {
-    if (kBars) sm90::mbar_wait(&full[k % kStages], (k / kStages) & 1);
+    if (kBars && kX != 2) sm90::mbar_wait(&full[k % kStages], (k / kStages) & 1);
   };
+  // The peers this CTA's consumers release to (kCl = 2: the other; 4: rank ^ 1, rank ^ 2).
+  const uint32_t peer_a = sm90::mapa_shared(sm90::smem_u32(empty), rank ^ 1);
+  const uint32_t peer_b = sm90::mapa_shared(sm90::smem_u32(empty), rank ^ 2);
   auto release = [&](int k) {
     if (kBars) {
-      __syncwarp();
-      if (lane == 0) sm90::mbar_arrive(&empty[k % kStages]);
+      if (kX != 3) __syncwarp();
+      if (lane == 0) {
+        sm90::mbar_arrive(&empty[k % kStages]);
+        if (kCl > 1) sm90::mbar_arrive_cluster(peer_a + (k % kStages) * 8);
+        if (kCl > 2) sm90::mbar_arrive_cluster(peer_b + (k % kStages) * 8);
+      }
     }
   };
   __syncwarp();
@@ -206,6 +293,9 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
   for (int i = 0; i < 64; ++i) s += acc[i];
   if (s == 12345.f) sink[tid] = s;  // keeps the sums live
   if (tid % 128 == 0) cycles[blockIdx.x * 4 + wg] = t1 - t0;
+  // No CTA leaves while a peer may still arrive on its barriers (exited producer
+  // threads count as arrived).
+  if (kCl > 1) sm90::cluster_arrive(), sm90::cluster_wait();
 }
 
 struct Variant2 {
@@ -214,11 +304,12 @@ struct Variant2 {
              int);
   int wgs, nw, bars;
   bool hbm;
+  int cl;
 };
 
-template <int F, int W, int B, int NW = 2, int R = 0>
+template <int F, int W, int B, int NW = 2, int R = 0, int CL = 1, int X = 0>
 Variant2 make(const char* name, bool hbm = false) {
-  return {name, kloop<F, W, B, NW, R>, W, NW, B, hbm};
+  return {name, kloop<F, W, B, NW, R, CL, X>, W, NW, B, hbm, CL};
 }
 
 int main(int argc, char** argv) {
@@ -269,6 +360,31 @@ int main(int argc, char** argv) {
       make<kAfterWait, 3, kTma, 3, 0>("3 WG fold, TMA 40K L2, rel before"),
       make<kAfterWait, 3, kTma, 3, 1>("3 WG fold, TMA 40K L2, rel after"),
       make<kAfterWait, 3, kTma, 3, 0>("3 WG fold, TMA 40K w HBM, rel before", true),
+      make<kNone, 2, kTmaW>("no fold, TMA 16K (w only) L2"),
+      make<kAfterWait, 2, kTmaW, 2, 1>("fold, TMA 16K (w only) L2, rel after"),
+      make<kNone, 2, kSts>("no fold, st.shared 32K"),
+      make<kAfterWait, 2, kSts, 2, 1>("fold, st.shared 32K, rel after"),
+      make<kNone, 2, kMc, 2, 0, 2>("no fold, pair mc (24K L2)"),
+      make<kAfterWait, 2, kMc, 2, 0, 2>("fold, pair mc, rel before"),
+      make<kAfterWait, 2, kMc, 2, 1, 2>("fold, pair mc, rel after"),
+      make<kAfterWait, 2, kMc, 2, 1, 2>("fold, pair mc, w HBM, rel after", true),
+      make<kNone, 2, kMc, 2, 0, 4>("no fold, 2x2 mc (16K L2)"),
+      make<kAfterWait, 2, kMc, 2, 0, 4>("fold, 2x2 mc, rel before"),
+      make<kAfterWait, 2, kMc, 2, 1, 4>("fold, 2x2 mc, rel after"),
+      make<kAfterWait, 2, kMc, 2, 1, 4>("fold, 2x2 mc, w HBM, rel after", true),
+      make<kNone, 2, kMcW, 2, 0, 2>("no fold, w-pair mc (24K L2)"),
+      make<kAfterWait, 2, kMcW, 2, 0, 2>("fold, w-pair mc, rel before"),
+      make<kAfterWait, 2, kMcW, 2, 1, 2>("fold, w-pair mc, rel after"),
+      make<kAfterWait, 2, kMcW, 2, 0, 2>("fold, w-pair mc, w HBM, rel before", true),
+      make<kAfterWait, 2, kMcW, 2, 1, 2>("fold, w-pair mc, w HBM, rel after", true),
+      make<kAfterWait, 2, kMc, 2, 0, 2>("fold, pair mc, w HBM, rel before", true),
+      make<kAfterWait, 2, kArrive, 2, 0, 1, 1>("fold, bars, rel before, prod sleeps"),
+      make<kAfterWait, 2, kArrive, 2, 1, 1, 1>("fold, bars, rel after, prod sleeps"),
+      make<kAfterWait, 2, kArrive, 2, 0, 1, 2>("fold, bars, rel before, no full wait"),
+      make<kAfterWait, 2, kArrive, 2, 1, 1, 2>("fold, bars, rel after, no full wait"),
+      make<kAfterWait, 2, kArrive, 2, 0, 1, 3>("fold, bars, rel before, no syncwarp"),
+      make<kAfterWait, 2, kMc, 2, 0, 2, 1>("fold, pair mc, rel before, prod sleeps"),
+      make<kAfterWait, 2, kMc, 2, 1, 2, 1>("fold, pair mc, rel after, prod sleeps"),
   };
   // Tensor maps with the kernel's box geometry (128-byte rows, 128-byte swizzle): an
   // L2-resident 16 MB [2048][8192] and an HBM-sized 1 GB [131072][8192] source.
@@ -300,6 +416,8 @@ int main(int argc, char** argv) {
   const CUtensorMap x2 = make_map(src, 2048, 128, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
   const CUtensorMap x3 = make_map(src, 2048, 192, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
   const CUtensorMap x64 = make_map(src, 2048, 64, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+  const CUtensorMap w_l2_64 = make_map(src, 2048, 64, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+  const CUtensorMap w_hbm_64 = make_map(big, 131072, 64, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
@@ -310,14 +428,34 @@ int main(int argc, char** argv) {
     for (const Variant2& v : vs) {
       const int smem = v.nw == 3 ? Geo<3>::kSmem : Geo<2>::kSmem, threads = 128 * (v.nw + 1);
       CK(cudaFuncSetAttribute(v.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      const CUtensorMap& wm = v.hbm ? w_hbm : w_l2;
-      const CUtensorMap& xm = v.bars == kTma64 ? x64 : v.nw == 3 ? x3 : x2;
+      const bool w64 = (v.bars == kMc && v.cl == 4) || v.bars == kMcW;
+      const CUtensorMap& wm = v.hbm ? (w64 ? w_hbm_64 : w_hbm) : (w64 ? w_l2_64 : w_l2);
+      const CUtensorMap& xm = v.bars == kTma64 || v.bars == kMc ? x64 : v.nw == 3 ? x3 : x2;  // kMcW: x2
       const int wrows = v.hbm ? 131072 : 2048;
-      v.fn<<<sms, threads, smem>>>(src, src_bytes, wscale, nstages / 10, cycles, sink, wm, xm, wrows,
-                                   2048);  // warm-up
+      // A cluster launch runs as many CTAs as the clusters that fit at once.
+      cudaLaunchConfig_t cfg{};
+      cudaLaunchAttribute at[1];
+      at[0].id = cudaLaunchAttributeClusterDimension;
+      at[0].val.clusterDim.x = v.cl, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
+      cfg.blockDim = dim3(threads), cfg.dynamicSmemBytes = smem, cfg.attrs = at,
+      cfg.numAttrs = v.cl > 1 ? 1 : 0;
+      int grid = sms;
+      if (v.cl > 1) {
+        CK(cudaFuncSetAttribute(v.fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+        cfg.gridDim = dim3(sms / v.cl * v.cl);
+        int clusters = 0;
+        CK(cudaOccupancyMaxActiveClusters(&clusters, v.fn, &cfg));
+        grid = std::min(sms / v.cl, clusters) * v.cl;
+        if (round == 0)
+          std::printf("  (cluster of %d: %d clusters at once, %d CTAs)\n", v.cl, clusters, grid);
+      }
+      cfg.gridDim = dim3(grid);
+      CK(cudaLaunchKernelEx(&cfg, v.fn, (const uint8_t*)src, src_bytes, (const float*)wscale, nstages / 10,
+                            cycles, sink, wm, xm, wrows, 2048));  // warm-up
       CK(cudaGetLastError());
       CK(cudaEventRecord(e0));
-      v.fn<<<sms, threads, smem>>>(src, src_bytes, wscale, nstages, cycles, sink, wm, xm, wrows, 2048);
+      CK(cudaLaunchKernelEx(&cfg, v.fn, (const uint8_t*)src, src_bytes, (const float*)wscale, nstages, cycles,
+                            sink, wm, xm, wrows, 2048));
       CK(cudaEventRecord(e1));
       CK(cudaEventSynchronize(e1));
       float ms = 0;
@@ -325,11 +463,11 @@ int main(int argc, char** argv) {
       std::vector<long long> c(sms * 4);
       CK(cudaMemcpy(c.data(), cycles, c.size() * 8, cudaMemcpyDeviceToHost));
       std::vector<double> per;
-      for (int i = 0; i < sms; ++i) per.push_back(double(c[i * 4]) / nstages);
+      for (int i = 0; i < grid; ++i) per.push_back(double(c[i * 4]) / nstages);
       std::sort(per.begin(), per.end());
-      const double flop = 2.0 * 64 * 128 * 128 * double(nstages) * sms * v.wgs;
+      const double flop = 2.0 * 64 * 128 * 128 * double(nstages) * grid * v.wgs;
       std::printf("%-34s %7.1f / %7.1f cyc  %8.3f ms  %7.1f TFLOP/s  (clock %.2f GHz)\n", v.name,
-                  per[sms / 2], per.back(), ms, flop / ms / 1e9, per[sms / 2] * nstages / ms / 1e6);
+                  per[grid / 2], per.back(), ms, flop / ms / 1e9, per[grid / 2] * nstages / ms / 1e6);
     }
   return 0;
 }
