@@ -43,14 +43,11 @@
 // multiples of 8 rows (kRowAlign: TMA boxes start 16-byte aligned).
 //
 // Pair tiles (kPairs, 128-token tiles on one device, heuristics.h): clusters of two
-// CTAs, in which the schedule's unit is a pair of tiles and TileSchedule's "CTA" is a
-// cluster. A pair shares either its token block (output blocks 2j, 2j + 1: each CTA loads
-// its own weights and 64 of the 128 token rows, multicast into both CTAs' stage) or, with
-// KernelArgs::pair_weights, its weight tile (token blocks 2p, 2p + 1 of one output block:
-// each CTA loads 64 of the 128 weight rows for both, and its own tokens); TileIds has the
-// order. Each consumer warp hands a stage back to both CTAs (the peer's producer wrote
-// into it). A CTA leaves only once the peer's consumers are done with its barriers
-// (barrier.cluster).
+// CTAs, in which the schedule's unit is a pair of output blocks 2j, 2j + 1 of one token
+// block and TileSchedule's "CTA" is a cluster. Each CTA loads its own weights and 64 of
+// the 128 token rows, multicast into both CTAs' stage; each consumer warp hands a stage
+// back to both CTAs (the peer's producer wrote into it). A CTA leaves only once the
+// peer's consumers are done with its barriers (barrier.cluster).
 #include <cuda.h>
 #include <cuda_fp8.h>
 
@@ -148,9 +145,6 @@ struct KernelArgs {
   // Output blocks of a routed GEMM1 (I / 64), the shared one's (Is / 64) and a GEMM2 (H / 128):
   // read from here where a tile is decoded (computed there, ptxas kept them live and spilled).
   int n1, n1s, n2;
-  // The same counted in the tile ids' units (halved for pair tiles; set per forward): a
-  // decode reads them here, where the halving in the kernel was hoisted and spilled.
-  int u1, u1s, u2;
   int has_shared;
   int rows_cap, inter_pitch;
   float swiglu_limit;
@@ -161,7 +155,6 @@ struct KernelArgs {
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
   int tail_pool;       // GEMM2 tiles a CTA left to claims at the end (kTailPool)
   int half_tiles;      // FusedMoeConfig::half_tiles (per forward)
-  int pair_weights;    // FusedMoeConfig::pair_weights (per forward; pair tiles only)
   const int* num_tokens;
   const uint16_t* x;
   uint16_t* y;
@@ -192,10 +185,9 @@ constexpr int kSkipLoads = 4;  // no TMA loads (stages complete at once: the con
 constexpr int kSkipFold = 8;   // prefill K loops without the fold (wgmma and stage handling only)
 
 struct TensorMaps {
-  CUtensorMap w13, sw13, w2, sw2;      // weights (shared by every block_n)
-  CUtensorMap x, xs, a2, a2s;          // activations (box depends on block_n)
-  CUtensorMap xh, a2h;                 // x and act2 in 64-row boxes (pair tiles: a CTA's half)
-  CUtensorMap w13h, sw13h, w2h, sw2h;  // the weights in 64-row boxes (pairs sharing weights)
+  CUtensorMap w13, sw13, w2, sw2;  // weights (shared by every block_n)
+  CUtensorMap x, xs, a2, a2s;      // activations (box depends on block_n)
+  CUtensorMap xh, a2h;             // x and act2 in 64-row boxes (pair tiles: a CTA's half)
 };
 
 struct Tile {
@@ -206,7 +198,7 @@ struct Tile {
   int rows;     // valid rows (<= block_n)
   int unit;     // (expert, token block) counter index
   int kblocks;  // 128-deep K blocks
-  int wpair;    // pair tiles: the pair shares the weight tile (TileCoord::wpair), else the tokens
+  int pad;      // (a record is two 16-byte words)
 };
 static_assert(sizeof(Tile) == 32, "SmemTail::kStageTile holds 8 ints a stage");
 
@@ -225,8 +217,7 @@ __device__ __forceinline__ int tile_kblocks(const KernelArgs& a, int gemm, int e
 // The tile ids of this forward (TileIds in tile_schedule.h has their order and the pair
 // tiles' ids); sh = 1 for pair tiles.
 __device__ __forceinline__ TileIds tile_ids(const KernelArgs& a, const Sched& sc, int sh) {
-  return TileIds::count(a.n1, a.n1s, a.n2, a.E, a.E + a.has_shared, kTokenChunk, sh, sc.unit_off,
-                        a.pair_weights);
+  return TileIds::count(a.n1, a.n1s, a.n2, a.E, a.E + a.has_shared, kTokenChunk, sh, sc.unit_off);
 }
 
 // Tile id -> tile, given the ids' t1_routed and t1 (tile_ids, computed once: derived
@@ -234,18 +225,9 @@ __device__ __forceinline__ TileIds tile_ids(const KernelArgs& a, const Sched& sc
 template <int BN>
 __device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc, int tile, int t1_routed,
                                             int t1, int sh, int rank) {
-  const TileIds ids{a.u1,
-                    a.u1s,
-                    a.u2,
-                    a.E,
-                    a.E + a.has_shared,
-                    t1_routed,
-                    t1,
-                    0 /* t2: not needed */,
-                    kTokenChunk,
-                    sh,
-                    sc.unit_off,
-                    sh ? a.pair_weights : 0};
+  const TileIds ids{a.n1 >> sh,         a.n1s >> sh, a.n2 >> sh, a.E,
+                    a.E + a.has_shared, t1_routed,   t1,         0 /* t2: not needed */,
+                    kTokenChunk,        sh,          sc.unit_off};
   const TileCoord c = ids.decode(tile, rank);
   Tile t;
   t.gemm = c.gemm, t.e = c.e, t.nblk = c.nblk;
@@ -253,7 +235,6 @@ __device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc
   t.unit = sc.unit_off[t.e] + c.block;
   t.row0 = sc.row_off[t.e] + c.block * BN;
   t.rows = min(BN, sc.cnt[t.e] - c.block * BN);
-  t.wpair = c.wpair;
   return t;
 }
 
@@ -1199,20 +1180,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (no_loads) return;
     uint8_t* w_s = smem + stage * kStageBytes;
     const bool shared = tl.e == a.E;
-    if constexpr (kPairs) {
-      // A pair sharing its weights: this CTA's 64 of the tile's 128 weight rows into both
-      // CTAs' stage (GEMM1: 4 of the 8 gate / up row groups of 16).
-      if (tl.wpair) {
-        const int half = int(sm90::cluster_ctarank());
-        if (tl.gemm == 1)
-          sm90::tma_load_5d_multicast(w_s + half * 64 * 128, shared ? &tm.sw13h : &tm.w13h, &full_bar[stage],
-                                      kb * 128, 0, 0, tl.nblk * 8 + half * 4, shared ? 0 : tl.e, 0x3);
-        else
-          sm90::tma_load_3d_multicast(w_s + half * 64 * 128, shared ? &tm.sw2h : &tm.w2h, &full_bar[stage],
-                                      kb * 128, tl.nblk * 128 + half * 64, shared ? 0 : tl.e, 0x3);
-        return;
-      }
-    }
     if (tl.gemm == 1)
       sm90::tma_load_5d(w_s, shared ? &tm.sw13 : &tm.w13, &full_bar[stage], kb * 128, 0, 0, tl.nblk * 8,
                         shared ? 0 : tl.e);
@@ -1227,7 +1194,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Pair tiles: this CTA's 64 of the tile's token rows into both CTAs' stage (the
     // peer loads the other 64); the scales each CTA loads for itself.
     auto rows = [&](const CUtensorMap* map, const CUtensorMap* half_map) {
-      if (kPairs && !tl.wpair) {
+      if constexpr (kPairs) {
         const int half = int(sm90::cluster_ctarank());
         sm90::tma_load_2d_multicast(x_s + half * 64 * 128, half_map, &full_bar[stage], kb * 128,
                                     tl.row0 + half * 64, 0x3);
@@ -1373,12 +1340,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1, sh, sh ? sm90::cluster_ctarank() : 0);
         // The tile after this one, chosen now: a pool claim's round trip overlaps this
-        // tile's loads (it is used at the end of the loop). Pair tiles have no pool: theirs
-        // is chosen at the end (one register fewer across the loop: 56 spilled, v24).
-        // NOTE: a chosen spill: the pair kernel's producer holds one table address in local
-        // memory (4 bytes, reloaded once a tile by the decode below) since the weight pairs'
-        // loads (v24; re-deriving t1_routed and t1 at each tile instead spilled 8 bytes).
-        const int next = kPairs ? 0 : next_tile(sched);
+        // tile's loads (it is used at the end of the loop).
+        const int next = next_tile(sched);
         // GEMM2 needs every GEMM1 tile of its (expert, token block).
         const int need = (tl.e == a.E ? a.Is : a.I) / 64;
         uint32_t t0 = pf.now();
@@ -1421,7 +1384,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             ++deferred;
           rp.advance();
         }
-        tile = kPairs ? next_tile(sched) : next;
+        tile = next;
       }
     } else if (tid == 32) {
       // ---- Signal thread: publishes each finished tile to the other CTAs. ----
@@ -1487,16 +1450,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   // ======================= consumer warpgroups =======================
   sm90::setmaxnreg_inc<kConsumerRegs>();
   const int ctid = tid - 128;  // 0..255
-  // (Read again here: the kernel's `lane` held across the producer's region spilled, v24.)
-  const int clane = sm90::thread_index() % 32;
-  // Broadcast from clane 0: ptxas then knows wg is warp-uniform and keeps what derives from
+  // Broadcast from lane 0: ptxas then knows wg is warp-uniform and keeps what derives from
   // it (the wgmma descriptors, the ring position) in uniform registers, not in vector
   // registers copied over by R2UR at every wgmma (v17: T = 1024 -2 %, DeepSeek-V3 16384 -2 %).
   const int wg = __shfl_sync(0xffffffffu, ctid / 128, 0);  // 0, 1
   const int wwarp = (ctid / 32) % 4;                       // warp inside the warpgroup
   const int cwarp = ctid / 32;                             // 0..7
-  const int lrow = wwarp * 16 + clane / 4;                 // fragment row (and row + 8)
-  const int lcol = (clane % 4) * 2;                        // fragment column (and + 1), plus 8 * j
+  const int lrow = wwarp * 16 + lane / 4;                  // fragment row (and row + 8)
+  const int lcol = (lane % 4) * 2;                         // fragment column (and + 1), plus 8 * j
 
   float acc[kAcc];
   RingPos<kStages> rp;
@@ -1518,20 +1479,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t t0 = pf.now();
     if (use > 0) sm90::mbar_wait(&free_bar[slot], (use - 1) & 1);  // the slot's last tile is published
     pf.add(kPfSlotWait, t0);
-    if (cwarp == 0 && clane == 0) slot_counter[slot] = counter;
+    if (cwarp == 0 && lane == 0) slot_counter[slot] = counter;
     __syncwarp();
-    if (clane == 0) sm90::mbar_arrive(&done_bar[slot]);
+    if (lane == 0) sm90::mbar_arrive(&done_bar[slot]);
     ++ntile;
   };
   for (;;) {
     // The first stage of the next tile carries it (the producer's schedule, decoded).
     const uint32_t t_tile = pf.now();
     sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
-    // NOTE: clane 0 reads the record and broadcasts it: clane 0 also hands the stage back
+    // NOTE: lane 0 reads the record and broadcasts it: lane 0 also hands the stage back
     // (release_stage), so the read is ordered before the producer's next write to it in
     // a way compute-sanitizer's racecheck follows too.
     int rec[6] = {};
-    if (clane == 0) {
+    if (lane == 0) {
       const int4* p = reinterpret_cast<const int4*>(&stage_tile[rp.stage]);
       const int4 w0 = p[0], w1 = p[1];
       rec[0] = w0.x, rec[1] = w0.y, rec[2] = w0.z, rec[3] = w0.w, rec[4] = w1.x, rec[5] = w1.y;
@@ -1572,7 +1533,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         t_epi = pf.now();
         // ---- GEMM1 epilogue: SwiGLU x routing weight, 1x64 E4M3 quantization ----
         // Thread holds gate (row lrow) and up (row lrow + 8) of intermediate column
-        // wg * 32 + wwarp * 8 + clane / 4 for tokens j * 8 + lcol + {0, 1}.
+        // wg * 32 + wwarp * 8 + lane / 4 for tokens j * 8 + lcol + {0, 1}.
         // swiglu_fast when the whole warp's gates allow it; straight-line code either way
         // (columns past tl.rows are computed too, with weight 0, and never stored), so
         // ptxas overlaps the thread's SwiGLUs (v15).
@@ -1594,7 +1555,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
               m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
               m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-              if (clane < 4) red[cwarp * BN + n] = m;
+              if (lane < 4) red[cwarp * BN + n] = m;
             }
           }
         };
@@ -1612,7 +1573,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (ctid < tl.rows) a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + ctid] = s;
         }
         sm90::named_barrier(1, kConsumerThreads);
-        const int col = tl.nblk * 64 + wg * 32 + wwarp * 8 + clane / 4;
+        const int col = tl.nblk * 64 + wg * 32 + wwarp * 8 + lane / 4;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
@@ -1632,7 +1593,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // ---- GEMM1 epilogue (tokens in M) ----
         // Thread holds tokens n0 = wg * 64 + lrow and n0 + 8; for i in 0..7 the gate
         // (acc[8i + c], j = 2i) and up (acc[8i + 4 + c], j = 2i + 1) values of
-        // intermediate column 8i + lcol + c. A token's 64 columns sit in one clane quad.
+        // intermediate column 8i + lcol + c. A token's 64 columns sit in one lane quad.
         const int n0 = n0p, n1r = n0 + 8;
         float m0 = 0.0f, m1 = 0.0f;
         // swiglu_fast when the whole warp's gates allow it; straight-line code either way
@@ -1669,10 +1630,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         const float s0 = num::act_scale(m0), s1 = num::act_scale(m1);
         const float inv0 = 1.0f / s0, inv1 = 1.0f / s1;
-        // A token's 64 codes sit in one clane quad, two bytes a clane every 8 columns: a
-        // 4 x 4 word transpose inside the quad gives each clane 16 adjacent bytes, one
+        // A token's 64 codes sit in one lane quad, two bytes a lane every 8 columns: a
+        // 4 x 4 word transpose inside the quad gives each lane 16 adjacent bytes, one
         // 16-byte store a row (v14: eight 2-byte stores a row).
-        const int ql = clane % 4;
+        const int ql = lane % 4;
         auto store_row = [&](int n, int base, float inv, float s) {
           uint32_t w[4];  // w[k]: columns 16k + lcol + {0, 1} (lo) and 16k + 8 + lcol + {0, 1} (hi)
 #pragma unroll
@@ -1680,7 +1641,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             w[k] =
                 uint32_t(pack_e4m3x2(acc[16 * k + base] * inv, acc[16 * k + base + 1] * inv)) |
                 (uint32_t(pack_e4m3x2(acc[16 * k + 8 + base] * inv, acc[16 * k + 8 + base + 1] * inv)) << 16);
-          quad_transpose(w, ql);  // w[m]: clane m's word ql
+          quad_transpose(w, ql);  // w[m]: lane m's word ql
           if (n < tl.rows) {
             const uint4 v = make_uint4(__byte_perm(w[0], w[1], 0x5410), __byte_perm(w[2], w[3], 0x5410),
                                        __byte_perm(w[0], w[1], 0x7632), __byte_perm(w[2], w[3], 0x7632));
@@ -1704,10 +1665,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float* wsc = shared ? a.sw2_scale + size_t(tl.nblk) * (a.Is / 128)
                                 : a.w2_scale + (size_t(tl.e) * (a.H / 128) + tl.nblk) * (a.I / 128);
       if constexpr (kSwapAB) {
-        // Token n's row_src entry in clane n % 32 of src[n / 32], loaded before the K loop.
+        // Token n's row_src entry in lane n % 32 of src[n / 32], loaded before the K loop.
         int32_t src[(BN + 31) / 32];
 #pragma unroll
-        for (int h = 0; h < (BN + 31) / 32; ++h) src[h] = load_row_src(a, tl, h * 32 + clane);
+        for (int h = 0; h < (BN + 31) / 32; ++h) src[h] = load_row_src(a, tl, h * 32 + lane);
         mainloop_swap_ab<BN, 2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lcol, wsc, wsc,
                                 a.debug_skip, pf);
         t_epi = pf.now();
@@ -1731,39 +1692,38 @@ __global__ void __launch_bounds__(kThreads, 1)
         // Lane i < 16 loads the row_src entry of the warp's row i before the K loop.
         // (the row from a fresh read of the thread index: kept in a register from the
         // kernel's start, it was the 128-token kernel's one spill)
-        const int row_in_tile =
-            (sm90::thread_index() - 128) / 32 * 16 + clane;  // wg * 64 + wwarp * 16 + clane
-        const int32_t src = load_row_src(a, tl, clane < 16 ? row_in_tile : tl.rows);
+        const int row_in_tile = (sm90::thread_index() - 128) / 32 * 16 + lane;  // wg * 64 + wwarp * 16 + lane
+        const int32_t src = load_row_src(a, tl, lane < 16 ? row_in_tile : tl.rows);
         mainloop_tokens_m<2, kPairs>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, peer_empty, wg, lrow,
                                      wsc, wsc, a.debug_skip | wg_idle(tl), pf);
         t_epi = pf.now();
         // ---- GEMM2 epilogue (tokens in M): the warp's 16 token rows x 128 columns ----
         // Out through the warp's shared-memory tile, 64 columns a pass: stmatrix takes
         // the accumulator fragment as it is (16-byte chunks XOR-swizzled by row, so
-        // neither side has bank conflicts), then each clane stores whole 16-byte
+        // neither side has bank conflicts), then each lane stores whole 16-byte
         // chunks, four rows of 128 bytes a warp instruction. (v14 stored 4 bytes a
-        // clane straight from the fragment, 32 stores a thread: ncu found the
+        // lane straight from the fragment, 32 stores a thread: ncu found the
         // epilogue waiting on the LSU queue.)
         const uint8_t* warp_tile = staging + cwarp * SmemTail::kStagingWarpBytes;
         const uint32_t stg = sm90::smem_u32(warp_tile);
-        const int chunk = clane % 8;
-        uint16_t* dst[4];  // rows 4k + clane / 8 of the warp's 16
+        const int chunk = lane % 8;
+        uint16_t* dst[4];  // rows 4k + lane / 8 of the warp's 16
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          const int n = wg * 64 + wwarp * 16 + 4 * k + clane / 8;
-          const int32_t s_n = __shfl_sync(0xffffffffu, src, 4 * k + clane / 8);
+          const int n = wg * 64 + wwarp * 16 + 4 * k + lane / 8;
+          const int32_t s_n = __shfl_sync(0xffffffffu, src, 4 * k + lane / 8);
           dst[k] = n < tl.rows ? out_row<kEp>(a, tl, tl.row0 + n, s_n) + tl.nblk * 128 + chunk * 8 : nullptr;
         }
-        // stmatrix clane address: matrix q = clane / 8 is (row half q % 2, column block
-        // q / 2 of the pair), its row clane % 8.
-        const int st_row = (clane / 8) % 2 * 8 + clane % 8;
+        // stmatrix lane address: matrix q = lane / 8 is (row half q % 2, column block
+        // q / 2 of the pair), its row lane % 8.
+        const int st_row = (lane / 8) % 2 * 8 + lane % 8;
         const uint32_t st_addr = stg + st_row * 128;
 #pragma unroll
         for (int pass = 0; pass < 2; ++pass) {
 #pragma unroll
           for (int m = 0; m < 4; ++m) {
             const int j = pass * 8 + 2 * m;  // column blocks j, j + 1 (8 columns each)
-            const int c = 2 * m + clane / 16;
+            const int c = 2 * m + lane / 16;
             sm90::stmatrix_x4(st_addr + ((c ^ (st_row % 8)) * 16),
                               num::bf16x2_encode(acc[4 * j], acc[4 * j + 1]),
                               num::bf16x2_encode(acc[4 * j + 2], acc[4 * j + 3]),
@@ -1773,7 +1733,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           __syncwarp();
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
-            const int r = 4 * k + clane / 8;
+            const int r = 4 * k + lane / 8;
             const uint4 v = *reinterpret_cast<const uint4*>(warp_tile + r * 128 + ((chunk ^ (r % 8)) * 16));
             if (dst[k]) *reinterpret_cast<uint4*>(dst[k] + pass * 64) = v;
           }
@@ -1850,22 +1810,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (sm90::named_barrier_or(1, kConsumerThreads, !ok)) return;
     ep_combine = ep_region<uint16_t>(a.ep.peer[a.ep.rank], a.ep.l.combine);
   }
-  // Work unit: one token's 256 V-column slab (a clane: 8 V columns), over every consumer warp
-  // of the grid, so a few tokens still spread over many SMs. A clane holds one slot's row
+  // Work unit: one token's 256 V-column slab (a lane: 8 V columns), over every consumer warp
+  // of the grid, so a few tokens still spread over many SMs. A lane holds one slot's row
   // (shuffled to the others); all slots' loads are in flight at once and the next unit's
   // slot rows are loaded before this unit is summed: about one load round trip a unit.
   // Single device: a token's slot rows are adjacent in y_rows (v15; v14 gathered them
   // from the expert-sorted rows, one 512-byte piece per DRAM page).
   const int slots = a.K + a.has_shared;
-  constexpr int V = kCombineVecs;  // uint4 (8 columns) a clane and slot: 32 V x 8 columns a unit
+  constexpr int V = kCombineVecs;  // uint4 (8 columns) a lane and slot: 32 V x 8 columns a unit
   const int slabs = (a.H + 256 * V - 1) / (256 * V);
   const int units = T * slabs;
   const int warps_total = gridDim.x * (kConsumerThreads / 32);
   int u = blockIdx.x * (kConsumerThreads / 32) + cwarp;
-  int row = u < units ? combine_row<kEp>(a, sc, u / slabs, clane) : -1;
+  int row = u < units ? combine_row<kEp>(a, sc, u / slabs, lane) : -1;
   for (; u < units; u += warps_total) {
     const int t = u / slabs;
-    const int c8 = (u - t * slabs) * 32 * V + clane;  // uint4 of the row; + 32 v
+    const int c8 = (u - t * slabs) * 32 * V + lane;  // uint4 of the row; + 32 v
     float sum[V][8];
 #pragma unroll
     for (int v = 0; v < V; ++v)
@@ -1886,7 +1846,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (k0 + kCombineBatch >= slots) {  // the last batch: the next unit's rows load meanwhile
         const int un = u + warps_total;
-        row = un < units ? combine_row<kEp>(a, sc, un / slabs, clane) : -1;
+        row = un < units ? combine_row<kEp>(a, sc, un / slabs, lane) : -1;
       }
       // Sum in slot order (routed 0..K-1, then shared): the bytes do not depend on the split.
 #pragma unroll
@@ -2064,18 +2024,8 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
                     {H, I * H, 8 * H, 2 * I * H}, {128, 8, 2, 8, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
   wm.w2 = make_map("w2", CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, w.w2, {I, H, E}, {I, H * I}, {128, 128, 1},
                    CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
-  // The same in 64-row boxes (a pair sharing its weights: each CTA loads half the tile for both).
-  wm.w13h = make_map("w13 (pair half)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, w.w13, {H, 8, 2, I / 8, E},
-                     {H, I * H, 8 * H, 2 * I * H}, {128, 8, 2, 4, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
-  wm.w2h = make_map("w2 (pair half)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, w.w2, {I, H, E}, {I, H * I},
-                    {128, 64, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
   if (s.has_shared()) {
     MEGAMOE_CHECK(Is % 128 == 0, "fused_moe needs the shared intermediate % 128 == 0");
-    wm.sw13h = make_map("shared_w13 (pair half)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, w.shared_w13,
-                        {H, 8, 2, Is / 8, 1}, {H, Is * H, 8 * H, 2 * Is * H}, {128, 8, 2, 4, 1},
-                        CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
-    wm.sw2h = make_map("shared_w2 (pair half)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, w.shared_w2, {Is, H, 1},
-                       {Is, H * Is}, {128, 64, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
     wm.sw13 = make_map("shared_w13", CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, w.shared_w13, {H, 8, 2, Is / 8, 1},
                        {H, Is * H, 8 * H, 2 * Is * H}, {128, 8, 2, 8, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
     wm.sw2 = make_map("shared_w2", CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, w.shared_w2, {Is, H, 1}, {Is, H * Is},
@@ -2083,8 +2033,6 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   } else {
     wm.sw13 = wm.w13;
     wm.sw2 = wm.w2;
-    wm.sw13h = wm.w13h;
-    wm.sw2h = wm.w2h;
   }
   for (int i = 0; i < kNumBlockNs; ++i) {
     const uint32_t bn = kBlockNs[i];
@@ -2298,9 +2246,6 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
   maybe_print_config(p->shape, host_tokens_hint, cfg);
   KernelArgs a = p->args;
   a.half_tiles = cfg.half_tiles;
-  a.pair_weights = cfg.pair_tiles && cfg.pair_weights;
-  const int sh = cfg.pair_tiles ? 1 : 0;
-  a.u1 = a.n1 >> sh, a.u1s = a.n1s >> sh, a.u2 = a.n2 >> sh;
   a.num_tokens = t.num_tokens;
   a.x = t.x;
   a.y = t.y;
