@@ -2,9 +2,10 @@
 // 128-deep stages, two consumer warpgroups) taken out of the fused kernel, to
 // measure what a stage costs in cycles with and without the scale fold, with two or
 // three consumer warpgroups, with and without the ring's mbarriers and loads, and with
-// the stage handed back before or after the fold. Timing only: the bytes are random,
-// the sums unchecked. The variant list reproduces the table of bench/results/NOTES.md
-// v22 (logs: bench/results/ab/v22_kloop_probe*.log).
+// the stage handed back before or after the fold, and (v24) in clusters of two or four
+// CTAs whose stages are filled by TMA multicast. Timing only: the bytes are random, the
+// sums unchecked. The variant list reproduces the tables of bench/results/NOTES.md v22
+// and v24 (logs: bench/results/ab/v22_kloop_probe*.log, v24_kloop_probe*.log).
 //
 // Build (here or on the device machine):
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Isrc/kernels \
@@ -65,9 +66,6 @@ enum Loads : int {
   kMcW = 8,     // kCl = 2, the weights shared instead: weight half `rank` to both, own 128 token rows
 };
 
-// kRel: 0 = a stage handed back before its fold (the kernel's), 1 = after its fold,
-// 2 = before, with the next stage's full-barrier wait also before the fold, 3 = after,
-// with the next stage's wait before the fold.
 // One poll of an mbarrier phase (test_wait: no suspension), for the backing-off producer.
 __device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
   uint32_t r;
@@ -79,6 +77,9 @@ __device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
   return r != 0;
 }
 
+// kRel: 0 = a stage handed back before its fold (the kernel's), 1 = after its fold,
+// 2 = before, with the next stage's full-barrier wait also before the fold, 3 = after,
+// with the next stage's wait before the fold.
 // kX: 0 = as described; 1 = the producer backs off (nanosleep) between empty-barrier polls;
 // 2 = the consumers skip the full-barrier wait (kArrive only: what the wait costs);
 // 3 = the release without __syncwarp.
