@@ -43,11 +43,14 @@
 // multiples of 8 rows (kRowAlign: TMA boxes start 16-byte aligned).
 //
 // Pair tiles (kPairs, 128-token tiles on one device, heuristics.h): clusters of two
-// CTAs, in which the schedule's unit is a pair of output blocks 2j, 2j + 1 of one token
-// block and TileSchedule's "CTA" is a cluster. Each CTA loads its own weights and 64 of
-// the 128 token rows, multicast into both CTAs' stage; each consumer warp hands a stage
-// back to both CTAs (the peer's producer wrote into it). A CTA leaves only once the
-// peer's consumers are done with its barriers (barrier.cluster).
+// CTAs, in which the schedule's unit is a pair of tiles and TileSchedule's "CTA" is a
+// cluster. A pair shares either its token block (output blocks 2j, 2j + 1: each CTA loads
+// its own weights and 64 of the 128 token rows, multicast into both CTAs' stage) or, with
+// KernelArgs::pair_weights, its weight tile (token blocks 2p, 2p + 1 of one output block:
+// each CTA loads 64 of the 128 weight rows for both, and its own tokens); TileIds has the
+// order. Each consumer warp hands a stage back to both CTAs (the peer's producer wrote
+// into it). A CTA leaves only once the peer's consumers are done with its barriers
+// (barrier.cluster).
 #include <cuda.h>
 #include <cuda_fp8.h>
 
@@ -57,6 +60,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "cuda_check.h"
 #include "heuristics.h"
@@ -155,6 +159,7 @@ struct KernelArgs {
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
   int tail_pool;       // GEMM2 tiles a CTA left to claims at the end (kTailPool)
   int half_tiles;      // FusedMoeConfig::half_tiles (per forward)
+  int pair_weights;    // FusedMoeConfig::pair_weights (per forward; pair tiles only)
   const int* num_tokens;
   const uint16_t* x;
   uint16_t* y;
@@ -185,9 +190,10 @@ constexpr int kSkipLoads = 4;  // no TMA loads (stages complete at once: the con
 constexpr int kSkipFold = 8;   // prefill K loops without the fold (wgmma and stage handling only)
 
 struct TensorMaps {
-  CUtensorMap w13, sw13, w2, sw2;  // weights (shared by every block_n)
-  CUtensorMap x, xs, a2, a2s;      // activations (box depends on block_n)
-  CUtensorMap xh, a2h;             // x and act2 in 64-row boxes (pair tiles: a CTA's half)
+  CUtensorMap w13, sw13, w2, sw2;      // weights (shared by every block_n)
+  CUtensorMap x, xs, a2, a2s;          // activations (box depends on block_n)
+  CUtensorMap xh, a2h;                 // x and act2 in 64-row boxes (pair tiles: a CTA's half)
+  CUtensorMap w13h, sw13h, w2h, sw2h;  // the weights in 64-row boxes (pairs sharing weights)
 };
 
 struct Tile {
@@ -198,7 +204,7 @@ struct Tile {
   int rows;     // valid rows (<= block_n)
   int unit;     // (expert, token block) counter index
   int kblocks;  // 128-deep K blocks
-  int pad;      // (a record is two 16-byte words)
+  int wpair;    // pair tiles: the pair shares the weight tile (TileCoord::wpair), else the tokens
 };
 static_assert(sizeof(Tile) == 32, "SmemTail::kStageTile holds 8 ints a stage");
 
@@ -217,7 +223,8 @@ __device__ __forceinline__ int tile_kblocks(const KernelArgs& a, int gemm, int e
 // The tile ids of this forward (TileIds in tile_schedule.h has their order and the pair
 // tiles' ids); sh = 1 for pair tiles.
 __device__ __forceinline__ TileIds tile_ids(const KernelArgs& a, const Sched& sc, int sh) {
-  return TileIds::count(a.n1, a.n1s, a.n2, a.E, a.E + a.has_shared, kTokenChunk, sh, sc.unit_off);
+  return TileIds::count(a.n1, a.n1s, a.n2, a.E, a.E + a.has_shared, kTokenChunk, sh, sc.unit_off,
+                        a.pair_weights);
 }
 
 // Tile id -> tile, given the ids' t1_routed and t1 (tile_ids, computed once: derived
@@ -225,9 +232,9 @@ __device__ __forceinline__ TileIds tile_ids(const KernelArgs& a, const Sched& sc
 template <int BN>
 __device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc, int tile, int t1_routed,
                                             int t1, int sh, int rank) {
-  const TileIds ids{a.n1 >> sh,         a.n1s >> sh, a.n2 >> sh, a.E,
-                    a.E + a.has_shared, t1_routed,   t1,         0 /* t2: not needed */,
-                    kTokenChunk,        sh,          sc.unit_off};
+  const TileIds ids{a.n1 >> sh,         a.n1s >> sh, a.n2 >> sh,  a.E,
+                    a.E + a.has_shared, t1_routed,   t1,          0 /* t2: not needed */,
+                    kTokenChunk,        sh,          sc.unit_off, sh ? a.pair_weights : 0};
   const TileCoord c = ids.decode(tile, rank);
   Tile t;
   t.gemm = c.gemm, t.e = c.e, t.nblk = c.nblk;
@@ -235,6 +242,7 @@ __device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc
   t.unit = sc.unit_off[t.e] + c.block;
   t.row0 = sc.row_off[t.e] + c.block * BN;
   t.rows = min(BN, sc.cnt[t.e] - c.block * BN);
+  t.wpair = c.wpair;
   return t;
 }
 
@@ -1176,25 +1184,38 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto stage_tx = [&](const Tile& tl) -> uint32_t {
     return no_loads ? 0 : kWBytes + kXBytes + (tl.gemm == 1 ? 1 : 2) * BN * 4;
   };
-  auto issue_weights = [&](const Tile& tl, int kb, int stage) {
+  // w_tag (std::bool_constant): the tile's pair shares its weights (Tile::wpair), decided
+  // once a tile (the producer's fill below) so a stage's path has no branch on it.
+  auto issue_weights = [&](auto w_tag, const Tile& tl, int kb, int stage) {
     if (no_loads) return;
     uint8_t* w_s = smem + stage * kStageBytes;
     const bool shared = tl.e == a.E;
-    if (tl.gemm == 1)
+    if constexpr (decltype(w_tag)::value) {
+      // A pair sharing its weights: this CTA's 64 of the tile's 128 weight rows into both
+      // CTAs' stage (GEMM1: 4 of the 8 gate / up row groups of 16).
+      const int half = int(sm90::cluster_ctarank());
+      if (tl.gemm == 1)
+        sm90::tma_load_5d_multicast(w_s + half * 64 * 128, shared ? &tm.sw13h : &tm.w13h, &full_bar[stage],
+                                    kb * 128, 0, 0, tl.nblk * 8 + half * 4, shared ? 0 : tl.e, 0x3);
+      else
+        sm90::tma_load_3d_multicast(w_s + half * 64 * 128, shared ? &tm.sw2h : &tm.w2h, &full_bar[stage],
+                                    kb * 128, tl.nblk * 128 + half * 64, shared ? 0 : tl.e, 0x3);
+    } else if (tl.gemm == 1) {
       sm90::tma_load_5d(w_s, shared ? &tm.sw13 : &tm.w13, &full_bar[stage], kb * 128, 0, 0, tl.nblk * 8,
                         shared ? 0 : tl.e);
-    else
+    } else {
       sm90::tma_load_3d(w_s, shared ? &tm.sw2 : &tm.w2, &full_bar[stage], kb * 128, tl.nblk * 128,
                         shared ? 0 : tl.e);
+    }
   };
-  auto issue_tokens = [&](const Tile& tl, int kb, int stage) {
+  auto issue_tokens = [&](auto w_tag, const Tile& tl, int kb, int stage) {
     if (no_loads) return;
     uint8_t* x_s = smem + stage * kStageBytes + kWBytes;
     uint8_t* s_s = x_s + kXBytes;
     // Pair tiles: this CTA's 64 of the tile's token rows into both CTAs' stage (the
     // peer loads the other 64); the scales each CTA loads for itself.
     auto rows = [&](const CUtensorMap* map, const CUtensorMap* half_map) {
-      if constexpr (kPairs) {
+      if constexpr (kPairs && !decltype(w_tag)::value) {
         const int half = int(sm90::cluster_ctarank());
         sm90::tma_load_2d_multicast(x_s + half * 64 * 128, half_map, &full_bar[stage], kb * 128,
                                     tl.row0 + half * 64, 0x3);
@@ -1351,38 +1372,49 @@ __global__ void __launch_bounds__(kThreads, 1)
           ready = true;
         }
         pf.add(kPfProdDep, t0);
-        int deferred = 0;  // the last `deferred` stages filled: weights issued, tokens not yet
-        for (int kb = 0;; ++kb) {
-          // NOTE: at most kStages deferred stages: the next empty-wait must concern a stage
-          // whose tokens were issued, or the consumers could never free it.
-          if (!ready && (deferred == kStages || kb == tl.kblocks)) {
-            t0 = pf.now();
-            sm90::wait_geq_acquire_gpu(&done1[tl.unit], need);
-            pf.add(kPfProdDep, t0);
-            ready = true;
-          }
-          if (ready && deferred > 0) {
-            sm90::fence_proxy_async_global();
-            for (int d = 0; d < deferred; ++d) {
-              int st = rp.stage - deferred + d;
-              if (st < 0) st += kStages;
-              issue_tokens(tl, kb - deferred + d, st);
+        // The tile's stages (w_tag: issue_weights); pair tiles choose the pairing once a tile.
+        auto fill = [&](auto w_tag) {
+          int deferred = 0;  // the last `deferred` stages filled: weights issued, tokens not yet
+          for (int kb = 0;; ++kb) {
+            // NOTE: at most kStages deferred stages: the next empty-wait must concern a stage
+            // whose tokens were issued, or the consumers could never free it.
+            if (!ready && (deferred == kStages || kb == tl.kblocks)) {
+              t0 = pf.now();
+              sm90::wait_geq_acquire_gpu(&done1[tl.unit], need);
+              pf.add(kPfProdDep, t0);
+              ready = true;
             }
-            deferred = 0;
+            if (ready && deferred > 0) {
+              sm90::fence_proxy_async_global();
+              for (int d = 0; d < deferred; ++d) {
+                int st = rp.stage - deferred + d;
+                if (st < 0) st += kStages;
+                issue_tokens(w_tag, tl, kb - deferred + d, st);
+              }
+              deferred = 0;
+            }
+            if (kb == tl.kblocks) break;
+            const int stage = rp.stage;
+            t0 = pf.now();
+            sm90::mbar_wait(&empty_bar[stage], rp.phase ^ 1);
+            pf.add(kPfProdEmpty, t0);
+            if (kb == 0) stage_tile[stage] = tl;  // published by the full barrier's completion
+            sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx(tl));
+            issue_weights(w_tag, tl, kb, stage);
+            if (ready)
+              issue_tokens(w_tag, tl, kb, stage);
+            else
+              ++deferred;
+            rp.advance();
           }
-          if (kb == tl.kblocks) break;
-          const int stage = rp.stage;
-          t0 = pf.now();
-          sm90::mbar_wait(&empty_bar[stage], rp.phase ^ 1);
-          pf.add(kPfProdEmpty, t0);
-          if (kb == 0) stage_tile[stage] = tl;  // published by the full barrier's completion
-          sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx(tl));
-          issue_weights(tl, kb, stage);
-          if (ready)
-            issue_tokens(tl, kb, stage);
+        };
+        if constexpr (kPairs) {
+          if (tl.wpair)
+            fill(std::true_type{});
           else
-            ++deferred;
-          rp.advance();
+            fill(std::false_type{});
+        } else {
+          fill(std::false_type{});
         }
         tile = next;
       }
@@ -2024,8 +2056,18 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
                     {H, I * H, 8 * H, 2 * I * H}, {128, 8, 2, 8, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
   wm.w2 = make_map("w2", CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, w.w2, {I, H, E}, {I, H * I}, {128, 128, 1},
                    CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
+  // The same in 64-row boxes (a pair sharing its weights: each CTA loads half the tile for both).
+  wm.w13h = make_map("w13 (pair half)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, w.w13, {H, 8, 2, I / 8, E},
+                     {H, I * H, 8 * H, 2 * I * H}, {128, 8, 2, 4, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
+  wm.w2h = make_map("w2 (pair half)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, w.w2, {I, H, E}, {I, H * I},
+                    {128, 64, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
   if (s.has_shared()) {
     MEGAMOE_CHECK(Is % 128 == 0, "fused_moe needs the shared intermediate % 128 == 0");
+    wm.sw13h = make_map("shared_w13 (pair half)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, w.shared_w13,
+                        {H, 8, 2, Is / 8, 1}, {H, Is * H, 8 * H, 2 * Is * H}, {128, 8, 2, 4, 1},
+                        CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
+    wm.sw2h = make_map("shared_w2 (pair half)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, w.shared_w2, {Is, H, 1},
+                       {Is, H * Is}, {128, 64, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
     wm.sw13 = make_map("shared_w13", CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, w.shared_w13, {H, 8, 2, Is / 8, 1},
                        {H, Is * H, 8 * H, 2 * Is * H}, {128, 8, 2, 8, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
     wm.sw2 = make_map("shared_w2", CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, w.shared_w2, {Is, H, 1}, {Is, H * Is},
@@ -2033,6 +2075,8 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   } else {
     wm.sw13 = wm.w13;
     wm.sw2 = wm.w2;
+    wm.sw13h = wm.w13h;
+    wm.sw2h = wm.w2h;
   }
   for (int i = 0; i < kNumBlockNs; ++i) {
     const uint32_t bn = kBlockNs[i];
@@ -2246,6 +2290,7 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
   maybe_print_config(p->shape, host_tokens_hint, cfg);
   KernelArgs a = p->args;
   a.half_tiles = cfg.half_tiles;
+  a.pair_weights = cfg.pair_tiles && cfg.pair_weights;
   a.num_tokens = t.num_tokens;
   a.x = t.x;
   a.y = t.y;

@@ -105,6 +105,14 @@ constexpr double kHalfTileMinAvgRows = 24.0;
 // tiles' reuse across token blocks through L2 needs neighbouring units to run in step, and
 // 66 clusters keep it less well than 132 CTAs; NOTES v23 item 8.)
 constexpr bool kPairTiles = true;
+// Pair tiles sharing the weight tile (FusedMoeConfig::pair_weights): the pair takes token
+// blocks 2p, 2p + 1 of one output block, each CTA loading 64 of the 128 weight rows into
+// both (an expert's odd last token block keeps the shared token tile, TileIds). The same
+// 24 KB a stage from L2, but a weight tile is read once for two token blocks whether or not
+// neighbouring clusters run in step. (v24's probe, bench/probes/kloop_probe.cu: with
+// weights from HBM a stage takes 738 cycles against 989-1017 sharing the tokens; from L2
+// both 731-737.)
+constexpr bool kPairWeights = true;
 
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
 // tiles (decode: 64+ blocks stream the router weight at once), up to

@@ -132,6 +132,7 @@ struct IdCase {
   int E, S, H, I, BN, T, K;  // S shared experts (Is = S * I); T tokens, K routed slots each
   int sh;                    // 1: pair tiles
   uint64_t seed;
+  int wpairs = 0;  // pair tiles sharing the weight tile
 };
 
 void check_tile_ids(const IdCase& k) {
@@ -143,7 +144,7 @@ void check_tile_ids(const IdCase& k) {
   std::vector<int> unit_off(E_total + 1, 0);
   for (int e = 0; e < E_total; ++e) unit_off[e + 1] = unit_off[e] + (rows[e] + k.BN - 1) / k.BN;
   const int n1 = k.I / 64, n1s = k.S * k.I / 64, n2 = k.H / 128, chunk = 16;
-  const auto ids = kernels::TileIds::count(n1, n1s, n2, k.E, E_total, chunk, k.sh, unit_off.data());
+  const auto ids = kernels::TileIds::count(n1, n1s, n2, k.E, E_total, chunk, k.sh, unit_off.data(), k.wpairs);
   // seen[gemm - 1][unit][nblk]
   std::vector<std::vector<int>> seen[2];
   for (int g = 0; g < 2; ++g)
@@ -151,7 +152,22 @@ void check_tile_ids(const IdCase& k) {
       for (int b = unit_off[e]; b < unit_off[e + 1]; ++b)
         seen[g].push_back(std::vector<int>(g == 1 ? n2 : e == k.E ? n1s : n1, 0));
   std::vector<int> last_chunk(2 * E_total, -1);
+  int weight_pairs = 0;
   for (int tile = 0; tile < ids.tiles(); ++tile) {
+    if (k.sh) {
+      // The two ranks of a pair share a tile's token block (output blocks 2j, 2j + 1) or,
+      // with wpairs, its weights (token blocks 2p, 2p + 1 of one output block).
+      const kernels::TileCoord c0 = ids.decode(tile, 0), c1 = ids.decode(tile, 1);
+      ASSERT_EQ(c0.wpair, c1.wpair) << "tile " << tile;
+      ASSERT_TRUE(c0.gemm == c1.gemm && c0.e == c1.e) << "tile " << tile;
+      if (c0.wpair) {
+        ASSERT_TRUE(k.wpairs) << "tile " << tile;
+        EXPECT_TRUE(c0.nblk == c1.nblk && c0.block % 2 == 0 && c1.block == c0.block + 1) << "tile " << tile;
+        ++weight_pairs;
+      } else {
+        EXPECT_TRUE(c0.block == c1.block && c0.nblk % 2 == 0 && c1.nblk == c0.nblk + 1) << "tile " << tile;
+      }
+    }
     for (int rank = 0; rank < (1 << k.sh); ++rank) {
       const kernels::TileCoord c = ids.decode(tile, rank);
       ASSERT_TRUE(c.gemm == 1 || c.gemm == 2) << "tile " << tile;
@@ -169,17 +185,30 @@ void check_tile_ids(const IdCase& k) {
   for (int g = 0; g < 2; ++g)
     for (const auto& row : seen[g])
       for (int v : row) ASSERT_EQ(v, 1) << "GEMM" << g + 1 << ": a tile decoded " << v << " times";
+  // Every token-block pair of a chunk shares its weights (only a chunk's odd last block
+  // pairs its output blocks): count them.
+  if (k.wpairs) {
+    int expect = 0;
+    for (int e = 0; e < E_total; ++e) {
+      const int nb = unit_off[e + 1] - unit_off[e], n = e == k.E ? n1s : n1;
+      for (int b0 = 0; b0 < nb; b0 += chunk) expect += ((nb - b0 < chunk ? nb - b0 : chunk) / 2) * (n + n2);
+    }
+    EXPECT_EQ(weight_pairs, expect);
+  }
 }
 
 TEST(TileSchedule, TileIdsCoverEveryTileOnce) {
   const IdCase cases[] = {
-      {256, 1, 6144, 2048, 128, 16384, 8, 0, 1},  // GLM-5 prefill: 4-5 blocks an expert
-      {256, 1, 6144, 2048, 128, 16384, 8, 1, 2},  // ... pair tiles
-      {256, 1, 6144, 2048, 8, 1, 8, 0, 3},        // decode: most experts empty
-      {32, 2, 1024, 512, 128, 2600, 4, 0, 4},     // two shared experts (Is = 2I), 21 shared blocks
-      {32, 2, 1024, 512, 128, 2600, 4, 1, 5},     // ... pair tiles
-      {32, 0, 1152, 384, 16, 300, 4, 0, 6},       // no shared expert, odd H / 128
-      {8, 3, 256, 128, 32, 700, 2, 0, 7},         // three shared experts, chunks of 16 blocks and more
+      {256, 1, 6144, 2048, 128, 16384, 8, 0, 1},     // GLM-5 prefill: 4-5 blocks an expert
+      {256, 1, 6144, 2048, 128, 16384, 8, 1, 2},     // ... pair tiles
+      {256, 1, 6144, 2048, 128, 16384, 8, 1, 2, 1},  // ... sharing the weight tile
+      {256, 1, 6144, 2048, 128, 4096, 8, 1, 8, 1},   // ... 1-3 blocks an expert
+      {256, 1, 6144, 2048, 8, 1, 8, 0, 3},           // decode: most experts empty
+      {32, 2, 1024, 512, 128, 2600, 4, 0, 4},        // two shared experts (Is = 2I), 21 shared blocks
+      {32, 2, 1024, 512, 128, 2600, 4, 1, 5},        // ... pair tiles
+      {32, 2, 1024, 512, 128, 2600, 4, 1, 5, 1},     // ... sharing the weight tile (odd last chunk)
+      {32, 0, 1152, 384, 16, 300, 4, 0, 6},          // no shared expert, odd H / 128
+      {8, 3, 256, 128, 32, 700, 2, 0, 7},            // three shared experts, chunks of 16 blocks and more
   };
   for (const IdCase& k : cases) check_tile_ids(k);
 }

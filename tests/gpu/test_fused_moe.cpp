@@ -155,6 +155,7 @@ class FusedMoe : public ::testing::Test {
     unsetenv("MEGAMOE_BLOCK_N");
     unsetenv("MEGAMOE_HALF_TILES");
     unsetenv("MEGAMOE_PAIR_TILES");
+    unsetenv("MEGAMOE_PAIR_WEIGHTS");
   }
 };
 
@@ -172,14 +173,21 @@ TEST_F(FusedMoe, PairTilesSmall) {
   // 128-token tiles in CTA pairs (clusters of two, half of each token tile multicast by
   // each CTA) against the reference, with half tiles and without: a small case for
   // compute-sanitizer (the large-T cases run pairs by the heuristic's choice).
+  // Both pairings: the token tile shared, and the weight tile shared (T = 200 and 300:
+  // experts of one and of two or three token blocks, so weight pairs and odd last blocks).
   setenv("MEGAMOE_BLOCK_N", "128", 1);
   setenv("MEGAMOE_PAIR_TILES", "1", 1);
-  for (const char* half : {"1", "0"}) {
-    setenv("MEGAMOE_HALF_TILES", half, 1);
-    check_against_reference(reduced_shape(), 200, 500);
+  for (const char* weights : {"0", "1"}) {
+    setenv("MEGAMOE_PAIR_WEIGHTS", weights, 1);
+    for (const char* half : {"1", "0"}) {
+      setenv("MEGAMOE_HALF_TILES", half, 1);
+      check_against_reference(reduced_shape(), 200, 500);
+    }
+    check_against_reference(reduced_shape(), 300, 501);
+    const std::string cfg = make_case(reduced_shape(), 500, 200, 200).layer->config_for(200);
+    EXPECT_NE(cfg.find("pair_tiles"), std::string::npos) << "pair tiles did not run: " << cfg;
+    EXPECT_EQ(cfg.find("pair_weights") != std::string::npos, weights[0] == '1') << cfg;
   }
-  const std::string cfg = make_case(reduced_shape(), 500, 200, 200).layer->config_for(200);
-  EXPECT_NE(cfg.find("pair_tiles"), std::string::npos) << "pair tiles did not run: " << cfg;
 }
 
 TEST_F(FusedMoe, TwoSharedExperts) {
@@ -250,14 +258,16 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
     // 128-token tiles in CTA pairs (clusters of two, the token tile multicast) and alone:
     // the same bytes (the odd shape's H / 128 = 9 output blocks cannot pair: it runs alone).
     setenv("MEGAMOE_BLOCK_N", "128", 1);
-    for (const char* pairs : {"0", "1"}) {
-      setenv("MEGAMOE_PAIR_TILES", pairs, 1);
+    // Pairs sharing the token tile (PAIR_WEIGHTS=0) or the weight tile (1).
+    for (const char* pairs : {"0", "1", "w"}) {
+      setenv("MEGAMOE_PAIR_TILES", pairs[0] == '0' ? "0" : "1", 1);
+      setenv("MEGAMOE_PAIR_WEIGHTS", pairs[0] == 'w' ? "1" : "0", 1);
       const GpuRun c = run_gpu(layer, x, T);
       EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
-          << s.describe() << ": MEGAMOE_PAIR_TILES=" << pairs << " changes the bytes (" << layer.config_for(T)
-          << ")";
+          << s.describe() << ": pair tiles " << pairs << " change the bytes (" << layer.config_for(T) << ")";
     }
     unsetenv("MEGAMOE_PAIR_TILES");
+    unsetenv("MEGAMOE_PAIR_WEIGHTS");
     unsetenv("MEGAMOE_BLOCK_N");
   }
 }

@@ -90,6 +90,10 @@ struct FusedMoeConfig {
   // against two neighbouring output blocks, each CTA loading half of the token tile for
   // both (TMA multicast). Only where the shape allows it (fused_moe_config).
   bool pair_tiles = false;
+  // Pair tiles whose two CTAs take neighbouring token blocks of one output block instead,
+  // each loading half of the weight tile for both (an expert's odd last token block keeps
+  // the shared token tile): the weight tile is read once for both token blocks.
+  bool pair_weights = false;
 };
 
 struct DeviceTensors {

@@ -81,13 +81,19 @@ MEGAMOE_HD int largest_le(const int* off, int lo, int hi, int mul, int v) {
 // an expert by chunks of `chunk` token blocks (the last one shorter), output block major
 // inside a chunk (the token blocks of one weight tile are neighbours, so concurrently
 // running CTAs share it in L2, and a chunk's tokens stay there). Pair tiles (sh = 1): an
-// id names a pair of output blocks 2j, 2j + 1, of which cluster rank `rank` takes
-// 2j + rank; every count below then counts pairs.
+// id names two tiles, one a cluster rank, and every count below counts pairs. Either the
+// pair shares its token block (output blocks 2j, 2j + 1; rank `rank` takes 2j + rank), or,
+// with wpairs, it shares its weight tile: token blocks 2p, 2p + 1 of a chunk against one
+// output block, and only a chunk's odd last token block shares its tokens. In a chunk of
+// c token blocks the n / 2 output-block pairs jj take c ids each, in this order: the
+// c / 2 weight pairs of output block 2jj, those of 2jj + 1, then (c odd) the last token
+// block against 2jj and 2jj + 1; so the ids a weight tile serves stay neighbours.
 struct TileCoord {
-  int gemm;   // 1 or 2
-  int e;      // expert (E: the shared one)
-  int nblk;   // output block: GEMM1 64 columns of the intermediate, GEMM2 128 rows of H
-  int block;  // token block inside the expert
+  int gemm;    // 1 or 2
+  int e;       // expert (E: the shared one)
+  int nblk;    // output block: GEMM1 64 columns of the intermediate, GEMM2 128 rows of H
+  int block;   // token block inside the expert
+  bool wpair;  // pair tiles: the pair shares this tile's weights (else its tokens)
 };
 
 struct TileIds {
@@ -97,17 +103,21 @@ struct TileIds {
   int t2;               // GEMM2 ids
   int chunk, sh;        // token blocks a chunk; 1 for pair tiles
   const int* unit_off;  // [E_total + 1] token blocks before expert e
+  int wpairs;           // pair tiles: pairs of token blocks share a weight tile (above)
 
   // The ids of one forward, from the experts' token blocks (unit_off) and the output
   // blocks of a routed GEMM1 (I / 64), the shared one's (Is / 64) and a GEMM2 (H / 128);
   // with sh = 1 every count is even (the plan's condition for pair tiles).
   MEGAMOE_HD static TileIds count(int n1, int n1s, int n2, int E, int E_total, int chunk, int sh,
-                                  const int* unit_off) {
+                                  const int* unit_off, int wpairs = 0) {
     const int t1_routed = n1 * unit_off[E];
     const int t1 = t1_routed + n1s * (unit_off[E_total] - unit_off[E]);
-    return {
-        n1 >> sh, n1s >> sh, n2 >> sh, E, E_total, t1_routed >> sh, t1 >> sh, (n2 * unit_off[E_total]) >> sh,
-        chunk,    sh,        unit_off};
+    return {n1 >> sh, n1s >> sh,
+            n2 >> sh, E,
+            E_total,  t1_routed >> sh,
+            t1 >> sh, (n2 * unit_off[E_total]) >> sh,
+            chunk,    sh,
+            unit_off, sh ? wpairs : 0};
   }
   MEGAMOE_HD int tiles() const { return t1 + t2; }
 
@@ -135,8 +145,17 @@ struct TileIds {
     const int q = local / per_chunk, b0 = q * chunk;
     const int csize = (nb - b0 < chunk ? nb - b0 : chunk), in_chunk = local - q * per_chunk;
     const int j = in_chunk / csize;  // the output block (pair tiles: the pair)
-    t.block = b0 + in_chunk - j * csize;
-    t.nblk = (j << sh) + rank;
+    const int v = in_chunk - j * csize;
+    const int wp = wpairs ? csize >> 1 : 0;  // weight pairs of each output block
+    t.wpair = v < 2 * wp;
+    if (t.wpair) {
+      const int second = v >= wp ? 1 : 0;
+      t.nblk = 2 * j + second;
+      t.block = b0 + 2 * (v - second * wp) + rank;
+    } else {
+      t.block = b0 + (wp ? csize - 1 : v);
+      t.nblk = (j << sh) + rank;
+    }
     return t;
   }
 };
