@@ -109,9 +109,11 @@ constexpr bool kPairTiles = true;
 // blocks 2p, 2p + 1 of one output block, each CTA loading 64 of the 128 weight rows into
 // both (an expert's odd last token block keeps the shared token tile, TileIds). The same
 // 24 KB a stage from L2, but a weight tile is read once for two token blocks whether or not
-// neighbouring clusters run in step. (v24's probe, bench/probes/kloop_probe.cu: with
+// neighbouring clusters run in step (v24's probe, bench/probes/kloop_probe.cu: with
 // weights from HBM a stage takes 738 cycles against 989-1017 sharing the tokens; from L2
-// both 731-737.)
+// both 731-737). v24 (bench/results/ab/v24_pair_weights_per_tile.log, interleaved with the
+// previous binary): GLM-5 4096 -2..-4 %, 16384 -1..-3 %, 1024 level, DeepSeek-V3 and
+// GLM-5.3-Flash level; GLM-5 16384 reads 25.0 GB from DRAM against 29.7 sharing tokens.
 constexpr bool kPairWeights = true;
 
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
