@@ -1181,12 +1181,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   // depend on anything, the tokens on phase 0 (GEMM1) or on the tile's GEMM1
   // units (GEMM2), so weight loads start before those are done.
   const bool no_loads = a.debug_skip & kSkipLoads;
-  auto stage_tx = [&](const Tile& tl) -> uint32_t {
-    return no_loads ? 0 : kWBytes + kXBytes + (tl.gemm == 1 ? 1 : 2) * BN * 4;
+  // g_tag (std::integral_constant): the tile's GEMM, decided once a tile as w_tag below.
+  auto stage_tx = [&](auto g_tag) -> uint32_t {
+    return no_loads ? 0 : kWBytes + kXBytes + (decltype(g_tag)::value == 1 ? 1 : 2) * BN * 4;
   };
   // w_tag (std::bool_constant): the tile's pair shares its weights (Tile::wpair), decided
   // once a tile (the producer's fill below) so a stage's path has no branch on it.
-  auto issue_weights = [&](auto w_tag, const Tile& tl, int kb, int stage) {
+  auto issue_weights = [&](auto w_tag, auto g_tag, const Tile& tl, int kb, int stage) {
+    constexpr bool kGemm1 = decltype(g_tag)::value == 1;
     if (no_loads) return;
     uint8_t* w_s = smem + stage * kStageBytes;
     const bool shared = tl.e == a.E;
@@ -1194,13 +1196,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       // A pair sharing its weights: this CTA's 64 of the tile's 128 weight rows into both
       // CTAs' stage (GEMM1: 4 of the 8 gate / up row groups of 16).
       const int half = int(sm90::cluster_ctarank());
-      if (tl.gemm == 1)
+      if constexpr (kGemm1)
         sm90::tma_load_5d_multicast(w_s + half * 64 * 128, shared ? &tm.sw13h : &tm.w13h, &full_bar[stage],
                                     kb * 128, 0, 0, tl.nblk * 8 + half * 4, shared ? 0 : tl.e, 0x3);
       else
         sm90::tma_load_3d_multicast(w_s + half * 64 * 128, shared ? &tm.sw2h : &tm.w2h, &full_bar[stage],
                                     kb * 128, tl.nblk * 128 + half * 64, shared ? 0 : tl.e, 0x3);
-    } else if (tl.gemm == 1) {
+    } else if constexpr (kGemm1) {
       sm90::tma_load_5d(w_s, shared ? &tm.sw13 : &tm.w13, &full_bar[stage], kb * 128, 0, 0, tl.nblk * 8,
                         shared ? 0 : tl.e);
     } else {
@@ -1208,7 +1210,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                         shared ? 0 : tl.e);
     }
   };
-  auto issue_tokens = [&](auto w_tag, const Tile& tl, int kb, int stage) {
+  auto issue_tokens = [&](auto w_tag, auto g_tag, const Tile& tl, int kb, int stage) {
     if (no_loads) return;
     uint8_t* x_s = smem + stage * kStageBytes + kWBytes;
     uint8_t* s_s = x_s + kXBytes;
@@ -1223,7 +1225,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         sm90::tma_load_2d(x_s, map, &full_bar[stage], kb * 128, tl.row0);
       }
     };
-    if (tl.gemm == 1) {
+    if constexpr (decltype(g_tag)::value == 1) {
       rows(&tm.x, &tm.xh);
       sm90::tma_load_2d(s_s, &tm.xs, &full_bar[stage], tl.row0, kb);
     } else {
@@ -1372,8 +1374,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           ready = true;
         }
         pf.add(kPfProdDep, t0);
-        // The tile's stages (w_tag: issue_weights); pair tiles choose the pairing once a tile.
-        auto fill = [&](auto w_tag) {
+        // The tile's stages (w_tag, g_tag: issue_weights, stage_tx); the pairing and the GEMM
+        // are chosen once a tile, so a stage's path has no branch on them (v24).
+        auto fill = [&](auto w_tag, auto g_tag) {
           int deferred = 0;  // the last `deferred` stages filled: weights issued, tokens not yet
           for (int kb = 0;; ++kb) {
             // NOTE: at most kStages deferred stages: the next empty-wait must concern a stage
@@ -1389,7 +1392,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               for (int d = 0; d < deferred; ++d) {
                 int st = rp.stage - deferred + d;
                 if (st < 0) st += kStages;
-                issue_tokens(w_tag, tl, kb - deferred + d, st);
+                issue_tokens(w_tag, g_tag, tl, kb - deferred + d, st);
               }
               deferred = 0;
             }
@@ -1399,22 +1402,28 @@ __global__ void __launch_bounds__(kThreads, 1)
             sm90::mbar_wait(&empty_bar[stage], rp.phase ^ 1);
             pf.add(kPfProdEmpty, t0);
             if (kb == 0) stage_tile[stage] = tl;  // published by the full barrier's completion
-            sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx(tl));
-            issue_weights(w_tag, tl, kb, stage);
+            sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx(g_tag));
+            issue_weights(w_tag, g_tag, tl, kb, stage);
             if (ready)
-              issue_tokens(w_tag, tl, kb, stage);
+              issue_tokens(w_tag, g_tag, tl, kb, stage);
             else
               ++deferred;
             rp.advance();
           }
         };
+        auto fill_gemm = [&](auto w_tag) {
+          if (tl.gemm == 1)
+            fill(w_tag, std::integral_constant<int, 1>{});
+          else
+            fill(w_tag, std::integral_constant<int, 2>{});
+        };
         if constexpr (kPairs) {
           if (tl.wpair)
-            fill(std::true_type{});
+            fill_gemm(std::true_type{});
           else
-            fill(std::false_type{});
+            fill_gemm(std::false_type{});
         } else {
-          fill(std::false_type{});
+          fill_gemm(std::false_type{});
         }
         tile = next;
       }
