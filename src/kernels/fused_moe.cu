@@ -360,7 +360,8 @@ __device__ __forceinline__ void release_stage(uint64_t* empty) {
 }
 
 // The same for a pair tile's stage: on this CTA's barrier and on the pair peer's (`peer`:
-// its shared::cluster address), whose producer wrote half of this stage's token rows.
+// its shared::cluster address), whose producer wrote half of this stage's token or
+// weight rows.
 __device__ __forceinline__ void release_stage_pair(uint64_t* empty, uint32_t peer) {
   __syncwarp();
   if (threadIdx.x % 32 == 0) {
@@ -1169,8 +1170,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t t_tasks = pf.now();
 
   // ---- Tile schedule (identical in every role) ----
-  // Pair tiles: the schedule's ids count pairs of output blocks (TileIds), and a cluster
-  // takes the place of a CTA in TileSchedule.
+  // Pair tiles: the schedule's ids count pairs of tiles (TileIds), and a cluster takes the
+  // place of a CTA in TileSchedule.
   static_assert(!kPairs || (BN == 128 && !kEp), "pair tiles: 128-token tiles on one device");
   constexpr int sh = kPairs ? 1 : 0;
   const TileIds ids = tile_ids(a, sc, sh);
@@ -1509,7 +1510,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // there spilled its registers in the stage loop.) Tokens-in-M tiles only.
   auto wg_idle = [&](const Tile& tl) { return a.half_tiles && wg * 64 >= tl.rows ? kSkipMma : 0; };
   // Pair tiles: a stage goes back to both CTAs (the peer's producer wrote half of its
-  // token rows here and waits for this CTA's consumers too).
+  // token or weight rows here and waits for this CTA's consumers too).
   const uint32_t peer_empty =
       kPairs ? sm90::mapa_shared(sm90::smem_u32(empty_bar), sm90::cluster_ctarank() ^ 1u) : 0u;
   int ntile = 0;  // tiles this CTA finished (the done_bar / free_bar slot sequence)
@@ -2060,27 +2061,28 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   const CUtensorMapL2promotion wpromo = kWeightL2PromotionBytes == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
                                                                        : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   // w13 viewed as [E][group I/8][half 2][row 8][H]: a box {128, 8, 2, 8, 1} is 64 gate and 64 up rows
-  // interleaved by 8 (gate 0-7, up 0-7, gate 8-15, ...), 16 KB.
-  wm.w13 = make_map("w13", CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, w.w13, {H, 8, 2, I / 8, E},
-                    {H, I * H, 8 * H, 2 * I * H}, {128, 8, 2, 8, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
-  wm.w2 = make_map("w2", CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, w.w2, {I, H, E}, {I, H * I}, {128, 128, 1},
-                   CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
-  // The same in 64-row boxes (a pair sharing its weights: each CTA loads half the tile for both).
-  wm.w13h = make_map("w13 (pair half)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, w.w13, {H, 8, 2, I / 8, E},
-                     {H, I * H, 8 * H, 2 * I * H}, {128, 8, 2, 4, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
-  wm.w2h = make_map("w2 (pair half)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, w.w2, {I, H, E}, {I, H * I},
-                    {128, 64, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
+  // interleaved by 8 (gate 0-7, up 0-7, gate 8-15, ...), 16 KB; `groups` = 4 is half of it (a
+  // pair sharing its weights: each CTA loads half the tile for both). w2 [E][H][inter], boxes
+  // of `rows` rows (128, or 64 for the pair half).
+  auto w13_map = [&](const char* what, const void* p, uint64_t inter, uint64_t experts, uint32_t groups) {
+    return make_map(what, CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, p, {H, 8, 2, inter / 8, experts},
+                    {H, inter * H, 8 * H, 2 * inter * H}, {128, 8, 2, groups, 1}, CU_TENSOR_MAP_SWIZZLE_128B,
+                    wpromo);
+  };
+  auto w2_map = [&](const char* what, const void* p, uint64_t inter, uint64_t experts, uint32_t rows) {
+    return make_map(what, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, p, {inter, H, experts}, {inter, H * inter},
+                    {128, rows, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
+  };
+  wm.w13 = w13_map("w13", w.w13, I, E, 8);
+  wm.w2 = w2_map("w2", w.w2, I, E, 128);
+  wm.w13h = w13_map("w13 (pair half)", w.w13, I, E, 4);
+  wm.w2h = w2_map("w2 (pair half)", w.w2, I, E, 64);
   if (s.has_shared()) {
     MEGAMOE_CHECK(Is % 128 == 0, "fused_moe needs the shared intermediate % 128 == 0");
-    wm.sw13h = make_map("shared_w13 (pair half)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, w.shared_w13,
-                        {H, 8, 2, Is / 8, 1}, {H, Is * H, 8 * H, 2 * Is * H}, {128, 8, 2, 4, 1},
-                        CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
-    wm.sw2h = make_map("shared_w2 (pair half)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, w.shared_w2, {Is, H, 1},
-                       {Is, H * Is}, {128, 64, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
-    wm.sw13 = make_map("shared_w13", CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, w.shared_w13, {H, 8, 2, Is / 8, 1},
-                       {H, Is * H, 8 * H, 2 * Is * H}, {128, 8, 2, 8, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
-    wm.sw2 = make_map("shared_w2", CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, w.shared_w2, {Is, H, 1}, {Is, H * Is},
-                      {128, 128, 1}, CU_TENSOR_MAP_SWIZZLE_128B, wpromo);
+    wm.sw13 = w13_map("shared_w13", w.shared_w13, Is, 1, 8);
+    wm.sw2 = w2_map("shared_w2", w.shared_w2, Is, 1, 128);
+    wm.sw13h = w13_map("shared_w13 (pair half)", w.shared_w13, Is, 1, 4);
+    wm.sw2h = w2_map("shared_w2 (pair half)", w.shared_w2, Is, 1, 64);
   } else {
     wm.sw13 = wm.w13;
     wm.sw2 = wm.w2;
