@@ -35,10 +35,12 @@ namespace sm90 = megamoe::sm90;
 
 // kNW consumer warpgroups in the block (2: the kernel's; 3: a 192-token tile at 152
 // registers a consumer thread), each 64 token rows of the stage.
-template <int kNW>
+// kWide (v25): 256 weight rows a stage (two 128-row output blocks against one 128-token
+// tile), 48 KB, four stages.
+template <int kNW, bool kWide = false>
 struct Geo {
-  static constexpr int kStages = kNW == 3 ? 5 : 6;
-  static constexpr int kWBytes = 128 * 128, kXBytes = 64 * kNW * 128, kSBytes = 64 * kNW * 4;
+  static constexpr int kStages = kWide ? 4 : kNW == 3 ? 5 : 6;
+  static constexpr int kWBytes = (kWide ? 256 : 128) * 128, kXBytes = 64 * kNW * 128, kSBytes = 64 * kNW * 4;
   // 1024-byte aligned (the 128-byte swizzle's TMA destination); kNW = 2: 33792, as the kernel's
   static constexpr int kStageBytes = (kWBytes + kXBytes + kSBytes + 1023) / 1024 * 1024;
   static constexpr int kSmem = kStages * kStageBytes + 2 * kStages * 8 + 1024;
@@ -50,6 +52,9 @@ enum Fold : int {
   kNone = 0,        // chain + wait only
   kAfterWait = 1,   // the kernel's: chain, wait 0, 64 FFMA (the release placed by kRel)
   kTwoBuffers = 2,  // two stages an iteration: chain k+1 runs during fold k
+  kWide = 3,        // a 256-row weight stage: chain, wait, fold for rows 0-127, then 128-255 (one buffer)
+  kG2 = 4,          // the kernel's GEMM2: two 64-deep chains (ba, bb) a stage, a fold each
+  kWide2 = 5,       // GEMM2 on a 256-row stage: four 64-deep chain, wait, fold steps (one buffer)
 };
 
 // What fills a stage.
@@ -82,14 +87,16 @@ __device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
 // with the next stage's wait before the fold.
 // kX: 0 = as described; 1 = the producer backs off (nanosleep) between empty-barrier polls;
 // 2 = the consumers skip the full-barrier wait (kArrive only: what the wait costs);
-// 3 = the release without __syncwarp.
+// 3 = the release without __syncwarp; 4 = the consumers poll the next stage's full barrier
+// (test_wait, no suspension) before the fold and skip its wait when it had completed;
+// 5 = the producer polls its empty barrier with test_wait (no suspension) instead of try_wait.
 template <int kFold, int kWgs, int kBars, int kNW, int kRel, int kCl,
           int kX = 0>  // kBars: Loads; kCl: cluster size
 __global__ void __launch_bounds__(128 * (kNW + 1), 1)
     kloop(const uint8_t* __restrict__ src, size_t src_bytes, const float* __restrict__ wscale, int nstages,
           long long* cycles, float* sink, const __grid_constant__ CUtensorMap wmap,
           const __grid_constant__ CUtensorMap xmap, int wrows, int xrows) {
-  using G = Geo<kNW>;
+  using G = Geo<kNW, kFold == kWide || kFold == kWide2>;
   constexpr int kStages = G::kStages, kWBytes = G::kWBytes, kXBytes = G::kXBytes,
                 kStageBytes = G::kStageBytes;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -146,6 +153,9 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
       if (k >= kStages) {
         if (kX == 1)
           while (!mbar_test(&empty[s], ((k / kStages) - 1) & 1)) __nanosleep(32);
+        else if (kX == 5)
+          while (!mbar_test(&empty[s], ((k / kStages) - 1) & 1)) {
+          }
         else
           sm90::mbar_wait(&empty[s], ((k / kStages) - 1) & 1);
       }
@@ -187,7 +197,7 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
         const int xb = kBars == kTma64 ? 64 * 128 : kXBytes;
         sm90::mbar_arrive_expect_tx(&full[s], kWBytes + xb);
         const int kc = (k % 64) * 128;
-        const int wr = int((blockIdx.x * 37 + k / 64) * 128 % wrows);
+        const int wr = int((blockIdx.x * 37 + k / 64) * (kWBytes / 128) % wrows);
         const int xr = int((blockIdx.x * 11 + k / 64) * 64 * kNW % xrows);
         sm90::tma_load_2d(smem + s * kStageBytes, &wmap, &full[s], kc, wr);
         sm90::tma_load_2d(smem + s * kStageBytes + kWBytes, &xmap, &full[s], kc, xr);
@@ -205,18 +215,29 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
   const int lane = tid % 32, warp = (tid / 32) % 4;
   const int lrow = warp * 16 + lane / 4;
   const int r0 = wg * 64 + lrow, r1 = r0 + 8;
-  float acc[64], ba[64], bb[64];
+  float acc[64], acc2[64], ba[64], bb[64];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f, acc2[i] = 0.f;
   const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes + wg * 64 * 128);
   const uint32_t dw0 = sm90::smem_desc_sw128_lo(smem);
-  auto chain = [&](float(&buf)[64], int s) {
+  // wo: the weight rows' offset (>> 4) in the stage (kWide: rows 128-255 at 16 KB).
+  auto chain = [&](float(&buf)[64], int s, uint32_t wo = 0) {
     const uint32_t so = uint32_t(s) * (kStageBytes >> 4);
     sm90::wgmma_fence();
 #pragma unroll
     for (int k = 0; k < 4; ++k)
       sm90::Wgmma<128>::mma(buf, sm90::smem_desc_sw128_at(dx0 + so + 2 * k),
-                            sm90::smem_desc_sw128_at(dw0 + so + 2 * k), k);
+                            sm90::smem_desc_sw128_at(dw0 + wo + so + 2 * k), k);
+    sm90::wgmma_commit();
+  };
+  // A 64-deep half chain (GEMM2: the activation scale changes every 64 columns).
+  auto half_chain = [&](float(&buf)[64], int s, int h, uint32_t wo = 0) {
+    const uint32_t so = uint32_t(s) * (kStageBytes >> 4);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+      sm90::Wgmma<128>::mma(buf, sm90::smem_desc_sw128_at(dx0 + so + 2 * (2 * h + k)),
+                            sm90::smem_desc_sw128_at(dw0 + wo + so + 2 * (2 * h + k)), k);
     sm90::wgmma_commit();
   };
   auto products = [&](int s, int kb, float& g0, float& u0, float& g1, float& u1) {
@@ -225,15 +246,18 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
     const float x0 = ss[r0], x1 = ss[r1];
     g0 = x0 * sg, u0 = x0 * su, g1 = x1 * sg, u1 = x1 * su;
   };
-  auto fold = [&](const float(&buf)[64], float g0, float u0, float g1, float u1) {
+  auto fold_into = [&](float(&a)[64], const float(&buf)[64], float g0, float u0, float g1, float u1) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const float q0 = (j % 2 == 0) ? g0 : u0, q1 = (j % 2 == 0) ? g1 : u1;
-      acc[j * 4 + 0] = fmaf(buf[j * 4 + 0], q0, acc[j * 4 + 0]);
-      acc[j * 4 + 1] = fmaf(buf[j * 4 + 1], q0, acc[j * 4 + 1]);
-      acc[j * 4 + 2] = fmaf(buf[j * 4 + 2], q1, acc[j * 4 + 2]);
-      acc[j * 4 + 3] = fmaf(buf[j * 4 + 3], q1, acc[j * 4 + 3]);
+      a[j * 4 + 0] = fmaf(buf[j * 4 + 0], q0, a[j * 4 + 0]);
+      a[j * 4 + 1] = fmaf(buf[j * 4 + 1], q0, a[j * 4 + 1]);
+      a[j * 4 + 2] = fmaf(buf[j * 4 + 2], q1, a[j * 4 + 2]);
+      a[j * 4 + 3] = fmaf(buf[j * 4 + 3], q1, a[j * 4 + 3]);
     }
+  };
+  auto fold = [&](const float(&buf)[64], float g0, float u0, float g1, float u1) {
+    fold_into(acc, buf, g0, u0, g1, u1);
   };
   auto wait_full = [&](int k) {
     if (kBars && kX != 2) sm90::mbar_wait(&full[k % kStages], (k / kStages) & 1);
@@ -272,16 +296,72 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
       fold(bb, g0, u0, g1, u1);
       if (kRel & 1) release(k + 1);
     }
-  } else {
-    if (kRel >= 2) wait_full(0);
+  } else if (kFold == kG2) {
     for (int k = 0; k < nstages; ++k) {
       const int s = k % kStages;
-      if (kRel < 2) wait_full(k);
+      wait_full(k);
+      half_chain(ba, s, 0);
+      half_chain(bb, s, 1);
+      float g0, u0, g1, u1;
+      products(s, k, g0, u0, g1, u1);
+      sm90::wgmma_wait<1>();
+      fold(ba, g0, g0, g1, g1);
+      sm90::wgmma_wait<0>();
+      if (!(kRel & 1)) release(k);
+      fold(bb, u0, u0, u1, u1);
+      if (kRel & 1) release(k);
+    }
+  } else if (kFold == kWide2) {
+    for (int k = 0; k < nstages; ++k) {
+      const int s = k % kStages;
+      wait_full(k);
+      float g0, u0, g1, u1;
+      half_chain(ba, s, 0);
+      products(s, k, g0, u0, g1, u1);
+      sm90::wgmma_wait<0>();
+      fold(ba, g0, g0, g1, g1);
+      half_chain(ba, s, 1);
+      sm90::wgmma_wait<0>();
+      fold(ba, u0, u0, u1, u1);
+      half_chain(ba, s, 0, (128 * 128) >> 4);
+      sm90::wgmma_wait<0>();
+      fold_into(acc2, ba, g0, g0, g1, g1);
+      half_chain(ba, s, 1, (128 * 128) >> 4);
+      sm90::wgmma_wait<0>();
+      if (!(kRel & 1)) release(k);
+      fold_into(acc2, ba, u0, u0, u1, u1);
+      if (kRel & 1) release(k);
+    }
+  } else if (kFold == kWide) {
+    // One wait and one release a stage for two 128 x 128 x 128 units; the other
+    // warpgroup's chains run during this one's folds.
+    for (int k = 0; k < nstages; ++k) {
+      const int s = k % kStages;
+      wait_full(k);
+      chain(ba, s);
+      float g0, u0, g1, u1;
+      products(s, k, g0, u0, g1, u1);
+      sm90::wgmma_wait<0>();
+      fold(ba, g0, u0, g1, u1);
+      chain(ba, s, (128 * 128) >> 4);
+      sm90::wgmma_wait<0>();
+      if (!(kRel & 1)) release(k);
+      fold_into(acc2, ba, u0, g0, u1, g1);
+      if (kRel & 1) release(k);
+    }
+  } else {
+    if (kRel >= 2) wait_full(0);
+    bool next_full = false;  // kX = 4: the next stage's barrier had completed at the poll
+    for (int k = 0; k < nstages; ++k) {
+      const int s = k % kStages;
+      if (kRel < 2 && !(kX == 4 && next_full)) wait_full(k);
       chain(ba, s);
       float g0, u0, g1, u1;
       products(s, k, g0, u0, g1, u1);
       sm90::wgmma_wait<0>();
       if (!(kRel & 1)) release(k);
+      if (kX == 4)
+        next_full = k + 1 < nstages && mbar_test(&full[(k + 1) % kStages], ((k + 1) / kStages) & 1);
       if (kRel >= 2 && k + 1 < nstages) wait_full(k + 1);
       if (kFold == kAfterWait) fold(ba, g0, u0, g1, u1);
       if (kRel & 1) release(k);
@@ -291,7 +371,7 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
   const long long t1 = clock64();
   float s = 0.f;
 #pragma unroll
-  for (int i = 0; i < 64; ++i) s += acc[i];
+  for (int i = 0; i < 64; ++i) s += acc[i] + acc2[i];
   if (s == 12345.f) sink[tid] = s;  // keeps the sums live
   if (tid % 128 == 0) cycles[blockIdx.x * 4 + wg] = t1 - t0;
   // No CTA leaves while a peer may still arrive on its barriers (exited producer
@@ -306,11 +386,12 @@ struct Variant2 {
   int wgs, nw, bars;
   bool hbm;
   int cl;
+  bool wide;  // kWide: two 128 x 128 x 128 units a stage
 };
 
 template <int F, int W, int B, int NW = 2, int R = 0, int CL = 1, int X = 0>
 Variant2 make(const char* name, bool hbm = false) {
-  return {name, kloop<F, W, B, NW, R, CL, X>, W, NW, B, hbm, CL};
+  return {name, kloop<F, W, B, NW, R, CL, X>, W, NW, B, hbm, CL, F == kWide || F == kWide2};
 }
 
 int main(int argc, char** argv) {
@@ -386,6 +467,25 @@ int main(int argc, char** argv) {
       make<kAfterWait, 2, kArrive, 2, 0, 1, 3>("fold, bars, rel before, no syncwarp"),
       make<kAfterWait, 2, kMc, 2, 0, 2, 1>("fold, pair mc, rel before, prod sleeps"),
       make<kAfterWait, 2, kMc, 2, 1, 2, 1>("fold, pair mc, rel after, prod sleeps"),
+      // v25: the next stage's barrier polled before the fold; a spinning producer; wide stages.
+      make<kAfterWait, 2, kArrive, 2, 0, 1, 4>("fold, bars, rel before, poll next"),
+      make<kAfterWait, 2, kArrive, 2, 1, 1, 4>("fold, bars, rel after, poll next"),
+      make<kAfterWait, 2, kTma64, 2, 0, 1, 4>("fold, TMA 24K L2, rel before, poll next"),
+      make<kAfterWait, 2, kMc, 2, 0, 2, 4>("fold, pair mc, rel before, poll next"),
+      make<kAfterWait, 2, kMcW, 2, 0, 2, 4>("fold, w-pair mc, w HBM, rel before, poll next", true),
+      make<kAfterWait, 2, kArrive, 2, 0, 1, 5>("fold, bars, rel before, prod spins"),
+      make<kAfterWait, 2, kMc, 2, 0, 2, 5>("fold, pair mc, rel before, prod spins"),
+      make<kWide, 2, kNoBars>("wide, no bars (per unit)"),
+      make<kWide, 2, kArrive, 2, 0>("wide, bars, rel before (per unit)"),
+      make<kWide, 2, kArrive, 2, 1>("wide, bars, rel after (per unit)"),
+      make<kWide, 2, kTma, 2, 0>("wide, TMA 48K L2, rel before (per unit)"),
+      make<kWide, 2, kTma, 2, 1>("wide, TMA 48K L2, rel after (per unit)"),
+      make<kWide, 2, kTma, 2, 0>("wide, TMA 48K w HBM, rel before (per unit)", true),
+      make<kWide, 2, kTma, 2, 1>("wide, TMA 48K w HBM, rel after (per unit)", true),
+      make<kG2, 2, kArrive, 2, 0>("GEMM2, bars, rel before"),
+      make<kG2, 2, kTma64, 2, 0>("GEMM2, TMA 24K L2, rel before"),
+      make<kWide2, 2, kArrive, 2, 0>("wide GEMM2, bars, rel before (per unit)"),
+      make<kWide2, 2, kTma, 2, 0>("wide GEMM2, TMA 48K L2, rel before (per unit)"),
   };
   // Tensor maps with the kernel's box geometry (128-byte rows, 128-byte swizzle): an
   // L2-resident 16 MB [2048][8192] and an HBM-sized 1 GB [131072][8192] source.
@@ -419,6 +519,8 @@ int main(int argc, char** argv) {
   const CUtensorMap x64 = make_map(src, 2048, 64, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
   const CUtensorMap w_l2_64 = make_map(src, 2048, 64, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
   const CUtensorMap w_hbm_64 = make_map(big, 131072, 64, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+  const CUtensorMap w_l2_256 = make_map(src, 2048, 256, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+  const CUtensorMap w_hbm_256 = make_map(big, 131072, 256, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
@@ -427,10 +529,15 @@ int main(int argc, char** argv) {
       nstages, sms);
   for (int round = 0; round < 2; ++round)
     for (const Variant2& v : vs) {
-      const int smem = v.nw == 3 ? Geo<3>::kSmem : Geo<2>::kSmem, threads = 128 * (v.nw + 1);
+      const int smem = v.wide      ? Geo<2, true>::kSmem
+                       : v.nw == 3 ? Geo<3>::kSmem
+                                   : Geo<2>::kSmem,
+                threads = 128 * (v.nw + 1), units = v.wide ? 2 : 1;
       CK(cudaFuncSetAttribute(v.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
       const bool w64 = (v.bars == kMc && v.cl == 4) || v.bars == kMcW;
-      const CUtensorMap& wm = v.hbm ? (w64 ? w_hbm_64 : w_hbm) : (w64 ? w_l2_64 : w_l2);
+      const CUtensorMap& wm = v.wide  ? (v.hbm ? w_hbm_256 : w_l2_256)
+                              : v.hbm ? (w64 ? w_hbm_64 : w_hbm)
+                                      : (w64 ? w_l2_64 : w_l2);
       const CUtensorMap& xm = v.bars == kTma64 || v.bars == kMc ? x64 : v.nw == 3 ? x3 : x2;  // kMcW: x2
       const int wrows = v.hbm ? 131072 : 2048;
       // A cluster launch runs as many CTAs as the clusters that fit at once.
@@ -464,11 +571,11 @@ int main(int argc, char** argv) {
       std::vector<long long> c(sms * 4);
       CK(cudaMemcpy(c.data(), cycles, c.size() * 8, cudaMemcpyDeviceToHost));
       std::vector<double> per;
-      for (int i = 0; i < grid; ++i) per.push_back(double(c[i * 4]) / nstages);
+      for (int i = 0; i < grid; ++i) per.push_back(double(c[i * 4]) / nstages / units);
       std::sort(per.begin(), per.end());
-      const double flop = 2.0 * 64 * 128 * 128 * double(nstages) * grid * v.wgs;
+      const double flop = 2.0 * 64 * 128 * 128 * double(nstages) * grid * v.wgs * units;
       std::printf("%-34s %7.1f / %7.1f cyc  %8.3f ms  %7.1f TFLOP/s  (clock %.2f GHz)\n", v.name,
-                  per[grid / 2], per.back(), ms, flop / ms / 1e9, per[grid / 2] * nstages / ms / 1e6);
+                  per[grid / 2], per.back(), ms, flop / ms / 1e9, per[grid / 2] * units * nstages / ms / 1e6);
     }
   return 0;
 }

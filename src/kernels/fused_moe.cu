@@ -51,6 +51,12 @@
 // order. Each consumer warp hands a stage back to both CTAs (the peer's producer wrote
 // into it). A CTA leaves only once the peer's consumers are done with its barriers
 // (barrier.cluster).
+//
+// Wide tiles (kWide, heuristics.h's kWideTiles; they take the pair tiles' place where half
+// tiles are off): one CTA computes both tiles of a token pair (output blocks 2j, 2j + 1 of
+// one token block, TileIds with sh = 1), from a four-stage ring whose stage holds both
+// blocks' weight rows and the token rows once (mainloop_tokens_m_wide); a wide tile counts
+// as two tiles in the completion counters.
 #include <cuda.h>
 #include <cuda_fp8.h>
 
@@ -194,6 +200,7 @@ struct TensorMaps {
   CUtensorMap x, xs, a2, a2s;          // activations (box depends on block_n)
   CUtensorMap xh, a2h;                 // x and act2 in 64-row boxes (pair tiles: a CTA's half)
   CUtensorMap w13h, sw13h, w2h, sw2h;  // the weights in 64-row boxes (pairs sharing weights)
+  CUtensorMap w13w, sw13w, w2w, sw2w;  // the weights in 256-row boxes (wide tiles: two output blocks)
 };
 
 struct Tile {
@@ -901,15 +908,19 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
 // before half 0 is folded, so the tensor cores work on half 1 during that fold (v6
 // waited for each 2-wgmma chain before folding it: tensor pipe 32 % busy at T =
 // 16384, ncu).
-template <int kGemm, bool kPairs>
-__device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks, RingPos<stages_for(128)>& rp,
-                                                  uint8_t* smem, uint64_t* full_bar, uint64_t* empty_bar,
-                                                  uint32_t peer_empty, int wg, int lrow,
+// kWide: on a wide tile's stage (mainloop_tokens_m_wide), one warpgroup a block: a wide
+// tile of at most 64 rows runs block `wblk` = wg on token rows xrow0 = 0 in each warpgroup
+// (otherwise xrow0 = 64 wg, wblk = 0: the warpgroup's own 64 token rows of the one block).
+template <int kGemm, bool kPairs, bool kWide = false>
+__device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
+                                                  RingPos<stages_for(128, kWide)>& rp, uint8_t* smem,
+                                                  uint64_t* full_bar, uint64_t* empty_bar,
+                                                  uint32_t peer_empty, int xrow0, int wblk, int lrow,
                                                   const float* gate_scale, const float* up_scale, int skip,
                                                   Prof& pf) {
   constexpr int BN = 128;
-  constexpr int kStageBytes = stage_bytes(BN);
-  constexpr int kWBytes = kBlockM * kBlockK;
+  constexpr int kStageBytes = stage_bytes(BN, kWide);
+  constexpr int kWBytes = (kWide ? 2 : 1) * kBlockM * kBlockK;
   constexpr int kXBytes = BN * kBlockK;
   // Pair tiles: the stage goes back to both CTAs (release_stage_pair).
   auto release = [&](int stage) {
@@ -926,11 +937,11 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     return;
   }
   const uint32_t t_loop = pf.now();
-  const int r0 = wg * 64 + lrow, r1 = r0 + 8;
+  const int r0 = xrow0 + lrow, r1 = r0 + 8;
   float ba[64], bb[64];
   // Descriptors of stage 0's tiles; a stage and a K step add their offset >> 4 (v11).
-  const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes + wg * 64 * 128);
-  const uint32_t dw0 = sm90::smem_desc_sw128_lo(smem);
+  const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes + xrow0 * 128);
+  const uint32_t dw0 = sm90::smem_desc_sw128_lo(smem + wblk * (kBlockM * kBlockK));
   // A stage's chains at stage offset `so`: GEMM1 one chain, folded once
   // (num::kGemm1FoldK = 128); GEMM2 two 64-deep halves (num::kInterGroup), in ba / bb.
   auto issue_stage = [&](uint32_t so) {
@@ -1011,6 +1022,103 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   pf.add(kPfLoop, t_loop);
 }
 
+// Block h's 64 accumulators of a tokens-in-M tile's array (a wide tile holds two blocks).
+template <int h, int N>
+__device__ __forceinline__ float (&acc_block(float (&acc)[N]))[64] {
+  static_assert(64 * (h + 1) <= N, "accumulator block");
+  return *reinterpret_cast<float(*)[64]>(acc + 64 * h);
+}
+
+// Wide tiles (kWideTiles): a stage holds the weight rows of output blocks nblk and
+// nblk + 1 (16 KB each) and the 128 token rows once; acc[0..63] accumulates block 0 and
+// acc[64..127] block 1, each in mainloop_tokens_m's fragment layout. A warpgroup runs block
+// 0's chain, folds it, then block 1's, through the one buffer `ba` (acc and buffer are 192
+// registers; a second buffer would not fit), so its tensor work drains between the chains
+// and the other warpgroup's chains fill the gap. GEMM1: the two blocks (64 intermediate
+// columns each) share their 128-row scale blocks, so one set of products serves both;
+// GEMM2: four 64-deep chains a stage (num::kInterGroup), block 1's weight scales at
+// scale1. The fold order of each accumulator is mainloop_tokens_m's, so the bytes do not
+// depend on the tile shape.
+template <int kGemm>
+__device__ __forceinline__ void mainloop_tokens_m_wide(float (&acc)[128], int kblocks,
+                                                       RingPos<stages_for(128, true)>& rp, uint8_t* smem,
+                                                       uint64_t* full_bar, uint64_t* empty_bar, int wg,
+                                                       int lrow, const float* gate_scale,
+                                                       const float* up_scale, const float* scale1, int skip,
+                                                       Prof& pf) {
+  constexpr int BN = 128;
+  constexpr int kStageBytes = stage_bytes(BN, true);
+  constexpr int kWBytes = 2 * kBlockM * kBlockK;
+  constexpr int kXBytes = BN * kBlockK;
+  constexpr uint32_t kBlock1 = (kBlockM * kBlockK) >> 4;  // block 1's weight rows (descriptor units)
+  if (skip & kSkipMma) {
+    for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
+      sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
+      release_stage(&empty_bar[rp.stage]);
+    }
+    return;
+  }
+  const uint32_t t_loop = pf.now();
+  const int r0 = wg * 64 + lrow, r1 = r0 + 8;
+  float ba[64];
+  const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes + wg * 64 * 128);
+  const uint32_t dw0 = sm90::smem_desc_sw128_lo(smem);
+  // acc[64 h ..] += buf * product (mainloop_tokens_m's fold, for block h).
+  auto fold = [&](int h, float pg0, float pu0, float pg1, float pu1) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float q0 = (j % 2 == 0) ? pg0 : pu0, q1 = (j % 2 == 0) ? pg1 : pu1;
+      acc[64 * h + j * 4 + 0] = fmaf(ba[j * 4 + 0], q0, acc[64 * h + j * 4 + 0]);
+      acc[64 * h + j * 4 + 1] = fmaf(ba[j * 4 + 1], q0, acc[64 * h + j * 4 + 1]);
+      acc[64 * h + j * 4 + 2] = fmaf(ba[j * 4 + 2], q1, acc[64 * h + j * 4 + 2]);
+      acc[64 * h + j * 4 + 3] = fmaf(ba[j * 4 + 3], q1, acc[64 * h + j * 4 + 3]);
+    }
+  };
+  auto mma_wait = [&] {
+    const uint32_t t0 = pf.now();
+    sm90::wgmma_wait<0>();
+    pf.add(kPfMmaWait, t0);
+  };
+  for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
+    uint32_t t0 = pf.now();
+    sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
+    pf.add(kPfFullWait, t0);
+    const float* s_s = reinterpret_cast<const float*>(smem + rp.stage * kStageBytes + kWBytes + kXBytes);
+    const uint32_t so = uint32_t(rp.stage) * (kStageBytes >> 4);
+    if constexpr (kGemm == 1) {
+      issue_chain<128, kBlockK / num::kMmaStepK>(ba, dx0 + so, dw0 + so, 0);
+      const float sg = __ldg(gate_scale + kb), su = __ldg(up_scale + kb);
+      const float x0 = s_s[r0], x1 = s_s[r1];
+      const float pg0 = x0 * sg, pu0 = x0 * su, pg1 = x1 * sg, pu1 = x1 * su;
+      mma_wait();
+      fold(0, pg0, pu0, pg1, pu1);
+      issue_chain<128, kBlockK / num::kMmaStepK>(ba, dx0 + so, dw0 + so + kBlock1, 0);
+      mma_wait();
+      release_stage(&empty_bar[rp.stage]);
+      fold(1, pg0, pu0, pg1, pu1);
+    } else {
+      issue_chain<128, 2>(ba, dx0 + so, dw0 + so, 0);
+      const float w0 = __ldg(gate_scale + kb), w1 = __ldg(scale1 + kb);
+      const float xa0 = s_s[r0], xa1 = s_s[r1], xb0 = s_s[BN + r0], xb1 = s_s[BN + r1];
+      mma_wait();
+      fold(0, xa0 * w0, xa0 * w0, xa1 * w0, xa1 * w0);
+      issue_chain<128, 2>(ba, dx0 + so, dw0 + so, 2);
+      mma_wait();
+      fold(0, xb0 * w0, xb0 * w0, xb1 * w0, xb1 * w0);
+      issue_chain<128, 2>(ba, dx0 + so, dw0 + so + kBlock1, 0);
+      mma_wait();
+      fold(1, xa0 * w1, xa0 * w1, xa1 * w1, xa1 * w1);
+      issue_chain<128, 2>(ba, dx0 + so, dw0 + so + kBlock1, 2);
+      mma_wait();
+      release_stage(&empty_bar[rp.stage]);
+      fold(1, xb0 * w1, xb0 * w1, xb1 * w1, xb1 * w1);
+    }
+    pf.count(kPfStages);
+    pf.count(kPfStages);
+  }
+  pf.add(kPfLoop, t_loop);
+}
+
 // A 4 x 4 transpose of 32-bit words inside each lane quad (ql = lane % 4): afterwards
 // w[m] is what lane m of the quad held in w[ql]. Two butterfly steps, two shuffles each.
 __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int ql) {
@@ -1078,14 +1186,20 @@ struct CombinePlan {
 // once and reloaded once a tile, never inside the K loops -- checked in the SASS).
 // kPairs: pair tiles (FusedMoeConfig::pair_tiles), launched in clusters of two CTAs; its
 // own instantiation, so the other kernels' registers do not move.
-template <int BN, bool kEp, bool kPairs = false>
+// kWide: wide tiles (FusedMoeConfig::wide_tiles): the schedule's ids are the pair tiles'
+// token pairs, both tiles of one in this CTA (mainloop_tokens_m_wide); no cluster.
+// NOTE: its consumers hold 128 accumulators through the epilogues, and ptxas spills 28
+// bytes there (nvcc 13.0): one value of the consumers' start, reloaded at each tile, and
+// predicate words around the epilogues: a few L1 accesses a tile, none in the K loops
+// (checked in the SASS, v25). Chosen: the K loops are what the wide tiles are for.
+template <int BN, bool kEp, bool kPairs = false, bool kWide = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
-  constexpr int kStages = stages_for(BN);
-  constexpr int kStageBytes = stage_bytes(BN);
-  constexpr int kWBytes = kBlockM * kBlockK;
+  constexpr int kStages = stages_for(BN, kWide);
+  constexpr int kStageBytes = stage_bytes(BN, kWide);
+  constexpr int kWBytes = (kWide ? 2 : 1) * kBlockM * kBlockK;  // a stage's weight rows
   constexpr int kXBytes = BN * kBlockK;
-  constexpr int kAcc = BN / 2;  // fp32 accumulators per thread for m64nBN
+  constexpr int kAcc = kWide ? 128 : BN / 2;  // fp32 accumulators per thread: m64nBN (wide: two blocks)
   constexpr bool kSwapAB = swap_ab(BN);
 
   static_assert(num::kGemm1FoldK == kBlockK && num::kInterGroup * 2 == kBlockK,
@@ -1147,6 +1261,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::tma_prefetch_desc(&tm.x);
     sm90::tma_prefetch_desc(&tm.a2);
     if (kPairs) sm90::tma_prefetch_desc(&tm.xh), sm90::tma_prefetch_desc(&tm.a2h);
+    if (kWide) sm90::tma_prefetch_desc(&tm.w13w), sm90::tma_prefetch_desc(&tm.w2w);
   }
 
   // ---- Schedule tables: rows and token blocks per expert (one warp scans). ----
@@ -1173,7 +1288,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Pair tiles: the schedule's ids count pairs of tiles (TileIds), and a cluster takes the
   // place of a CTA in TileSchedule.
   static_assert(!kPairs || (BN == 128 && !kEp), "pair tiles: 128-token tiles on one device");
-  constexpr int sh = kPairs ? 1 : 0;
+  static_assert(!kWide || (BN == 128 && !kEp && !kPairs), "wide tiles: 128-token tiles on one device");
+  constexpr int sh = kPairs || kWide ? 1 : 0;  // the ids count pairs of tiles
+  constexpr int csh = kPairs ? 1 : 0;          // the schedule's unit is a cluster of two CTAs
   const TileIds ids = tile_ids(a, sc, sh);
   const int t1_routed = ids.t1_routed, t1 = ids.t1, t2 = ids.t2, tiles = ids.tiles();
 
@@ -1193,7 +1310,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (no_loads) return;
     uint8_t* w_s = smem + stage * kStageBytes;
     const bool shared = tl.e == a.E;
-    if constexpr (decltype(w_tag)::value) {
+    if constexpr (kWide) {
+      // Both output blocks (nblk even, nblk + 1) in one box: GEMM1 16 of the 8-row gate / up
+      // groups, GEMM2 256 rows; block 1's rows start at 16 KB.
+      if constexpr (kGemm1)
+        sm90::tma_load_5d(w_s, shared ? &tm.sw13w : &tm.w13w, &full_bar[stage], kb * 128, 0, 0, tl.nblk * 8,
+                          shared ? 0 : tl.e);
+      else
+        sm90::tma_load_3d(w_s, shared ? &tm.sw2w : &tm.w2w, &full_bar[stage], kb * 128, tl.nblk * 128,
+                          shared ? 0 : tl.e);
+    } else if constexpr (decltype(w_tag)::value) {
       // A pair sharing its weights: this CTA's 64 of the tile's 128 weight rows into both
       // CTAs' stage (GEMM1: 4 of the 8 gate / up row groups of 16).
       const int half = int(sm90::cluster_ctarank());
@@ -1253,8 +1379,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   int first_tile = tiles;
   if (tid == 0) {
     // (no tail pool for pairs: both CTAs of a cluster would have to claim the same tile)
-    sched.init(blockIdx.x >> sh, gridDim.x >> sh, t1, t2, a.H / 128, a.I / 128, !a.round_robin,
-               a.round_robin || sh ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
+    sched.init(blockIdx.x >> csh, gridDim.x >> csh, t1, t2, a.H / 128, a.I / 128, !a.round_robin,
+               a.round_robin || kPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
     first_tile = next_tile(sched);
   }
 
@@ -1362,7 +1488,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           pf.store(kPfProdTotal, kPfSlots);
           break;
         }
-        const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1, sh, sh ? sm90::cluster_ctarank() : 0);
+        // (wide tiles: the pair's rank-0 tile, nblk even; the consumers add block nblk + 1)
+        const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1, sh, kPairs ? sm90::cluster_ctarank() : 0);
         // The tile after this one, chosen now: a pool claim's round trip overlaps this
         // tile's loads (it is used at the end of the loop).
         const int next = next_tile(sched);
@@ -1549,6 +1676,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // it cost the 128-token kernel a 4-byte spill)
     const Tile tl{rec[0], rec[1], rec[2], rec[3], rec[4], rec[5], tile_kblocks(a, rec[0], rec[1]), 0};
     const bool shared = tl.e == a.E;
+    // A wide tile of at most 64 rows with half tiles on: each warpgroup computes one of its
+    // two output blocks (block wg) on token rows 0..63 instead of warpgroup 1 idling.
+    const bool split = kWide && a.half_tiles && tl.rows <= 64;
+    const int rbase = split ? 0 : wg * 64;  // the warpgroup's first token row in the tile
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
     pf.add(kPfTileStart, t_tile);
@@ -1626,74 +1757,94 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       } else {
-        const int n0p = wg * 64 + lrow;
+        const int n0p = rbase + lrow;
         const float rw0 = n0p < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p) : 0.0f;
         const float rw1 = n0p + 8 < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p + 8) : 0.0f;
-        mainloop_tokens_m<1, kPairs>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, peer_empty, wg, lrow,
-                                     sg_row, su_row, a.debug_skip | wg_idle(tl), pf);
+        if constexpr (kWide) {
+          if (split)
+            mainloop_tokens_m<1, false, true>(acc_block<0>(acc), tl.kblocks, rp, smem, full_bar, empty_bar, 0,
+                                              0, wg, lrow, sg_row, su_row, a.debug_skip, pf);
+          else
+            mainloop_tokens_m_wide<1>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, sg_row,
+                                      su_row, nullptr, a.debug_skip | wg_idle(tl), pf);
+        } else {
+          mainloop_tokens_m<1, kPairs>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, peer_empty, rbase, 0,
+                                       lrow, sg_row, su_row, a.debug_skip | wg_idle(tl), pf);
+        }
         t_epi = pf.now();
         // ---- GEMM1 epilogue (tokens in M) ----
-        // Thread holds tokens n0 = wg * 64 + lrow and n0 + 8; for i in 0..7 the gate
-        // (acc[8i + c], j = 2i) and up (acc[8i + 4 + c], j = 2i + 1) values of
-        // intermediate column 8i + lcol + c. A token's 64 columns sit in one lane quad.
-        const int n0 = n0p, n1r = n0 + 8;
-        float m0 = 0.0f, m1 = 0.0f;
-        // swiglu_fast when the whole warp's gates allow it; straight-line code either way
-        // (rows past tl.rows are computed too, with weight 0, and never stored), so
-        // ptxas overlaps the thread's 32 SwiGLUs (v15).
-        bool ok0 = true, ok1 = true;
+        // (output block nblk from the accumulators ac; a wide tile runs it for both blocks)
+        auto epilogue1 = [&](float(&ac)[64], int nblk) {
+          // Thread holds tokens n0 = wg * 64 + lrow and n0 + 8; for i in 0..7 the gate
+          // (ac[8i + c], j = 2i) and up (ac[8i + 4 + c], j = 2i + 1) values of
+          // intermediate column 8i + lcol + c. A token's 64 columns sit in one lane quad.
+          const int n0 = n0p, n1r = n0 + 8;
+          float m0 = 0.0f, m1 = 0.0f;
+          // swiglu_fast when the whole warp's gates allow it; straight-line code either way
+          // (rows past tl.rows are computed too, with weight 0, and never stored), so
+          // ptxas overlaps the thread's 32 SwiGLUs (v15).
+          bool ok0 = true, ok1 = true;
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            ok0 &= num::swiglu_fast_ok(acc[8 * i + c], a.swiglu_limit);
-            ok1 &= num::swiglu_fast_ok(acc[8 * i + 2 + c], a.swiglu_limit);
-          }
-        const bool fast_ok = ((n0 >= tl.rows) | ok0) & ((n1r >= tl.rows) | ok1);
-        auto swiglu_rows = [&](auto act, float limit) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
+          for (int i = 0; i < 8; ++i)
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-              const float v0 = act(acc[8 * i + c], acc[8 * i + 4 + c], limit, rw0);
-              const float v1 = act(acc[8 * i + 2 + c], acc[8 * i + 6 + c], limit, rw1);
-              acc[8 * i + c] = v0;
-              acc[8 * i + 2 + c] = v1;
-              m0 = fmaxf(m0, fabsf(v0));
-              m1 = fmaxf(m1, fabsf(v1));
+              ok0 &= num::swiglu_fast_ok(ac[8 * i + c], a.swiglu_limit);
+              ok1 &= num::swiglu_fast_ok(ac[8 * i + 2 + c], a.swiglu_limit);
             }
-          }
-        };
-        run_swiglu(swiglu_rows, __all_sync(0xffffffffu, fast_ok), a.swiglu_limit);
+          const bool fast_ok = ((n0 >= tl.rows) | ok0) & ((n1r >= tl.rows) | ok1);
+          auto swiglu_rows = [&](auto act, float limit) {
 #pragma unroll
-        for (int o = 1; o < 4; o <<= 1) {
-          m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, o));
-          m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, o));
+            for (int i = 0; i < 8; ++i) {
+#pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                const float v0 = act(ac[8 * i + c], ac[8 * i + 4 + c], limit, rw0);
+                const float v1 = act(ac[8 * i + 2 + c], ac[8 * i + 6 + c], limit, rw1);
+                ac[8 * i + c] = v0;
+                ac[8 * i + 2 + c] = v1;
+                m0 = fmaxf(m0, fabsf(v0));
+                m1 = fmaxf(m1, fabsf(v1));
+              }
+            }
+          };
+          run_swiglu(swiglu_rows, __all_sync(0xffffffffu, fast_ok), a.swiglu_limit);
+#pragma unroll
+          for (int o = 1; o < 4; o <<= 1) {
+            m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, o));
+            m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, o));
+          }
+          const float s0 = num::act_scale(m0), s1 = num::act_scale(m1);
+          const float inv0 = 1.0f / s0, inv1 = 1.0f / s1;
+          // A token's 64 codes sit in one lane quad, two bytes a lane every 8 columns: a
+          // 4 x 4 word transpose inside the quad gives each lane 16 adjacent bytes, one
+          // 16-byte store a row (v14: eight 2-byte stores a row).
+          const int ql = lane % 4;
+          auto store_row = [&](int n, int base, float inv, float s) {
+            uint32_t w[4];  // w[k]: columns 16k + lcol + {0, 1} (lo) and 16k + 8 + lcol + {0, 1} (hi)
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+              w[k] =
+                  uint32_t(pack_e4m3x2(ac[16 * k + base] * inv, ac[16 * k + base + 1] * inv)) |
+                  (uint32_t(pack_e4m3x2(ac[16 * k + 8 + base] * inv, ac[16 * k + 8 + base + 1] * inv)) << 16);
+            quad_transpose(w, ql);  // w[m]: lane m's word ql
+            if (n < tl.rows) {
+              const uint4 v = make_uint4(__byte_perm(w[0], w[1], 0x5410), __byte_perm(w[2], w[3], 0x5410),
+                                         __byte_perm(w[0], w[1], 0x7632), __byte_perm(w[2], w[3], 0x7632));
+              *reinterpret_cast<uint4*>(a.act2 + size_t(tl.row0 + n) * a.inter_pitch + nblk * 64 + 16 * ql) =
+                  v;
+              if (ql == 0) a.act2_scale[size_t(nblk) * a.rows_cap + tl.row0 + n] = s;
+            }
+          };
+          store_row(n0, 0, inv0, s0);
+          store_row(n1r, 2, inv1, s1);
+        };
+        epilogue1(acc_block<0>(acc), tl.nblk + (split ? wg : 0));
+        if constexpr (kWide) {
+          // A wide tile counts as its two tiles in done1: block 0 is published before block
+          // 1's epilogue (split: each warpgroup's one block, then the second count at once).
+          sm90::fence_proxy_async_global();
+          tile_written(a.units_base + tl.unit);
+          if (!split) epilogue1(acc_block<1>(acc), tl.nblk + 1);
         }
-        const float s0 = num::act_scale(m0), s1 = num::act_scale(m1);
-        const float inv0 = 1.0f / s0, inv1 = 1.0f / s1;
-        // A token's 64 codes sit in one lane quad, two bytes a lane every 8 columns: a
-        // 4 x 4 word transpose inside the quad gives each lane 16 adjacent bytes, one
-        // 16-byte store a row (v14: eight 2-byte stores a row).
-        const int ql = lane % 4;
-        auto store_row = [&](int n, int base, float inv, float s) {
-          uint32_t w[4];  // w[k]: columns 16k + lcol + {0, 1} (lo) and 16k + 8 + lcol + {0, 1} (hi)
-#pragma unroll
-          for (int k = 0; k < 4; ++k)
-            w[k] =
-                uint32_t(pack_e4m3x2(acc[16 * k + base] * inv, acc[16 * k + base + 1] * inv)) |
-                (uint32_t(pack_e4m3x2(acc[16 * k + 8 + base] * inv, acc[16 * k + 8 + base + 1] * inv)) << 16);
-          quad_transpose(w, ql);  // w[m]: lane m's word ql
-          if (n < tl.rows) {
-            const uint4 v = make_uint4(__byte_perm(w[0], w[1], 0x5410), __byte_perm(w[2], w[3], 0x5410),
-                                       __byte_perm(w[0], w[1], 0x7632), __byte_perm(w[2], w[3], 0x7632));
-            *reinterpret_cast<uint4*>(a.act2 + size_t(tl.row0 + n) * a.inter_pitch + tl.nblk * 64 + 16 * ql) =
-                v;
-            if (ql == 0) a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + n] = s;
-          }
-        };
-        store_row(n0, 0, inv0, s0);
-        store_row(n1r, 2, inv1, s1);
       }
       // act2 is read next by other CTAs' TMA (async proxy): the proxy fence, then the
       // signal thread's release of done1 (see tile_written).
@@ -1734,52 +1885,73 @@ __global__ void __launch_bounds__(kThreads, 1)
         // Lane i < 16 loads the row_src entry of the warp's row i before the K loop.
         // (the row from a fresh read of the thread index: kept in a register from the
         // kernel's start, it was the 128-token kernel's one spill)
-        const int row_in_tile = (sm90::thread_index() - 128) / 32 * 16 + lane;  // wg * 64 + wwarp * 16 + lane
+        const int row_in_tile = (sm90::thread_index() - 128) / 32 * 16 + lane -
+                                (split ? wg * 64 : 0);  // rbase + wwarp * 16 + lane
         const int32_t src = load_row_src(a, tl, lane < 16 ? row_in_tile : tl.rows);
-        mainloop_tokens_m<2, kPairs>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, peer_empty, wg, lrow,
-                                     wsc, wsc, a.debug_skip | wg_idle(tl), pf);
+        const float* wsc1 = wsc + (shared ? a.Is : a.I) / 128;  // (wide tiles: block nblk + 1's)
+        if constexpr (kWide) {
+          if (split)
+            mainloop_tokens_m<2, false, true>(acc_block<0>(acc), tl.kblocks, rp, smem, full_bar, empty_bar, 0,
+                                              0, wg, lrow, wg ? wsc1 : wsc, wg ? wsc1 : wsc, a.debug_skip,
+                                              pf);
+          else
+            mainloop_tokens_m_wide<2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, wsc, wsc,
+                                      wsc1, a.debug_skip | wg_idle(tl), pf);
+        } else {
+          mainloop_tokens_m<2, kPairs>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, peer_empty, rbase, 0,
+                                       lrow, wsc, wsc, a.debug_skip | wg_idle(tl), pf);
+        }
         t_epi = pf.now();
         // ---- GEMM2 epilogue (tokens in M): the warp's 16 token rows x 128 columns ----
-        // Out through the warp's shared-memory tile, 64 columns a pass: stmatrix takes
-        // the accumulator fragment as it is (16-byte chunks XOR-swizzled by row, so
-        // neither side has bank conflicts), then each lane stores whole 16-byte
-        // chunks, four rows of 128 bytes a warp instruction. (v14 stored 4 bytes a
-        // lane straight from the fragment, 32 stores a thread: ncu found the
-        // epilogue waiting on the LSU queue.)
-        const uint8_t* warp_tile = staging + cwarp * SmemTail::kStagingWarpBytes;
-        const uint32_t stg = sm90::smem_u32(warp_tile);
-        const int chunk = lane % 8;
-        uint16_t* dst[4];  // rows 4k + lane / 8 of the warp's 16
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int n = wg * 64 + wwarp * 16 + 4 * k + lane / 8;
-          const int32_t s_n = __shfl_sync(0xffffffffu, src, 4 * k + lane / 8);
-          dst[k] = n < tl.rows ? out_row<kEp>(a, tl, tl.row0 + n, s_n) + tl.nblk * 128 + chunk * 8 : nullptr;
-        }
-        // stmatrix lane address: matrix q = lane / 8 is (row half q % 2, column block
-        // q / 2 of the pair), its row lane % 8.
-        const int st_row = (lane / 8) % 2 * 8 + lane % 8;
-        const uint32_t st_addr = stg + st_row * 128;
-#pragma unroll
-        for (int pass = 0; pass < 2; ++pass) {
-#pragma unroll
-          for (int m = 0; m < 4; ++m) {
-            const int j = pass * 8 + 2 * m;  // column blocks j, j + 1 (8 columns each)
-            const int c = 2 * m + lane / 16;
-            sm90::stmatrix_x4(st_addr + ((c ^ (st_row % 8)) * 16),
-                              num::bf16x2_encode(acc[4 * j], acc[4 * j + 1]),
-                              num::bf16x2_encode(acc[4 * j + 2], acc[4 * j + 3]),
-                              num::bf16x2_encode(acc[4 * j + 4], acc[4 * j + 5]),
-                              num::bf16x2_encode(acc[4 * j + 6], acc[4 * j + 7]));
-          }
-          __syncwarp();
+        // (output block nblk from the accumulators ac; a wide tile runs it for both blocks)
+        auto epilogue2 = [&](float(&ac)[64], int nblk) {
+          // Out through the warp's shared-memory tile, 64 columns a pass: stmatrix takes
+          // the accumulator fragment as it is (16-byte chunks XOR-swizzled by row, so
+          // neither side has bank conflicts), then each lane stores whole 16-byte
+          // chunks, four rows of 128 bytes a warp instruction. (v14 stored 4 bytes a
+          // lane straight from the fragment, 32 stores a thread: ncu found the
+          // epilogue waiting on the LSU queue.)
+          const uint8_t* warp_tile = staging + cwarp * SmemTail::kStagingWarpBytes;
+          const uint32_t stg = sm90::smem_u32(warp_tile);
+          const int chunk = lane % 8;
+          uint16_t* dst[4];  // rows 4k + lane / 8 of the warp's 16
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
-            const int r = 4 * k + lane / 8;
-            const uint4 v = *reinterpret_cast<const uint4*>(warp_tile + r * 128 + ((chunk ^ (r % 8)) * 16));
-            if (dst[k]) *reinterpret_cast<uint4*>(dst[k] + pass * 64) = v;
+            const int n = rbase + wwarp * 16 + 4 * k + lane / 8;
+            const int32_t s_n = __shfl_sync(0xffffffffu, src, 4 * k + lane / 8);
+            dst[k] = n < tl.rows ? out_row<kEp>(a, tl, tl.row0 + n, s_n) + nblk * 128 + chunk * 8 : nullptr;
           }
-          __syncwarp();  // the tile is free for the next pass (or tile)
+          // stmatrix lane address: matrix q = lane / 8 is (row half q % 2, column block
+          // q / 2 of the pair), its row lane % 8.
+          const int st_row = (lane / 8) % 2 * 8 + lane % 8;
+          const uint32_t st_addr = stg + st_row * 128;
+#pragma unroll
+          for (int pass = 0; pass < 2; ++pass) {
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+              const int j = pass * 8 + 2 * m;  // column blocks j, j + 1 (8 columns each)
+              const int c = 2 * m + lane / 16;
+              sm90::stmatrix_x4(st_addr + ((c ^ (st_row % 8)) * 16),
+                                num::bf16x2_encode(ac[4 * j], ac[4 * j + 1]),
+                                num::bf16x2_encode(ac[4 * j + 2], ac[4 * j + 3]),
+                                num::bf16x2_encode(ac[4 * j + 4], ac[4 * j + 5]),
+                                num::bf16x2_encode(ac[4 * j + 6], ac[4 * j + 7]));
+            }
+            __syncwarp();
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const int r = 4 * k + lane / 8;
+              const uint4 v = *reinterpret_cast<const uint4*>(warp_tile + r * 128 + ((chunk ^ (r % 8)) * 16));
+              if (dst[k]) *reinterpret_cast<uint4*>(dst[k] + pass * 64) = v;
+            }
+            __syncwarp();  // the tile is free for the next pass (or tile)
+          }
+        };
+        epilogue2(acc_block<0>(acc), tl.nblk + (split ? wg : 0));
+        if constexpr (kWide) {  // (two tiles in done2, as in GEMM1's done1)
+          sm90::fence_proxy_async_global();
+          tile_written(MoeWorkspaceLayout::kCounterDone2);
+          if (!split) epilogue2(acc_block<1>(acc), tl.nblk + 1);
         }
       }
       // The single-device combine reads y_rows by bulk copies (async proxy): the proxy
@@ -1792,9 +1964,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   // Pair tiles: this CTA's consumers are done with the peer's barriers; the CTA leaves
   // once the peer's consumers are done with its own (leave_cluster, at every exit below).
-  if (sh) sm90::cluster_arrive();
+  if (kPairs) sm90::cluster_arrive();
   auto leave_cluster = [&] {
-    if (sh) sm90::cluster_wait();
+    if (kPairs) sm90::cluster_wait();
   };
 
   if (a.debug_stop == 3) return leave_cluster();
@@ -1968,6 +2140,13 @@ void set_smem_attr() {
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(BN)));
   MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<BN, true>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(BN)));
+  if constexpr (BN == 128) {
+    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<128, false, true>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(128)));
+    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<128, false, false, true>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            smem_bytes(128, true)));
+  }
 }
 
 // The launch of pair tiles: clusters of two CTAs along x (cluster rank = blockIdx.x % 2).
@@ -1984,9 +2163,16 @@ struct PairLaunch {
 };
 
 template <int BN>
-void launch_fused(const KernelArgs& args, const TensorMaps& maps, int grid, bool pairs, cudaStream_t stream) {
+void launch_fused(const KernelArgs& args, const TensorMaps& maps, int grid, const FusedMoeConfig& cfg,
+                  cudaStream_t stream) {
   if constexpr (BN == 128) {
-    if (pairs) {
+    if (cfg.wide_tiles) {
+      fused_moe_kernel<128, false, false, true>
+          <<<grid, kThreads, smem_bytes(128, true), stream>>>(args, maps);
+      MEGAMOE_CUDA_CHECK_LAUNCH();
+      return;
+    }
+    if (cfg.pair_tiles) {
       PairLaunch l(grid, stream);
       MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&l.cfg, fused_moe_kernel<128, false, true>, args, maps));
       return;
@@ -2008,6 +2194,7 @@ struct FusedMoePlan {
   void* workspace = nullptr;
   int num_sms = 0;
   bool pairs_ok = false;  // the shape and grid allow pair tiles (FusedMoeConfig::pair_tiles)
+  bool wide_ok = false;   // the shape allows wide tiles (FusedMoeConfig::wide_tiles)
   TensorMaps maps[kNumBlockNs];
   KernelArgs args{};
 };
@@ -2077,17 +2264,25 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   wm.w2 = w2_map("w2", w.w2, I, E, 128);
   wm.w13h = w13_map("w13 (pair half)", w.w13, I, E, 4);
   wm.w2h = w2_map("w2 (pair half)", w.w2, I, E, 64);
+  // Wide tiles: two output blocks (I % 128 == 0, so 16 groups always fit; with an odd H / 128
+  // the w2 box is never used: wide_ok below needs every GEMM's output blocks in pairs).
+  wm.w13w = w13_map("w13 (wide)", w.w13, I, E, 16);
+  wm.w2w = w2_map("w2 (wide)", w.w2, I, E, uint32_t(std::min<uint64_t>(256, H)));
   if (s.has_shared()) {
     MEGAMOE_CHECK(Is % 128 == 0, "fused_moe needs the shared intermediate % 128 == 0");
     wm.sw13 = w13_map("shared_w13", w.shared_w13, Is, 1, 8);
     wm.sw2 = w2_map("shared_w2", w.shared_w2, Is, 1, 128);
     wm.sw13h = w13_map("shared_w13 (pair half)", w.shared_w13, Is, 1, 4);
     wm.sw2h = w2_map("shared_w2 (pair half)", w.shared_w2, Is, 1, 64);
+    wm.sw13w = w13_map("shared_w13 (wide)", w.shared_w13, Is, 1, 16);
+    wm.sw2w = w2_map("shared_w2 (wide)", w.shared_w2, Is, 1, uint32_t(std::min<uint64_t>(256, H)));
   } else {
     wm.sw13 = wm.w13;
     wm.sw2 = wm.w2;
     wm.sw13h = wm.w13h;
     wm.sw2h = wm.w2h;
+    wm.sw13w = wm.w13w;
+    wm.sw2w = wm.w2w;
   }
   for (int i = 0; i < kNumBlockNs; ++i) {
     const uint32_t bn = kBlockNs[i];
@@ -2120,13 +2315,12 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   set_smem_attr<48>();
   set_smem_attr<64>();
   set_smem_attr<128>();
-  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<128, false, true>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(128)));
   // Pair tiles need every GEMM's output blocks in pairs (I / 64, Is / 64 and H / 128 even),
   // one device, an even grid, and the grid's clusters resident at once (the kernel's grid
   // barrier waits for every CTA).
   const bool even_blocks =
       (s.inter / 64) % 2 == 0 && (s.shared_inter() / 64) % 2 == 0 && (s.hidden / 128) % 2 == 0;
+  plan->wide_ok = !ep && even_blocks;  // (wide tiles: the same pairs of output blocks, in one CTA)
   if (!ep && even_blocks && plan->num_sms % 2 == 0) {
     PairLaunch l(plan->num_sms, nullptr);
     int clusters = 0;
@@ -2267,7 +2461,10 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
   FusedMoeConfig cfg =
       choose_config(p->shape, int(std::min<int64_t>(int64_t(tokens) * R, 1 << 30)), p->num_sms);
   cfg.router_ksplit = kRouterSlices;
-  cfg.pair_tiles = cfg.pair_tiles && cfg.block_n == 128 && p->pairs_ok;
+  cfg.wide_tiles = cfg.wide_tiles && cfg.block_n == 128 && p->wide_ok;
+  // (wide tiles take the pair tiles' place: one CTA computes both tiles of a token pair)
+  cfg.pair_tiles = cfg.pair_tiles && cfg.block_n == 128 && p->pairs_ok && !cfg.wide_tiles;
+  cfg.stages = stages_for(cfg.block_n, cfg.wide_tiles);
   return cfg;
 }
 
@@ -2307,12 +2504,12 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
   a.y = t.y;
   const TensorMaps& maps = p->maps[block_n_index(cfg.block_n)];
   switch (cfg.block_n) {
-    case 8: launch_fused<8>(a, maps, p->num_sms, cfg.pair_tiles, stream); break;
-    case 16: launch_fused<16>(a, maps, p->num_sms, cfg.pair_tiles, stream); break;
-    case 32: launch_fused<32>(a, maps, p->num_sms, cfg.pair_tiles, stream); break;
-    case 48: launch_fused<48>(a, maps, p->num_sms, cfg.pair_tiles, stream); break;
-    case 64: launch_fused<64>(a, maps, p->num_sms, cfg.pair_tiles, stream); break;
-    default: launch_fused<128>(a, maps, p->num_sms, cfg.pair_tiles, stream); break;
+    case 8: launch_fused<8>(a, maps, p->num_sms, cfg, stream); break;
+    case 16: launch_fused<16>(a, maps, p->num_sms, cfg, stream); break;
+    case 32: launch_fused<32>(a, maps, p->num_sms, cfg, stream); break;
+    case 48: launch_fused<48>(a, maps, p->num_sms, cfg, stream); break;
+    case 64: launch_fused<64>(a, maps, p->num_sms, cfg, stream); break;
+    default: launch_fused<128>(a, maps, p->num_sms, cfg, stream); break;
   }
 }
 

@@ -38,15 +38,18 @@ FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms) {
   if (const char* env = std::getenv("MEGAMOE_PAIR_TILES")) c.pair_tiles = std::atoi(env) != 0;
   c.pair_weights = kPairWeights;
   if (const char* env = std::getenv("MEGAMOE_PAIR_WEIGHTS")) c.pair_weights = std::atoi(env) != 0;
-  c.stages = stages_for(c.block_n);
+  c.wide_tiles = kWideTiles && c.block_n == 128 && !c.half_tiles;
+  if (const char* env = std::getenv("MEGAMOE_WIDE_TILES")) c.wide_tiles = std::atoi(env) != 0;
+  c.stages = stages_for(c.block_n, c.wide_tiles);
   c.num_sms = num_sms;
   return c;
 }
 
 std::string describe(const FusedMoeConfig& c) {
-  return fmt::format("block_m={} block_n={} block_k={} stages={} smem={}B sms={} router_ksplit={}{}{}{}",
-                     kBlockM, c.block_n, kBlockK, c.stages, smem_bytes(c.block_n), c.num_sms, c.router_ksplit,
-                     c.half_tiles ? " half_tiles" : "", c.pair_tiles ? " pair_tiles" : "",
+  return fmt::format("block_m={} block_n={} block_k={} stages={} smem={}B sms={} router_ksplit={}{}{}{}{}",
+                     kBlockM, c.block_n, kBlockK, c.stages, smem_bytes(c.block_n, c.wide_tiles), c.num_sms,
+                     c.router_ksplit, c.half_tiles ? " half_tiles" : "", c.wide_tiles ? " wide_tiles" : "",
+                     c.pair_tiles ? " pair_tiles" : "",
                      c.pair_tiles && c.pair_weights ? " pair_weights" : "");
 }
 

@@ -115,6 +115,22 @@ constexpr bool kPairTiles = true;
 // previous binary): GLM-5 4096 -2..-4 %, 16384 -1..-3 %, 1024 level, DeepSeek-V3 and
 // GLM-5.3-Flash level; GLM-5 16384 reads 25.0 GB from DRAM against 29.7 sharing tokens.
 constexpr bool kPairWeights = true;
+// Wide tiles (FusedMoeConfig::wide_tiles): a 128-token tile against two neighbouring output
+// blocks in one CTA (the token pair's two tiles of TileIds, without a cluster): a stage holds
+// 256 weight rows and the 128 token rows (48 KB, four stages), and each consumer warpgroup
+// runs block 0's chain, folds it, then block 1's, through one wgmma buffer (192 registers of
+// accumulators and buffer). One full wait, one release and three TMA issues a stage for two
+// blocks' work, and 24 KB from L2 a block, as the pairs. v25's probe
+// (bench/probes/kloop_probe.cu, ab/v25_kloop_probe1.log): 603 cycles a 128 x 128 x 128 block
+// from L2 against 731-749 for the six-stage ring of one block a stage (pairs included);
+// GEMM2's four 64-deep steps a stage 800-810 against 825-848. v25, interleaved with the
+// previous binary (bench/results/ab/v25_wide_ab*.log): GLM-5 4096 -4 %, 16384 -2..-4 %,
+// DeepSeek-V3 16384 -4..-5 %, GLM-5.3-Flash 16384 -3 % (the K loops' cycles -9 % at 16384,
+// the rest is the power cap). With half tiles (up to kHalfTileMaxAvgRows) a wide tile of at
+// most 64 rows gives each warpgroup one block (fused_moe.cu's `split`): level at 1024 and
+// 2048 (+0.5 %; the four-stage ring waits for data there: 33 % of the K loops at 1024), so
+// wide tiles are chosen where half tiles are not.
+constexpr bool kWideTiles = true;
 
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
 // tiles (decode: 64+ blocks stream the router weight at once), up to
@@ -140,8 +156,9 @@ constexpr int route_medium_max_tokens(int experts) {
 }
 
 // Pipeline depth for a token block: as many stages as fit the budget, at most 12.
-constexpr int stage_bytes(int block_n) {
-  return ((kBlockM * kBlockK + block_n * kBlockK + 2 * block_n * 4) + 1023) / 1024 * 1024;
+// wide: a wide tile's stage (kWideTiles), two output blocks' weight rows.
+constexpr int stage_bytes(int block_n, bool wide = false) {
+  return (((wide ? 2 : 1) * kBlockM * kBlockK + block_n * kBlockK + 2 * block_n * 4) + 1023) / 1024 * 1024;
 }
 // Shared memory after the stage ring (byte offsets; fused_moe.cu places its regions
 // by these, so the size below and the kernel cannot drift apart).
@@ -168,15 +185,16 @@ struct SmemTail {
   }
 };
 constexpr int fixed_smem_bytes(int block_n) { return 1024 + SmemTail::bytes(block_n); }  // + alignment slack
-constexpr int stages_for(int block_n) {
-  const int s = (kSmemBudget - fixed_smem_bytes(block_n)) / stage_bytes(block_n);
+constexpr int stages_for(int block_n, bool wide = false) {
+  const int s = (kSmemBudget - fixed_smem_bytes(block_n)) / stage_bytes(block_n, wide);
   return s > 12 ? 12 : s;
 }
-constexpr int smem_bytes(int block_n) {
-  return fixed_smem_bytes(block_n) + stages_for(block_n) * stage_bytes(block_n);
+constexpr int smem_bytes(int block_n, bool wide = false) {
+  return fixed_smem_bytes(block_n) + stages_for(block_n, wide) * stage_bytes(block_n, wide);
 }
 // The GEMM2 staging (v15) fits beside the six prefill stages v14 had.
 static_assert(stages_for(128) == 6, "prefill stages");
+static_assert(stages_for(128, true) == 4, "wide tile stages");
 
 // Token block (wgmma N): the smallest of kBlockNs that holds the average rows per
 // routed expert plus its spread (choose_config), so decode tiles waste few columns,

@@ -156,6 +156,7 @@ class FusedMoe : public ::testing::Test {
     unsetenv("MEGAMOE_HALF_TILES");
     unsetenv("MEGAMOE_PAIR_TILES");
     unsetenv("MEGAMOE_PAIR_WEIGHTS");
+    unsetenv("MEGAMOE_WIDE_TILES");
   }
 };
 
@@ -177,6 +178,7 @@ TEST_F(FusedMoe, PairTilesSmall) {
   // 8 experts at T = 300: one to three blocks an expert, so routed weight pairs and odd
   // last blocks).
   setenv("MEGAMOE_BLOCK_N", "128", 1);
+  setenv("MEGAMOE_WIDE_TILES", "0", 1);
   setenv("MEGAMOE_PAIR_TILES", "1", 1);
   for (const char* weights : {"0", "1"}) {
     setenv("MEGAMOE_PAIR_WEIGHTS", weights, 1);
@@ -190,6 +192,42 @@ TEST_F(FusedMoe, PairTilesSmall) {
     const std::string cfg = make_case(reduced_shape(), 500, 200, 200).layer->config_for(200);
     EXPECT_NE(cfg.find("pair_tiles"), std::string::npos) << "pair tiles did not run: " << cfg;
     EXPECT_EQ(cfg.find("pair_weights") != std::string::npos, weights[0] == '1') << cfg;
+  }
+}
+
+TEST_F(FusedMoe, WideTilesSmall) {
+  // 128-token tiles against two output blocks in one CTA, with half tiles and without,
+  // against the reference: a small case for compute-sanitizer (the large-T cases run wide
+  // tiles by the heuristic's choice). 8 experts at T = 300: one to three token blocks an
+  // expert.
+  setenv("MEGAMOE_BLOCK_N", "128", 1);
+  setenv("MEGAMOE_WIDE_TILES", "1", 1);
+  for (const char* half : {"1", "0"}) {
+    setenv("MEGAMOE_HALF_TILES", half, 1);
+    check_against_reference(reduced_shape(), 200, 502);
+  }
+  MoeShape few = reduced_shape();
+  few.experts = 8;
+  check_against_reference(few, 300, 503);
+  const std::string cfg = make_case(reduced_shape(), 502, 200, 200).layer->config_for(200);
+  EXPECT_NE(cfg.find("wide_tiles"), std::string::npos) << "wide tiles did not run: " << cfg;
+}
+
+TEST_F(FusedMoe, WideTilesWhereHalfTilesAreOff) {
+  // The heuristic's choice (reduced shape: T / 8 rows an expert on average): wide tiles (four
+  // stages) above 96 rows, where half tiles stop; below, half tiles and the pairs.
+  const TestCase tc = make_case(reduced_shape(), 1, 8, 2048);
+  for (int T : {1024, 2048}) {
+    const std::string cfg = tc.layer->config_for(T);
+    EXPECT_NE(cfg.find("stages=4"), std::string::npos) << T << ": " << cfg;
+    EXPECT_NE(cfg.find("wide_tiles"), std::string::npos) << T << ": " << cfg;
+    EXPECT_EQ(cfg.find("half_tiles"), std::string::npos) << T << ": " << cfg;
+  }
+  for (int T : {256, 512}) {
+    const std::string cfg = tc.layer->config_for(T);
+    EXPECT_NE(cfg.find("block_n=128"), std::string::npos) << T << ": " << cfg;
+    EXPECT_NE(cfg.find("half_tiles pair_tiles"), std::string::npos) << T << ": " << cfg;
+    EXPECT_EQ(cfg.find("wide_tiles"), std::string::npos) << T << ": " << cfg;
   }
 }
 
@@ -261,14 +299,17 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
     // 128-token tiles in CTA pairs (clusters of two, the token tile multicast) and alone:
     // the same bytes (the odd shape's H / 128 = 9 output blocks cannot pair: it runs alone).
     setenv("MEGAMOE_BLOCK_N", "128", 1);
-    // Pairs sharing the token tile (PAIR_WEIGHTS=0) or the weight tile (1).
-    for (const char* pairs : {"0", "1", "w"}) {
-      setenv("MEGAMOE_PAIR_TILES", pairs[0] == '0' ? "0" : "1", 1);
+    // Pairs sharing the token tile (PAIR_WEIGHTS=0) or the weight tile (1), and wide tiles
+    // (both tiles of a token pair in one CTA; the odd shape cannot take them either).
+    for (const char* pairs : {"0", "1", "w", "W"}) {
+      setenv("MEGAMOE_WIDE_TILES", pairs[0] == 'W' ? "1" : "0", 1);
+      setenv("MEGAMOE_PAIR_TILES", pairs[0] == '0' || pairs[0] == 'W' ? "0" : "1", 1);
       setenv("MEGAMOE_PAIR_WEIGHTS", pairs[0] == 'w' ? "1" : "0", 1);
       const GpuRun c = run_gpu(layer, x, T);
       EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
           << s.describe() << ": pair tiles " << pairs << " change the bytes (" << layer.config_for(T) << ")";
     }
+    unsetenv("MEGAMOE_WIDE_TILES");
     unsetenv("MEGAMOE_PAIR_TILES");
     unsetenv("MEGAMOE_PAIR_WEIGHTS");
     unsetenv("MEGAMOE_BLOCK_N");

@@ -94,6 +94,10 @@ struct FusedMoeConfig {
   // each loading half of the weight tile for both (an expert's odd last token block keeps
   // the shared token tile): the weight tile is read once for both token blocks.
   bool pair_weights = false;
+  // 128-token tiles against two neighbouring output blocks in one CTA (no cluster): a
+  // stage holds both blocks' weight rows, the token rows once (kWideTiles). Replaces the
+  // pair tiles where the shape allows it (fused_moe_config).
+  bool wide_tiles = false;
 };
 
 struct DeviceTensors {
