@@ -55,6 +55,9 @@ enum Fold : int {
   kWide = 3,        // a 256-row weight stage: chain, wait, fold for rows 0-127, then 128-255 (one buffer)
   kG2 = 4,          // the kernel's GEMM2: two 64-deep chains (ba, bb) a stage, a fold each
   kWide2 = 5,       // GEMM2 on a 256-row stage: four 64-deep chain, wait, fold steps (one buffer)
+  kWide1n64 = 6,    // GEMM1 on a 256-row stage in 64-row chains, two 32-float buffers: one chain
+                    // runs while the previous one is folded
+  kWide2n64 = 7,    // the same for GEMM2 (eight 64 x 64 x 64 chains a stage)
 };
 
 // What fills a stage.
@@ -96,7 +99,8 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
     kloop(const uint8_t* __restrict__ src, size_t src_bytes, const float* __restrict__ wscale, int nstages,
           long long* cycles, float* sink, const __grid_constant__ CUtensorMap wmap,
           const __grid_constant__ CUtensorMap xmap, int wrows, int xrows) {
-  using G = Geo<kNW, kFold == kWide || kFold == kWide2>;
+  constexpr bool kWideGeo = kFold == kWide || kFold == kWide2 || kFold == kWide1n64 || kFold == kWide2n64;
+  using G = Geo<kNW, kWideGeo>;
   constexpr int kStages = G::kStages, kWBytes = G::kWBytes, kXBytes = G::kXBytes,
                 kStageBytes = G::kStageBytes;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -332,6 +336,60 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
       fold_into(acc2, ba, u0, u0, u1, u1);
       if (kRel & 1) release(k);
     }
+  } else if (kFold == kWide1n64 || kFold == kWide2n64) {
+    // Chain c of a stage: block b, weight-row half r (and GEMM2: K half h), into buffer c % 2.
+    float bx[32], by[32];
+    constexpr int kChains = kFold == kWide1n64 ? 4 : 8;
+    auto chain64 = [&](float(&buf)[32], int s, int c) {
+      const int b = kFold == kWide1n64 ? c / 2 : c / 4, r = kFold == kWide1n64 ? c % 2 : (c / 2) % 2;
+      const int h = kFold == kWide1n64 ? 0 : c % 2, steps = kFold == kWide1n64 ? 4 : 2;
+      const uint32_t so = uint32_t(s) * (kStageBytes >> 4), wo = uint32_t(b * 128 + r * 64) * 128 / 16;
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (k < steps)
+          sm90::Wgmma<64>::mma(buf, sm90::smem_desc_sw128_at(dx0 + so + 2 * (2 * h + k)),
+                               sm90::smem_desc_sw128_at(dw0 + wo + so + 2 * (2 * h + k)), k);
+      sm90::wgmma_commit();
+    };
+    auto fold64 = [&](const float(&buf)[32], int c, float g0, float u0, float g1, float u1) {
+      const int b = kFold == kWide1n64 ? c / 2 : c / 4, r = kFold == kWide1n64 ? c % 2 : (c / 2) % 2;
+      const int h = kFold == kWide1n64 ? 0 : c % 2;
+      const float q0a = kFold == kWide1n64 ? g0 : (h ? u0 : g0), q1a = kFold == kWide1n64 ? g1 : (h ? u1 : g1);
+      const float q0b = kFold == kWide1n64 ? u0 : q0a, q1b = kFold == kWide1n64 ? u1 : q1a;
+      float(&a)[64] = b ? acc2 : acc;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float q0 = (j % 2 == 0) ? q0a : q0b, q1 = (j % 2 == 0) ? q1a : q1b;
+        a[r * 32 + j * 4 + 0] = fmaf(buf[j * 4 + 0], q0, a[r * 32 + j * 4 + 0]);
+        a[r * 32 + j * 4 + 1] = fmaf(buf[j * 4 + 1], q0, a[r * 32 + j * 4 + 1]);
+        a[r * 32 + j * 4 + 2] = fmaf(buf[j * 4 + 2], q1, a[r * 32 + j * 4 + 2]);
+        a[r * 32 + j * 4 + 3] = fmaf(buf[j * 4 + 3], q1, a[r * 32 + j * 4 + 3]);
+      }
+    };
+    for (int k = 0; k < nstages; ++k) {
+      const int s = k % kStages;
+      wait_full(k);
+      float g0, u0, g1, u1;
+      chain64(bx, s, 0);
+      chain64(by, s, 1);
+      products(s, k, g0, u0, g1, u1);
+#pragma unroll
+      for (int c = 0; c < kChains; ++c) {
+        if (c + 1 < kChains)
+          sm90::wgmma_wait<1>();
+        else
+          sm90::wgmma_wait<0>();
+        if (c + 1 == kChains) release(k);
+        if (c % 2 == 0) {
+          fold64(bx, c, g0, u0, g1, u1);
+          if (c + 2 < kChains) chain64(bx, s, c + 2);
+        } else {
+          fold64(by, c, g0, u0, g1, u1);
+          if (c + 2 < kChains) chain64(by, s, c + 2);
+        }
+      }
+    }
   } else if (kFold == kWide) {
     // One wait and one release a stage for two 128 x 128 x 128 units; the other
     // warpgroup's chains run during this one's folds.
@@ -391,7 +449,8 @@ struct Variant2 {
 
 template <int F, int W, int B, int NW = 2, int R = 0, int CL = 1, int X = 0>
 Variant2 make(const char* name, bool hbm = false) {
-  return {name, kloop<F, W, B, NW, R, CL, X>, W, NW, B, hbm, CL, F == kWide || F == kWide2};
+  return {name, kloop<F, W, B, NW, R, CL, X>, W, NW, B, hbm, CL,
+          F == kWide || F == kWide2 || F == kWide1n64 || F == kWide2n64};
 }
 
 int main(int argc, char** argv) {
@@ -486,6 +545,11 @@ int main(int argc, char** argv) {
       make<kG2, 2, kTma64, 2, 0>("GEMM2, TMA 24K L2, rel before"),
       make<kWide2, 2, kArrive, 2, 0>("wide GEMM2, bars, rel before (per unit)"),
       make<kWide2, 2, kTma, 2, 0>("wide GEMM2, TMA 48K L2, rel before (per unit)"),
+      make<kWide1n64, 2, kNoBars>("wide n64 x2, no bars (per unit)"),
+      make<kWide1n64, 2, kArrive, 2, 0>("wide n64 x2, bars (per unit)"),
+      make<kWide1n64, 2, kTma, 2, 0>("wide n64 x2, TMA 48K L2 (per unit)"),
+      make<kWide2n64, 2, kArrive, 2, 0>("wide GEMM2 n64 x2, bars (per unit)"),
+      make<kWide2n64, 2, kTma, 2, 0>("wide GEMM2 n64 x2, TMA 48K L2 (per unit)"),
   };
   // Tensor maps with the kernel's box geometry (128-byte rows, 128-byte swizzle): an
   // L2-resident 16 MB [2048][8192] and an HBM-sized 1 GB [131072][8192] source.
