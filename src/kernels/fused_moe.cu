@@ -193,7 +193,7 @@ struct KernelArgs {
 // warpgroup runs its K loop (the consumers' wg_idle): stages handed back, nothing computed.
 constexpr int kSkipMma = 1;    // no wgmma and no fold
 constexpr int kSkipLoads = 4;  // no TMA loads (stages complete at once: the consumers' own speed)
-constexpr int kSkipFold = 8;   // prefill K loops without the fold (wgmma and stage handling only)
+constexpr int kSkipFold = 8;   // prefill K loops without the fold (wgmma, stages; not the wide loop)
 
 struct TensorMaps {
   CUtensorMap w13, sw13, w2, sw2;      // weights (shared by every block_n)
@@ -1038,7 +1038,8 @@ __device__ __forceinline__ float (&acc_block(float (&acc)[N]))[64] {
 // columns each) share their 128-row scale blocks, so one set of products serves both;
 // GEMM2: four 64-deep chains a stage (num::kInterGroup), block 1's weight scales at
 // scale1. The fold order of each accumulator is mainloop_tokens_m's, so the bytes do not
-// depend on the tile shape.
+// depend on the tile shape. (kSkipFold is not taken here: that branch moved ptxas's schedule
+// of this loop, v25; the measurement build is bench/results/ab/v25_wide_skipfold_hack.diff.)
 template <int kGemm>
 __device__ __forceinline__ void mainloop_tokens_m_wide(float (&acc)[128], int kblocks,
                                                        RingPos<stages_for(128, true)>& rp, uint8_t* smem,
