@@ -908,6 +908,27 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
 // before half 0 is folded, so the tensor cores work on half 1 during that fold (v6
 // waited for each 2-wgmma chain before folding it: tensor pipe 32 % busy at T =
 // 16384, ncu).
+// The tokens-in-M fold: acc += buf * product; fragment columns 8j..: j even = gate (pg),
+// j odd = up (pu); rows r0 (pg0, pu0) / r1 (pg1, pu1).
+__device__ __forceinline__ void fold_tokens_m(float (&acc)[64], const float (&buf)[64], float pg0, float pu0,
+                                              float pg1, float pu1) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const float q0 = (j % 2 == 0) ? pg0 : pu0, q1 = (j % 2 == 0) ? pg1 : pu1;
+    acc[j * 4 + 0] = fmaf(buf[j * 4 + 0], q0, acc[j * 4 + 0]);
+    acc[j * 4 + 1] = fmaf(buf[j * 4 + 1], q0, acc[j * 4 + 1]);
+    acc[j * 4 + 2] = fmaf(buf[j * 4 + 2], q1, acc[j * 4 + 2]);
+    acc[j * 4 + 3] = fmaf(buf[j * 4 + 3], q1, acc[j * 4 + 3]);
+  }
+}
+
+// Block h's 64 accumulators of a tokens-in-M tile's array (a wide tile holds two blocks).
+template <int h, int N>
+__device__ __forceinline__ float (&acc_block(float (&acc)[N]))[64] {
+  static_assert(64 * (h + 1) <= N, "accumulator block");
+  return *reinterpret_cast<float(*)[64]>(acc + 64 * h);
+}
+
 // kWide: on a wide tile's stage (mainloop_tokens_m_wide), one warpgroup a block: a wide
 // tile of at most 64 rows runs block `wblk` = wg on token rows xrow0 = 0 in each warpgroup
 // (otherwise xrow0 = 64 wg, wblk = 0: the warpgroup's own 64 token rows of the one block).
@@ -961,16 +982,8 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     }
     return;
   }
-  // acc += buf * product; columns 8j..: j even = gate (pg), j odd = up (pu); rows r0 / r1.
   auto fold = [&](const float(&buf)[64], float pg0, float pu0, float pg1, float pu1) {
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const float q0 = (j % 2 == 0) ? pg0 : pu0, q1 = (j % 2 == 0) ? pg1 : pu1;
-      acc[j * 4 + 0] = fmaf(buf[j * 4 + 0], q0, acc[j * 4 + 0]);
-      acc[j * 4 + 1] = fmaf(buf[j * 4 + 1], q0, acc[j * 4 + 1]);
-      acc[j * 4 + 2] = fmaf(buf[j * 4 + 2], q1, acc[j * 4 + 2]);
-      acc[j * 4 + 3] = fmaf(buf[j * 4 + 3], q1, acc[j * 4 + 3]);
-    }
+    fold_tokens_m(acc, buf, pg0, pu0, pg1, pu1);
   };
 
   // This stage's products (GEMM1: one x scale per 128-block; GEMM2: one per half).
@@ -1022,13 +1035,6 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   pf.add(kPfLoop, t_loop);
 }
 
-// Block h's 64 accumulators of a tokens-in-M tile's array (a wide tile holds two blocks).
-template <int h, int N>
-__device__ __forceinline__ float (&acc_block(float (&acc)[N]))[64] {
-  static_assert(64 * (h + 1) <= N, "accumulator block");
-  return *reinterpret_cast<float(*)[64]>(acc + 64 * h);
-}
-
 // Wide tiles (kWideTiles): a stage holds the weight rows of output blocks nblk and
 // nblk + 1 (16 KB each) and the 128 token rows once; acc[0..63] accumulates block 0 and
 // acc[64..127] block 1, each in mainloop_tokens_m's fragment layout. A warpgroup runs block
@@ -1064,16 +1070,9 @@ __device__ __forceinline__ void mainloop_tokens_m_wide(float (&acc)[128], int kb
   float ba[64];
   const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes + wg * 64 * 128);
   const uint32_t dw0 = sm90::smem_desc_sw128_lo(smem);
-  // acc[64 h ..] += buf * product (mainloop_tokens_m's fold, for block h).
-  auto fold = [&](int h, float pg0, float pu0, float pg1, float pu1) {
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const float q0 = (j % 2 == 0) ? pg0 : pu0, q1 = (j % 2 == 0) ? pg1 : pu1;
-      acc[64 * h + j * 4 + 0] = fmaf(ba[j * 4 + 0], q0, acc[64 * h + j * 4 + 0]);
-      acc[64 * h + j * 4 + 1] = fmaf(ba[j * 4 + 1], q0, acc[64 * h + j * 4 + 1]);
-      acc[64 * h + j * 4 + 2] = fmaf(ba[j * 4 + 2], q1, acc[64 * h + j * 4 + 2]);
-      acc[64 * h + j * 4 + 3] = fmaf(ba[j * 4 + 3], q1, acc[64 * h + j * 4 + 3]);
-    }
+  // A block's accumulators (acc_block) += ba * product (mainloop_tokens_m's fold).
+  auto fold = [&](float(&blk)[64], float pg0, float pu0, float pg1, float pu1) {
+    fold_tokens_m(blk, ba, pg0, pu0, pg1, pu1);
   };
   auto mma_wait = [&] {
     const uint32_t t0 = pf.now();
@@ -1092,27 +1091,27 @@ __device__ __forceinline__ void mainloop_tokens_m_wide(float (&acc)[128], int kb
       const float x0 = s_s[r0], x1 = s_s[r1];
       const float pg0 = x0 * sg, pu0 = x0 * su, pg1 = x1 * sg, pu1 = x1 * su;
       mma_wait();
-      fold(0, pg0, pu0, pg1, pu1);
+      fold(acc_block<0>(acc), pg0, pu0, pg1, pu1);
       issue_chain<128, kBlockK / num::kMmaStepK>(ba, dx0 + so, dw0 + so + kBlock1, 0);
       mma_wait();
       release_stage(&empty_bar[rp.stage]);
-      fold(1, pg0, pu0, pg1, pu1);
+      fold(acc_block<1>(acc), pg0, pu0, pg1, pu1);
     } else {
       issue_chain<128, 2>(ba, dx0 + so, dw0 + so, 0);
       const float w0 = __ldg(gate_scale + kb), w1 = __ldg(scale1 + kb);
       const float xa0 = s_s[r0], xa1 = s_s[r1], xb0 = s_s[BN + r0], xb1 = s_s[BN + r1];
       mma_wait();
-      fold(0, xa0 * w0, xa0 * w0, xa1 * w0, xa1 * w0);
+      fold(acc_block<0>(acc), xa0 * w0, xa0 * w0, xa1 * w0, xa1 * w0);
       issue_chain<128, 2>(ba, dx0 + so, dw0 + so, 2);
       mma_wait();
-      fold(0, xb0 * w0, xb0 * w0, xb1 * w0, xb1 * w0);
+      fold(acc_block<0>(acc), xb0 * w0, xb0 * w0, xb1 * w0, xb1 * w0);
       issue_chain<128, 2>(ba, dx0 + so, dw0 + so + kBlock1, 0);
       mma_wait();
-      fold(1, xa0 * w1, xa0 * w1, xa1 * w1, xa1 * w1);
+      fold(acc_block<1>(acc), xa0 * w1, xa0 * w1, xa1 * w1, xa1 * w1);
       issue_chain<128, 2>(ba, dx0 + so, dw0 + so + kBlock1, 2);
       mma_wait();
       release_stage(&empty_bar[rp.stage]);
-      fold(1, xb0 * w1, xb0 * w1, xb1 * w1, xb1 * w1);
+      fold(acc_block<1>(acc), xb0 * w1, xb0 * w1, xb1 * w1, xb1 * w1);
     }
     pf.count(kPfStages);
     pf.count(kPfStages);
