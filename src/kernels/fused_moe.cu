@@ -1678,6 +1678,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool shared = tl.e == a.E;
     // A wide tile of at most 64 rows with half tiles on: each warpgroup computes one of its
     // two output blocks (block wg) on token rows 0..63 instead of warpgroup 1 idling.
+    // (So wg_idle is 0 on a wide tile that is not split; the wide loop still takes it:
+    // without that operand ptxas laid out the whole wide kernel anew, v25.)
     const bool split = kWide && a.half_tiles && tl.rows <= 64;
     const int rbase = split ? 0 : wg * 64;  // the warpgroup's first token row in the tile
 #pragma unroll
@@ -1775,7 +1777,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // ---- GEMM1 epilogue (tokens in M) ----
         // (output block nblk from the accumulators ac; a wide tile runs it for both blocks)
         auto epilogue1 = [&](float(&ac)[64], int nblk) {
-          // Thread holds tokens n0 = wg * 64 + lrow and n0 + 8; for i in 0..7 the gate
+          // Thread holds tokens n0 = rbase + lrow and n0 + 8; for i in 0..7 the gate
           // (ac[8i + c], j = 2i) and up (ac[8i + 4 + c], j = 2i + 1) values of
           // intermediate column 8i + lcol + c. A token's 64 columns sit in one lane quad.
           const int n0 = n0p, n1r = n0 + 8;
@@ -2318,8 +2320,8 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   // Pair tiles need every GEMM's output blocks in pairs (I / 64, Is / 64 and H / 128 even),
   // one device, an even grid, and the grid's clusters resident at once (the kernel's grid
   // barrier waits for every CTA).
-  const bool even_blocks =
-      (s.inter / 64) % 2 == 0 && (s.shared_inter() / 64) % 2 == 0 && (s.hidden / 128) % 2 == 0;
+  // (I / 64 and Is / 64 are even already: I and Is are multiples of 128, checked above.)
+  const bool even_blocks = (s.hidden / 128) % 2 == 0;
   plan->wide_ok = !ep && even_blocks;  // (wide tiles: the same pairs of output blocks, in one CTA)
   if (!ep && even_blocks && plan->num_sms % 2 == 0) {
     PairLaunch l(plan->num_sms, nullptr);

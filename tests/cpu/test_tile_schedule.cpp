@@ -130,7 +130,7 @@ TEST(TileSchedule, BalancesDecodeBytes) {
 // the token blocks by chunks in increasing id order.
 struct IdCase {
   int E, S, H, I, BN, T, K;  // S shared experts (Is = S * I); T tokens, K routed slots each
-  int sh;                    // 1: pair tiles
+  int sh;                    // 1: pair tiles (and wide tiles: both ranks' tiles in one CTA)
   uint64_t seed;
   int wpairs = 0;  // pair tiles sharing the weight tile
 };

@@ -202,15 +202,18 @@ TEST_F(FusedMoe, WideTilesSmall) {
   // expert.
   setenv("MEGAMOE_BLOCK_N", "128", 1);
   setenv("MEGAMOE_WIDE_TILES", "1", 1);
+  const TestCase tc = make_case(reduced_shape(), 502, 200, 200);
   for (const char* half : {"1", "0"}) {
     setenv("MEGAMOE_HALF_TILES", half, 1);
     check_against_reference(reduced_shape(), 200, 502);
+    // (half tiles on: the split, each warpgroup one block)
+    const std::string cfg = tc.layer->config_for(200);
+    EXPECT_NE(cfg.find(half[0] == '1' ? "half_tiles wide_tiles" : " wide_tiles"), std::string::npos)
+        << "wide tiles did not run (MEGAMOE_HALF_TILES=" << half << "): " << cfg;
   }
   MoeShape few = reduced_shape();
   few.experts = 8;
   check_against_reference(few, 300, 503);
-  const std::string cfg = make_case(reduced_shape(), 502, 200, 200).layer->config_for(200);
-  EXPECT_NE(cfg.find("wide_tiles"), std::string::npos) << "wide tiles did not run: " << cfg;
 }
 
 TEST_F(FusedMoe, WideTilesWhereHalfTilesAreOff) {
