@@ -22,20 +22,13 @@
 #include <random>
 #include <vector>
 
+#include "cuda_check.h"
 #include "sm90_ptx.cuh"
 
 namespace sm90 = megamoe::sm90;
 
-#define CK(x)                                                                         \
-  do {                                                                                \
-    cudaError_t e_ = (x);                                                             \
-    if (e_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
-
 constexpr int kM = 64, kN = 64, kK = 64;  // one 128-byte swizzled row of K per operand row
+constexpr int kSteps = kK / 16;
 
 // D[64 x 64] += A[64 x 16] * B[64 x 16]^T, BF16 inputs both K-major from 128-byte-swizzled
 // shared memory (sm90_ptx.cuh's descriptors), F32 accumulators (Wgmma<64>'s layout).
@@ -70,7 +63,6 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
                : "r"(addr)
                : "memory");
 }
-constexpr int kSteps = kK / 16;
 
 // 128-byte swizzle of a [rows][64] BF16 tile: 16-byte chunk c of row r at chunk c ^ (r % 8).
 __device__ __forceinline__ int swz(int r, int k) { return r * 64 + (((k / 8) ^ (r % 8)) * 8) + k % 8; }
@@ -153,12 +145,12 @@ int main(int argc, char** argv) {
   std::vector<float> C(kM * kN), dw(kM * kN), dr(kM * kN), dm(kM * kN);
   uint16_t *gA, *gB;
   float *gC, *gw, *gr, *gm;
-  CK(cudaMalloc(&gA, A.size() * 2));
-  CK(cudaMalloc(&gB, B.size() * 2));
-  CK(cudaMalloc(&gC, C.size() * 4));
-  CK(cudaMalloc(&gw, C.size() * 4));
-  CK(cudaMalloc(&gr, C.size() * 4));
-  CK(cudaMalloc(&gm, C.size() * 4));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&gA, A.size() * 2));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&gB, B.size() * 2));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&gC, C.size() * 4));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&gw, C.size() * 4));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&gr, C.size() * 4));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&gm, C.size() * 4));
   long long diff = 0, diff_rs = 0, total = 0, w_better = 0, m_better = 0;
   for (int t = 0; t < trials; ++t) {
     // exponent spread by trial: 0 (all near 1), then up to +-24
@@ -169,17 +161,17 @@ int main(int argc, char** argv) {
     for (auto& v : A) v = to_bf16(val());
     for (auto& v : B) v = to_bf16(val());
     for (auto& v : C) v = t % 2 ? val() : 0.0f;
-    CK(cudaMemcpy(gA, A.data(), A.size() * 2, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(gB, B.data(), B.size() * 2, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(gC, C.data(), C.size() * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemset(gw, 0xFF, C.size() * 4));
-    CK(cudaMemset(gr, 0xFF, C.size() * 4));
-    CK(cudaMemset(gm, 0xFF, C.size() * 4));
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(gA, A.data(), A.size() * 2, cudaMemcpyHostToDevice));
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(gB, B.data(), B.size() * 2, cudaMemcpyHostToDevice));
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(gC, C.data(), C.size() * 4, cudaMemcpyHostToDevice));
+    MEGAMOE_CUDA_CHECK(cudaMemset(gw, 0xFF, C.size() * 4));
+    MEGAMOE_CUDA_CHECK(cudaMemset(gr, 0xFF, C.size() * 4));
+    MEGAMOE_CUDA_CHECK(cudaMemset(gm, 0xFF, C.size() * 4));
     probe_kernel<<<1, 128>>>(gA, gB, gC, gw, gr, gm);
-    CK(cudaGetLastError());
-    CK(cudaMemcpy(dw.data(), gw, C.size() * 4, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(dr.data(), gr, C.size() * 4, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(dm.data(), gm, C.size() * 4, cudaMemcpyDeviceToHost));
+    MEGAMOE_CUDA_CHECK(cudaGetLastError());
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(dw.data(), gw, C.size() * 4, cudaMemcpyDeviceToHost));
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(dr.data(), gr, C.size() * 4, cudaMemcpyDeviceToHost));
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(dm.data(), gm, C.size() * 4, cudaMemcpyDeviceToHost));
     for (int i = 0; i < kM * kN; ++i) {
       ++total;
       if (std::memcmp(&dr[i], &dw[i], 4) != 0) ++diff_rs;
