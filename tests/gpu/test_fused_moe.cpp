@@ -303,15 +303,21 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
     // 128-token tiles in CTA pairs (clusters of two, the token tile multicast) and alone:
     // the same bytes (the odd shape's H / 128 = 9 output blocks cannot pair: it runs alone).
     setenv("MEGAMOE_BLOCK_N", "128", 1);
-    // Pairs sharing the token tile (PAIR_WEIGHTS=0) or the weight tile (1), and wide tiles
-    // (both tiles of a token pair in one CTA; the odd shape cannot take them either).
-    for (const char* pairs : {"0", "1", "w", "W"}) {
-      setenv("MEGAMOE_WIDE_TILES", pairs[0] == 'W' ? "1" : "0", 1);
-      setenv("MEGAMOE_PAIR_TILES", pairs[0] == '0' || pairs[0] == 'W' ? "0" : "1", 1);
-      setenv("MEGAMOE_PAIR_WEIGHTS", pairs[0] == 'w' ? "1" : "0", 1);
+    // Pairs sharing the token tile or the weight tile, and wide tiles (both tiles of a token
+    // pair in one CTA; the odd shape cannot take them either).
+    struct Tiles {
+      const char *name, *wide, *pairs, *pair_weights;  // the MEGAMOE_* switches
+    };
+    for (const Tiles& v :
+         {Tiles{"alone", "0", "0", "0"}, Tiles{"pairs sharing tokens", "0", "1", "0"},
+          Tiles{"pairs sharing weights", "0", "1", "1"}, Tiles{"wide tiles", "1", "0", "0"}}) {
+      setenv("MEGAMOE_WIDE_TILES", v.wide, 1);
+      setenv("MEGAMOE_PAIR_TILES", v.pairs, 1);
+      setenv("MEGAMOE_PAIR_WEIGHTS", v.pair_weights, 1);
       const GpuRun c = run_gpu(layer, x, T);
       EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
-          << s.describe() << ": pair tiles " << pairs << " change the bytes (" << layer.config_for(T) << ")";
+          << s.describe() << ": 128-token tiles " << v.name << " change the bytes (" << layer.config_for(T)
+          << ")";
     }
     unsetenv("MEGAMOE_WIDE_TILES");
     unsetenv("MEGAMOE_PAIR_TILES");
