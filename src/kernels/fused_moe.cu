@@ -17,19 +17,21 @@
 //                are M (64 per warpgroup) and the 128 weight rows N, so the
 //                scale fold costs one FFMA per accumulator (swap_ab()).
 //
-// GEMM1 tile: 64 intermediate columns of one expert: gate rows [64p, 64p+64)
-// and up rows [64p, 64p+64), interleaved by 8 rows in shared memory by a 5-D
-// TMA box over the checkpoint layout, so each thread's accumulator holds a
-// gate value and its up partner (fragment rows r and r+8, or with tokens in M
-// columns 8j and 8j+8) and SwiGLU runs in registers. The epilogue multiplies
-// the routing weight and quantizes per token over the tile's 64 columns
-// (num::kInterGroup, float32 scale) into act2.
+// GEMM1 tile: 128 intermediate columns of one expert (output block nblk: one
+// act2 scale group, num::kInterGroup), as two 64-column halves: gate rows
+// [128p + 64h, +64) and the same up rows, interleaved by 8 rows in shared memory
+// by a 5-D TMA box over the checkpoint layout, so each thread's accumulator holds
+// a gate value and its up partner (fragment rows r and r+8, or with tokens in M
+// columns 8j and 8j+8) and SwiGLU runs in registers. A stage holds one half's 128
+// weight rows (the K block's two halves in consecutive stages), or a wide tile's
+// both. The epilogue multiplies the routing weight and quantizes per token over the
+// tile's 128 columns (float32 scale) into act2.
 // GEMM2 tile: 128 hidden outputs x block_n rows over K = I; BF16 results go to
 // per-slot rows y_rows, on one device at [token][slot] (each sorted row's place
 // from row_src, written in phase 0), so a token's slot rows are adjacent for the
-// combine. GEMM1 folds the tensor-core partial sum every 128 columns
-// (num::kGemm1FoldK), GEMM2 every 64 (num::kInterGroup), with scale_act * scale_w
-// in float32. Finally every CTA
+// combine. Both GEMMs fold the tensor-core partial sum every 128 columns
+// (num::kGemm1FoldK, num::kInterGroup), with scale_act * scale_w in float32.
+// Finally every CTA
 // reduces a share of the tokens over their slots in ascending order (routed
 // 0..K-1, then shared): the output bytes do not depend on tile sizes or SM
 // count.
@@ -53,10 +55,10 @@
 // (barrier.cluster).
 //
 // Wide tiles (kWide, heuristics.h's kWideTiles; they take the pair tiles' place where half
-// tiles are off): one CTA computes both tiles of a token pair (output blocks 2j, 2j + 1 of
-// one token block, TileIds with sh = 1), from a four-stage ring whose stage holds both
-// blocks' weight rows and the token rows once (mainloop_tokens_m_wide); a wide tile counts
-// as two tiles in the completion counters.
+// tiles are off): a four-stage ring whose stage holds 256 weight rows and the token rows
+// once: a GEMM1 tile's two halves, or both tiles of a GEMM2 token pair (output blocks 2j,
+// 2j + 1 of one token block, TileIds with sh2 = 1), mainloop_tokens_m_blocks; a wide GEMM2
+// tile counts as two tiles in done2.
 #include <cuda.h>
 #include <cuda_fp8.h>
 
@@ -152,7 +154,7 @@ struct EpArgs {
 
 struct KernelArgs {
   int H, I, Is, E, K;  // E: the experts this kernel computes (E/R under expert parallelism)
-  // Output blocks of a routed GEMM1 (I / 64), the shared one's (Is / 64) and a GEMM2 (H / 128):
+  // Output blocks of a routed GEMM1 (I / 128), the shared one's (Is / 128) and a GEMM2 (H / 128):
   // read from here where a tile is decoded (computed there, ptxas kept them live and spilled).
   int n1, n1s, n2;
   int has_shared;
@@ -193,7 +195,7 @@ struct KernelArgs {
 // warpgroup runs its K loop (the consumers' wg_idle): stages handed back, nothing computed.
 constexpr int kSkipMma = 1;    // no wgmma and no fold
 constexpr int kSkipLoads = 4;  // no TMA loads (stages complete at once: the consumers' own speed)
-constexpr int kSkipFold = 8;   // prefill K loops without the fold (wgmma, stages; not the wide loop)
+constexpr int kSkipFold = 8;   // mainloop_tokens_m without the fold (wgmma, stages; not the two-block loop)
 
 struct TensorMaps {
   CUtensorMap w13, sw13, w2, sw2;      // weights (shared by every block_n)
@@ -206,7 +208,7 @@ struct TensorMaps {
 struct Tile {
   int gemm;     // 1 or 2 (0: no further tile, in a stage's record)
   int e;        // expert (E = shared)
-  int nblk;     // GEMM1: 64-column chunk of I; GEMM2: 128-row block of H
+  int nblk;     // GEMM1: 128-column chunk of I; GEMM2: 128-row block of H
   int row0;     // first sorted row
   int rows;     // valid rows (<= block_n)
   int unit;     // (expert, token block) counter index
@@ -228,9 +230,9 @@ __device__ __forceinline__ int tile_kblocks(const KernelArgs& a, int gemm, int e
 }
 
 // The tile ids of this forward (TileIds in tile_schedule.h has their order and the pair
-// tiles' ids); sh = 1 for pair tiles.
-__device__ __forceinline__ TileIds tile_ids(const KernelArgs& a, const Sched& sc, int sh) {
-  return TileIds::count(a.n1, a.n1s, a.n2, a.E, a.E + a.has_shared, kTokenChunk, sh, sc.unit_off,
+// tiles' ids); sh1 = sh2 = 1 for pair tiles, sh2 = 1 for wide tiles.
+__device__ __forceinline__ TileIds tile_ids(const KernelArgs& a, const Sched& sc, int sh1, int sh2) {
+  return TileIds::count(a.n1, a.n1s, a.n2, a.E, a.E + a.has_shared, kTokenChunk, sh1, sh2, sc.unit_off,
                         a.pair_weights);
 }
 
@@ -238,10 +240,20 @@ __device__ __forceinline__ TileIds tile_ids(const KernelArgs& a, const Sched& sc
 // again from the tables at each tile, the producer spilled).
 template <int BN>
 __device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc, int tile, int t1_routed,
-                                            int t1, int sh, int rank) {
-  const TileIds ids{a.n1 >> sh,         a.n1s >> sh, a.n2 >> sh,  a.E,
-                    a.E + a.has_shared, t1_routed,   t1,          0 /* t2: not needed */,
-                    kTokenChunk,        sh,          sc.unit_off, sh ? a.pair_weights : 0};
+                                            int t1, int sh1, int sh2, int rank) {
+  const TileIds ids{a.n1 >> sh1,
+                    a.n1s >> sh1,
+                    a.n2 >> sh2,
+                    a.E,
+                    a.E + a.has_shared,
+                    t1_routed,
+                    t1,
+                    0 /* t2: not needed */,
+                    kTokenChunk,
+                    sh1,
+                    sh2,
+                    sc.unit_off,
+                    sh1 && sh2 ? a.pair_weights : 0};
   const TileCoord c = ids.decode(tile, rank);
   Tile t;
   t.gemm = c.gemm, t.e = c.e, t.nblk = c.nblk;
@@ -703,25 +715,21 @@ __device__ __forceinline__ int32_t load_row_src(const KernelArgs& a, const Tile&
 }
 
 // ---------------------------------------------------------------------------
-// K loops of a consumer warpgroup. A chain of wgmma into a register buffer
+// K loops of a consumer warpgroup. A chain of four wgmma (128 deep, one stage of
+// one block: num::kGemm1FoldK = num::kInterGroup) into a register buffer
 // (scale_d = 0 first) is folded into the float32 accumulator as
-// acc += part * (scale_x * scale_w): in GEMM1 one chain of four a stage
-// (num::kGemm1FoldK), in GEMM2 two 64-deep halves of two (num::kInterGroup: the
-// activation scale changes there).
+// acc += part * (scale_x * scale_w), once a K block and output block in both GEMMs.
 // NOTE: the products scale_x * scale_w are formed exactly as ref::moe_layer
-// forms them, and each fragment element sees the same sequence of folds in both
-// layouts below, so the bytes do not depend on which layout (or block_n) ran.
-// GEMM2: both halves of a stage are queued (two buffers) before half 0 is folded, so
-// the tensor cores run half 1 during that fold; the two consumer warpgroups overlap
-// each other's second fold. GEMM1 in the decode loop: two stages' chains queued.
+// forms them, and each fragment element sees the same sequence of folds in every
+// layout below, so the bytes do not depend on which layout (or block_n) ran.
 // NOTE: ptxas (nvcc 13.0) serializes the wgmma chains (C7514) when a group stays in
 // flight across a loop back-edge, so the next stage cannot be queued before this
-// stage's second fold inside a one-stage loop; and (C7518) when a wgmma sits on a path
+// stage's fold inside a one-stage loop; and (C7518) when a wgmma sits on a path
 // it cannot prove uniform. Check the build log for both after changing these loops.
 // The decode loop therefore takes two stages an iteration (v13). A stage handed back
 // (release_stage: one lane's arrive) while a group is in flight made ptxas give the
 // next chain a third register buffer and spill the accumulator, so both stages of an
-// iteration are released after its last wait. The prefill loop keeps one stage an
+// iteration are released after its last wait. The prefill loop keeps one K block an
 // iteration: two (same structure, 6 stages in the ring) measured 10 % slower at
 // T = 16384 (bench/results/NOTES.md, v13).
 // ---------------------------------------------------------------------------
@@ -739,37 +747,49 @@ __device__ __forceinline__ void issue_chain(float (&buf)[N / 2], uint32_t da, ui
   sm90::wgmma_commit();
 }
 
+// The M accumulators of part h of an accumulator array (a GEMM1 tile's 64-column halves).
+template <int M, int h, int N>
+__device__ __forceinline__ float (&acc_part(float (&acc)[N]))[M] {
+  static_assert(M * (h + 1) <= N, "accumulator part");
+  return *reinterpret_cast<float(*)[M]>(acc + M * h);
+}
+// Block h's 64 accumulators of a tokens-in-M tile's array (two blocks: a GEMM1 tile's
+// halves, or a wide GEMM2 tile's output blocks).
+template <int h, int N>
+__device__ __forceinline__ float (&acc_block(float (&acc)[N]))[64] {
+  return acc_part<64, h>(acc);
+}
+
 // Swap AB (decode, BN <= 64 tokens): A = 64 weight rows of the warpgroup, B = the
-// BN tokens. Fragment rows lrow / lrow + 8 (gate / up in GEMM1), columns =
-// tokens. GEMM1: scale_x per token and 128-block (same in both halves), scale_w
-// = gate (lo) / up (hi) block; GEMM2: scale_x per token and 64-group (per half),
-// one scale_w.
-template <int BN, int kGemm>
-__device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kblocks,
-                                                 RingPos<stages_for(BN)>& rp, uint8_t* smem,
-                                                 uint64_t* full_bar, uint64_t* empty_bar, int wg, int lcol,
-                                                 const float* lo_scale, const float* hi_scale, int skip,
-                                                 Prof& pf) {
+// BN tokens. Fragment rows lrow / lrow + 8 (gate / up in GEMM1), columns = tokens.
+// Two K blocks an iteration, one stage each, into acc[0 .. BN / 2) with scale_x per token
+// and K block (GEMM2: one act2 group) times scale_w: GEMM1 gate (lo) / up (hi) of the
+// tile's 128-row scale blocks, GEMM2 one. A GEMM1 tile (kHalves) then runs its half 1 into
+// acc[BN / 2 ..] from the next stages (the producer's order: half 0's K blocks, then half
+// 1's, so a weight row's 128-byte pieces stream in order, as one half's rows did before
+// v27: the halves a K block in turn measured 1-3 % slower at 8-256 tokens); without
+// kHalves (decode pairs) the CTA's one half.
+template <int BN, int kGemm, bool kHalves = true>
+__device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN], int kblocks, RingPos<stages_for(BN)>& rp,
+                                                 uint8_t* smem, uint64_t* full_bar, uint64_t* empty_bar,
+                                                 int wg, int lcol, const float* lo_scale,
+                                                 const float* hi_scale, int skip, Prof& pf) {
   constexpr int kStages = stages_for(BN);
   constexpr int kStageBytes = stage_bytes(BN);
   constexpr int kWBytes = kBlockM * kBlockK;
   constexpr int kXBytes = BN * kBlockK;
   float ba[BN / 2], bb[BN / 2];
-  // Scale products per column pair j: (c0, c1) x (lo, hi); pa for half 0, pb for half 1
-  // (GEMM1: the same x scale in both halves; GEMM2: lo == hi, one x scale per half).
-  float pa[BN / 8][4], pb[BN / 8][4];
+  // Scale products per column pair j: (c0, c1) x (lo, hi) (GEMM2: lo == hi).
+  float pa[BN / 8][4];
   const uint32_t t_loop = pf.now();
   // Descriptors of stage 0's tiles; a stage and a K step add their offset >> 4 (v11).
   const uint32_t dw0 = sm90::smem_desc_sw128_lo(smem + wg * 64 * 128);
   const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes);
-  auto issue = [&](float(&buf)[BN / 2], uint32_t so, int half) {  // a 64-deep half
-    issue_chain<BN, 2>(buf, dw0 + so, dx0 + so, 2 * half);
-  };
-  auto fold = [&](const float(&buf)[BN / 2], const float(&p)[BN / 8][4]) {
+  auto fold = [&](float(&dst)[BN / 2], const float(&buf)[BN / 2]) {
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) acc[j * 4 + q] = fmaf(buf[j * 4 + q], p[j][q], acc[j * 4 + q]);
+      for (int q = 0; q < 4; ++q) dst[j * 4 + q] = fmaf(buf[j * 4 + q], pa[j][q], dst[j * 4 + q]);
   };
   auto products = [&](const uint8_t* st, float lo, float hi) {
     const float* s_s = reinterpret_cast<const float*>(st + kWBytes + kXBytes);
@@ -779,12 +799,6 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
       pa[j][0] = c0 * lo, pa[j][1] = c1 * lo;
       pa[j][2] = kGemm == 1 ? c0 * hi : pa[j][0];
       pa[j][3] = kGemm == 1 ? c1 * hi : pa[j][1];
-      const float d0 = kGemm == 2 ? s_s[BN + j * 8 + lcol] : c0;
-      const float d1 = kGemm == 2 ? s_s[BN + j * 8 + lcol + 1] : c1;
-      pb[j][0] = kGemm == 2 ? d0 * lo : pa[j][0];
-      pb[j][1] = kGemm == 2 ? d1 * lo : pa[j][1];
-      pb[j][2] = kGemm == 2 ? pb[j][0] : pa[j][2];
-      pb[j][3] = kGemm == 2 ? pb[j][1] : pa[j][3];
     }
   };
   auto wait_full = [&](const RingPos<kStages>& r) {
@@ -805,19 +819,15 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
     sm90::wgmma_wait<0>();
     pf.add(kPfMmaWait, t0);
   };
-  // A K block's weight scales: lo = gate (GEMM1) or the block's one scale (GEMM2), hi = up
-  // (GEMM1) or lo again.
-  auto w_lo = [&](int kb) { return __ldg(lo_scale + kb); };
-  auto w_hi = [&](int kb, float lo) { return kGemm == 1 ? __ldg(hi_scale + kb) : lo; };
-  // Both halves of a stage queued before either is folded (see the NOTE above the K loops).
-  auto issue_stage = [&](const RingPos<kStages>& r) {
+  // A stage's chain of four wgmma (128 deep), folded once.
+  auto issue_full = [&](float(&buf)[BN / 2], const RingPos<kStages>& r) {
     const uint32_t t0 = pf.now();
-    issue(ba, stage_off(r), 0);
-    issue(bb, stage_off(r), 1);
+    issue_chain<BN, kBlockK / num::kMmaStepK>(buf, dw0 + stage_off(r), dx0 + stage_off(r), 0);
     pf.add(kPfIssue, t0);
   };
+  float(&acc0)[BN / 2] = acc_part<BN / 2, 0>(acc);
   if (skip & kSkipMma) {
-    for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
+    for (int s = 0; s < (kGemm == 1 && kHalves ? 2 : 1) * kblocks; ++s, rp.advance()) {
       wait_full(rp);
       release_stage(&empty_bar[rp.stage]);
     }
@@ -827,87 +837,58 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN / 2], int kbloc
   // NOTE: ncu shows the weight-scale loads as the decode tiles' largest stall, but the
   // wait overlaps the weight stream: holding the tile's scale rows in registers (v9) made
   // T=256 1.4 % slower and T=16384 2.7 % (bench/results/NOTES.md).
-  // GEMM1 folds once a stage (num::kGemm1FoldK = 128): a chain of four wgmma a stage.
-  auto issue_full = [&](float(&buf)[BN / 2], const RingPos<kStages>& r) {
-    const uint32_t t0 = pf.now();
-    issue_chain<BN, kBlockK / num::kMmaStepK>(buf, dw0 + stage_off(r), dx0 + stage_off(r), 0);
-    pf.add(kPfIssue, t0);
-  };
-  int kb = 0;
-  // Two stages an iteration (v13): stage 1's work is queued while stage 0's is folded, so
-  // the warpgroup's tensor work drains once per two stages, not per stage (GEMM1: stage 0's
-  // chain in `ba`, stage 1's in `bb`; GEMM2: the halves alternate between them). Both
-  // stages are waited for before the first issue: no wgmma is in flight across the
+  // Two stages an iteration (v13): the second's chain is queued while the first's is
+  // folded, so the warpgroup's tensor work drains once per two stages, not per stage.
+  // Both stages are waited for before the first issue: no wgmma is in flight across the
   // mbarrier's retry loop (see the NOTE above the K loops).
-  for (; kb + 2 <= kblocks; kb += 2) {
-    const float lo0 = w_lo(kb), lo1 = w_lo(kb + 1);
-    const float hi0 = w_hi(kb, lo0), hi1 = w_hi(kb + 1, lo1);
-    RingPos<kStages> r1 = rp;
-    r1.advance();
-    wait_full(rp);
-    wait_full(r1);
-    if constexpr (kGemm == 1) {
+  // K blocks kb (in `ba`) and kb + 1 (in `bb`) into one accumulator half.
+  auto run = [&](float(&dst)[BN / 2]) {
+    int kb = 0;
+    for (; kb + 2 <= kblocks; kb += 2) {
+      const float lo0 = __ldg(lo_scale + kb), lo1 = __ldg(lo_scale + kb + 1);
+      const float hi0 = kGemm == 1 ? __ldg(hi_scale + kb) : lo0;
+      const float hi1 = kGemm == 1 ? __ldg(hi_scale + kb + 1) : lo1;
+      RingPos<kStages> r1 = rp;
+      r1.advance();
+      wait_full(rp);
+      wait_full(r1);
       issue_full(ba, rp);
       issue_full(bb, r1);
       products(stage_ptr(rp), lo0, hi0);
-      mma_wait_one();  // stage 0 done
-      fold(ba, pa);
+      mma_wait_one();  // K block kb done
+      fold(dst, ba);
       products(stage_ptr(r1), lo1, hi1);
-    } else {
-      issue_stage(rp);
-      products(stage_ptr(rp), lo0, hi0);
-      mma_wait_one();  // stage 0 half 0 done
-      fold(ba, pa);
-      issue(ba, stage_off(r1), 0);
-      mma_wait_one();  // stage 0 half 1 done
-      fold(bb, pb);
-      issue(bb, stage_off(r1), 1);
-      products(stage_ptr(r1), lo1, hi1);
-      mma_wait_one();
-      fold(ba, pa);
+      mma_wait_all();
+      release_stage(&empty_bar[rp.stage]);
+      release_stage(&empty_bar[r1.stage]);
+      fold(dst, bb);
+      rp = r1;
+      rp.advance();
+      pf.count(kPfStages);
+      pf.count(kPfStages);
     }
-    mma_wait_all();
-    release_stage(&empty_bar[rp.stage]);
-    release_stage(&empty_bar[r1.stage]);
-    fold(bb, kGemm == 1 ? pa : pb);  // GEMM1: stage 1's chain; GEMM2: stage 1's half 1
-    rp = r1;
-    rp.advance();
-    pf.count(kPfStages);
-    pf.count(kPfStages);
-  }
-  if (kb < kblocks) {  // an odd last stage
-    const float lo = w_lo(kb), hi = w_hi(kb, lo);
-    wait_full(rp);
-    if constexpr (kGemm == 1) {
+    if (kb < kblocks) {  // an odd last K block
+      const float lo = __ldg(lo_scale + kb), hi = kGemm == 1 ? __ldg(hi_scale + kb) : lo;
+      wait_full(rp);
       issue_full(ba, rp);
       products(stage_ptr(rp), lo, hi);
-    } else {
-      issue_stage(rp);
-      products(stage_ptr(rp), lo, hi);
-      mma_wait_one();
-      fold(ba, pa);
+      mma_wait_all();
+      release_stage(&empty_bar[rp.stage]);
+      fold(dst, ba);
+      rp.advance();
+      pf.count(kPfStages);
     }
-    mma_wait_all();
-    release_stage(&empty_bar[rp.stage]);
-    if constexpr (kGemm == 1)
-      fold(ba, pa);
-    else
-      fold(bb, pb);
-    rp.advance();
-    pf.count(kPfStages);
-  }
+  };
+  run(acc0);
+  if constexpr (kGemm == 1 && kHalves) run(acc_part<BN / 2, 1>(acc));  // half 1's stages
   pf.add(kPfLoop, t_loop);
 }
 
 // Tokens in M (prefill, BN = 128 tokens): A = the warpgroup's 64 token rows, B =
-// the 128 weight rows. Fragment rows = tokens lrow / lrow + 8, columns = weight
-// rows 8j + lcol (+1): in GEMM1 j even = gate, j odd = its up partner (the 8-row
-// interleave). Only four scale products per thread and stage (two tokens x gate /
-// up), so the fold is one FFMA per accumulator.
-// Half 0 of a stage accumulates in `ba`, half 1 in `bb`; both chains are queued
-// before half 0 is folded, so the tensor cores work on half 1 during that fold (v6
-// waited for each 2-wgmma chain before folding it: tensor pipe 32 % busy at T =
-// 16384, ncu).
+// the 128 weight rows of an output block (GEMM1: a tile's half). Fragment rows = tokens
+// lrow / lrow + 8, columns = weight rows 8j + lcol (+1): in GEMM1 j even = gate, j odd =
+// its up partner (the 8-row interleave). Only four scale products per thread and K
+// block (two tokens x gate / up), so the fold is one FFMA per accumulator.
 // The tokens-in-M fold: acc += buf * product; fragment columns 8j..: j even = gate (pg),
 // j odd = up (pu); rows r0 (pg0, pu0) / r1 (pg1, pu1).
 __device__ __forceinline__ void fold_tokens_m(float (&acc)[64], const float (&buf)[64], float pg0, float pu0,
@@ -922,16 +903,11 @@ __device__ __forceinline__ void fold_tokens_m(float (&acc)[64], const float (&bu
   }
 }
 
-// Block h's 64 accumulators of a tokens-in-M tile's array (a wide tile holds two blocks).
-template <int h, int N>
-__device__ __forceinline__ float (&acc_block(float (&acc)[N]))[64] {
-  static_assert(64 * (h + 1) <= N, "accumulator block");
-  return *reinterpret_cast<float(*)[64]>(acc + 64 * h);
-}
-
-// kWide: on a wide tile's stage (mainloop_tokens_m_wide), one warpgroup a block: a wide
-// tile of at most 64 rows runs block `wblk` = wg on token rows xrow0 = 0 in each warpgroup
-// (otherwise xrow0 = 64 wg, wblk = 0: the warpgroup's own 64 token rows of the one block).
+// One output block a stage: a GEMM2 tile of a one-block ring (pair tiles release each
+// stage to both CTAs), or (kWide) one block `wblk` of a wide tile's stage on token rows
+// xrow0 = 0 in each warpgroup (a split wide tile of at most 64 rows: GEMM1 half wblk or
+// GEMM2 output block wblk). Otherwise xrow0 = 64 wg, wblk = 0: the warpgroup's own 64 token
+// rows of the one block.
 template <int kGemm, bool kPairs, bool kWide = false>
 __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
                                                   RingPos<stages_for(128, kWide)>& rp, uint8_t* smem,
@@ -939,10 +915,9 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
                                                   uint32_t peer_empty, int xrow0, int wblk, int lrow,
                                                   const float* gate_scale, const float* up_scale, int skip,
                                                   Prof& pf) {
-  constexpr int BN = 128;
-  constexpr int kStageBytes = stage_bytes(BN, kWide);
+  constexpr int kStageBytes = stage_bytes(128, kWide);
   constexpr int kWBytes = (kWide ? 2 : 1) * kBlockM * kBlockK;
-  constexpr int kXBytes = BN * kBlockK;
+  constexpr int kXBytes = 128 * kBlockK;
   // Pair tiles: the stage goes back to both CTAs (release_stage_pair).
   auto release = [&](int stage) {
     if constexpr (kPairs)
@@ -959,19 +934,12 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   }
   const uint32_t t_loop = pf.now();
   const int r0 = xrow0 + lrow, r1 = r0 + 8;
-  float ba[64], bb[64];
+  float ba[64];
   // Descriptors of stage 0's tiles; a stage and a K step add their offset >> 4 (v11).
   const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes + xrow0 * 128);
   const uint32_t dw0 = sm90::smem_desc_sw128_lo(smem + wblk * (kBlockM * kBlockK));
-  // A stage's chains at stage offset `so`: GEMM1 one chain, folded once
-  // (num::kGemm1FoldK = 128); GEMM2 two 64-deep halves (num::kInterGroup), in ba / bb.
   auto issue_stage = [&](uint32_t so) {
-    if constexpr (kGemm == 1) {
-      issue_chain<128, kBlockK / num::kMmaStepK>(ba, dx0 + so, dw0 + so, 0);
-    } else {
-      issue_chain<128, 2>(ba, dx0 + so, dw0 + so, 0);
-      issue_chain<128, 2>(bb, dx0 + so, dw0 + so, 2);
-    }
+    issue_chain<128, kBlockK / num::kMmaStepK>(ba, dx0 + so, dw0 + so, 0);
   };
   if (skip & kSkipFold) {  // measurement: the loop's wgmma and stage handling, no fold
     for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
@@ -982,26 +950,6 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     }
     return;
   }
-  auto fold = [&](const float(&buf)[64], float pg0, float pu0, float pg1, float pu1) {
-    fold_tokens_m(acc, buf, pg0, pu0, pg1, pu1);
-  };
-
-  // This stage's products (GEMM1: one x scale per 128-block; GEMM2: one per half).
-  float p[8];  // half 0: g0 u0 g1 u1, half 1: g0 u0 g1 u1
-  auto products = [&](const uint8_t* st, float sg, float su) {
-    const float* s_s = reinterpret_cast<const float*>(st + kWBytes + kXBytes);
-    const float xa0 = s_s[r0], xa1 = s_s[r1];
-    const float xb0 = kGemm == 2 ? s_s[BN + r0] : xa0, xb1 = kGemm == 2 ? s_s[BN + r1] : xa1;
-    p[0] = xa0 * sg, p[2] = xa1 * sg;
-    p[1] = kGemm == 1 ? xa0 * su : p[0], p[3] = kGemm == 1 ? xa1 * su : p[2];
-    p[4] = kGemm == 2 ? xb0 * sg : p[0], p[6] = kGemm == 2 ? xb1 * sg : p[2];
-    p[5] = kGemm == 2 ? p[4] : p[1], p[7] = kGemm == 2 ? p[6] : p[3];
-  };
-  auto w_scales = [&](int kb, float& sg, float& su) {
-    sg = __ldg(gate_scale + kb);
-    su = kGemm == 1 ? __ldg(up_scale + kb) : sg;
-  };
-
   // (Nothing is in flight at the back-edge: see the NOTE above the K loops.)
   // NOTE: loading the weight scales a stage ahead spills at kConsumerRegs here; the
   // profile puts their latency under 1 % of the samples (v9).
@@ -1009,112 +957,108 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     uint32_t t0 = pf.now();
     sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
     pf.add(kPfFullWait, t0);
-    const uint8_t* st = smem + rp.stage * kStageBytes;
+    const float* s_s = reinterpret_cast<const float*>(smem + rp.stage * kStageBytes + kWBytes + kXBytes);
     t0 = pf.now();
     issue_stage(uint32_t(rp.stage) * (kStageBytes >> 4));
     pf.add(kPfIssue, t0);
-    float sg, su;
-    w_scales(kb, sg, su);  // (ptxas hoists these loads above the issue either way)
-    products(st, sg, su);
-    if constexpr (kGemm == 2) {
-      t0 = pf.now();
-      sm90::wgmma_wait<1>();  // half 0 done, half 1 running
-      pf.add(kPfMmaWait, t0);
-      fold(ba, p[0], p[1], p[2], p[3]);
-    }
+    // (ptxas hoists these loads above the issue either way)
+    const float sg = __ldg(gate_scale + kb), su = kGemm == 1 ? __ldg(up_scale + kb) : sg;
+    const float x0 = s_s[r0], x1 = s_s[r1];
+    const float pg0 = x0 * sg, pu0 = kGemm == 1 ? x0 * su : pg0;
+    const float pg1 = x1 * sg, pu1 = kGemm == 1 ? x1 * su : pg1;
     t0 = pf.now();
     sm90::wgmma_wait<0>();
     pf.add(kPfMmaWait, t0);
     release(rp.stage);
-    if constexpr (kGemm == 1)
-      fold(ba, p[0], p[1], p[2], p[3]);
-    else
-      fold(bb, p[4], p[5], p[6], p[7]);
+    fold_tokens_m(acc, ba, pg0, pu0, pg1, pu1);
     pf.count(kPfStages);
   }
   pf.add(kPfLoop, t_loop);
 }
 
-// Wide tiles (kWideTiles): a stage holds the weight rows of output blocks nblk and
-// nblk + 1 (16 KB each) and the 128 token rows once; acc[0..63] accumulates block 0 and
-// acc[64..127] block 1, each in mainloop_tokens_m's fragment layout. A warpgroup runs block
-// 0's chain, folds it, then block 1's, through the one buffer `ba` (acc and buffer are 192
-// registers; a second buffer would not fit), so its tensor work drains between the chains
-// and the other warpgroup's chains fill the gap. GEMM1: the two blocks (64 intermediate
-// columns each) share their 128-row scale blocks, so one set of products serves both;
-// GEMM2: four 64-deep chains a stage (num::kInterGroup), block 1's weight scales at
-// scale1. The fold order of each accumulator is mainloop_tokens_m's, so the bytes do not
-// depend on the tile shape. (kSkipFold is not taken here: that branch moved ptxas's schedule
-// of this loop, v25; the measurement build is bench/results/ab/v25_wide_skipfold_hack.diff.)
-template <int kGemm>
-__device__ __forceinline__ void mainloop_tokens_m_wide(float (&acc)[128], int kblocks,
-                                                       RingPos<stages_for(128, true)>& rp, uint8_t* smem,
-                                                       uint64_t* full_bar, uint64_t* empty_bar, int wg,
-                                                       int lrow, const float* gate_scale,
-                                                       const float* up_scale, const float* scale1, int skip,
-                                                       Prof& pf) {
-  constexpr int BN = 128;
-  constexpr int kStageBytes = stage_bytes(BN, true);
-  constexpr int kWBytes = 2 * kBlockM * kBlockK;
-  constexpr int kXBytes = BN * kBlockK;
-  constexpr uint32_t kBlock1 = (kBlockM * kBlockK) >> 4;  // block 1's weight rows (descriptor units)
+// Two output blocks: acc[0..63] accumulates block 0 and acc[64..127] block 1, each in
+// mainloop_tokens_m's fragment layout, on the warpgroup's token rows from xrow0. kWide: a
+// stage holds both blocks' weight rows (block 1's at 16 KB) and the token rows once (a
+// GEMM1 tile's halves, or a wide GEMM2 tile's output blocks nblk and nblk + 1, block 1's
+// weight scales at scale1). Otherwise (GEMM1 on one-block stages) K block kb's half h is
+// stage 2 kb + h (the producer's order), both with the same token rows and scales. A
+// warpgroup runs block 0's chain, folds it, then block 1's, through the one buffer `ba`
+// (acc and buffer are 192 registers; a second buffer would not fit), so its tensor work
+// drains between the chains and the other warpgroup's chains fill the gap. The fold order
+// of each accumulator is mainloop_tokens_m's, so the bytes do not depend on the tile
+// shape. GEMM1's halves share their 128-row scale blocks, so one set of products serves
+// both. (kSkipFold is not taken here: that branch moved ptxas's schedule of the wide loop,
+// v25; the measurement build is bench/results/ab/v25_wide_skipfold_hack.diff.)
+template <int kGemm, bool kWide, bool kPairs>
+__device__ __forceinline__ void mainloop_tokens_m_blocks(float (&acc)[128], int kblocks,
+                                                         RingPos<stages_for(128, kWide)>& rp, uint8_t* smem,
+                                                         uint64_t* full_bar, uint64_t* empty_bar,
+                                                         uint32_t peer_empty, int xrow0, int lrow,
+                                                         const float* gate_scale, const float* up_scale,
+                                                         const float* scale1, int skip, Prof& pf) {
+  static_assert(kWide || kGemm == 1, "one-block stages hold two output blocks only as a GEMM1 tile's halves");
+  constexpr int kStageBytes = stage_bytes(128, kWide);
+  constexpr int kWBytes = (kWide ? 2 : 1) * kBlockM * kBlockK;
+  constexpr int kXBytes = 128 * kBlockK;
+  constexpr uint32_t kBlock1 = kWide ? (kBlockM * kBlockK) >> 4 : 0;  // block 1's weight rows in a stage
+  auto release = [&](int stage) {
+    if constexpr (kPairs)
+      release_stage_pair(&empty_bar[stage], peer_empty + stage * 8);
+    else
+      release_stage(&empty_bar[stage]);
+  };
   if (skip & kSkipMma) {
-    for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
+    for (int s = 0; s < (kWide ? 1 : 2) * kblocks; ++s, rp.advance()) {
       sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
-      release_stage(&empty_bar[rp.stage]);
+      release(rp.stage);
     }
     return;
   }
   const uint32_t t_loop = pf.now();
-  const int r0 = wg * 64 + lrow, r1 = r0 + 8;
+  const int r0 = xrow0 + lrow, r1 = r0 + 8;
   float ba[64];
-  const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes + wg * 64 * 128);
+  const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes + xrow0 * 128);
   const uint32_t dw0 = sm90::smem_desc_sw128_lo(smem);
-  // A block's accumulators (acc_block) += ba * product (mainloop_tokens_m's fold).
-  auto fold = [&](float(&blk)[64], float pg0, float pu0, float pg1, float pu1) {
-    fold_tokens_m(blk, ba, pg0, pu0, pg1, pu1);
-  };
   auto mma_wait = [&] {
     const uint32_t t0 = pf.now();
     sm90::wgmma_wait<0>();
     pf.add(kPfMmaWait, t0);
   };
-  for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
-    uint32_t t0 = pf.now();
+  auto wait_full = [&] {
+    const uint32_t t0 = pf.now();
     sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
     pf.add(kPfFullWait, t0);
+  };
+  for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
+    wait_full();
     const float* s_s = reinterpret_cast<const float*>(smem + rp.stage * kStageBytes + kWBytes + kXBytes);
-    const uint32_t so = uint32_t(rp.stage) * (kStageBytes >> 4);
-    if constexpr (kGemm == 1) {
-      issue_chain<128, kBlockK / num::kMmaStepK>(ba, dx0 + so, dw0 + so, 0);
-      const float sg = __ldg(gate_scale + kb), su = __ldg(up_scale + kb);
-      const float x0 = s_s[r0], x1 = s_s[r1];
-      const float pg0 = x0 * sg, pu0 = x0 * su, pg1 = x1 * sg, pu1 = x1 * su;
-      mma_wait();
-      fold(acc_block<0>(acc), pg0, pu0, pg1, pu1);
-      issue_chain<128, kBlockK / num::kMmaStepK>(ba, dx0 + so, dw0 + so + kBlock1, 0);
-      mma_wait();
-      release_stage(&empty_bar[rp.stage]);
-      fold(acc_block<1>(acc), pg0, pu0, pg1, pu1);
-    } else {
-      issue_chain<128, 2>(ba, dx0 + so, dw0 + so, 0);
-      const float w0 = __ldg(gate_scale + kb), w1 = __ldg(scale1 + kb);
-      const float xa0 = s_s[r0], xa1 = s_s[r1], xb0 = s_s[BN + r0], xb1 = s_s[BN + r1];
-      mma_wait();
-      fold(acc_block<0>(acc), xa0 * w0, xa0 * w0, xa1 * w0, xa1 * w0);
-      issue_chain<128, 2>(ba, dx0 + so, dw0 + so, 2);
-      mma_wait();
-      fold(acc_block<0>(acc), xb0 * w0, xb0 * w0, xb1 * w0, xb1 * w0);
-      issue_chain<128, 2>(ba, dx0 + so, dw0 + so + kBlock1, 0);
-      mma_wait();
-      fold(acc_block<1>(acc), xa0 * w1, xa0 * w1, xa1 * w1, xa1 * w1);
-      issue_chain<128, 2>(ba, dx0 + so, dw0 + so + kBlock1, 2);
-      mma_wait();
-      release_stage(&empty_bar[rp.stage]);
-      fold(acc_block<1>(acc), xb0 * w1, xb0 * w1, xb1 * w1, xb1 * w1);
+    uint32_t so = uint32_t(rp.stage) * (kStageBytes >> 4);
+    issue_chain<128, kBlockK / num::kMmaStepK>(ba, dx0 + so, dw0 + so, 0);
+    const float sg = __ldg(gate_scale + kb);
+    const float su = kGemm == 1 ? __ldg(up_scale + kb) : __ldg(scale1 + kb);  // GEMM2: block 1's
+    const float x0 = s_s[r0], x1 = s_s[r1];
+    const float pg0 = x0 * sg, pg1 = x1 * sg, pu0 = x0 * su, pu1 = x1 * su;
+    mma_wait();
+    if constexpr (!kWide) release(rp.stage);  // (half 0's stage; block 1 comes from the next)
+    if constexpr (kGemm == 1)
+      fold_tokens_m(acc_block<0>(acc), ba, pg0, pu0, pg1, pu1);
+    else
+      fold_tokens_m(acc_block<0>(acc), ba, pg0, pg0, pg1, pg1);
+    if constexpr (!kWide) {
+      rp.advance();
+      wait_full();
+      so = uint32_t(rp.stage) * (kStageBytes >> 4);
+      pf.count(kPfStages);
     }
+    issue_chain<128, kBlockK / num::kMmaStepK>(ba, dx0 + so, dw0 + so + kBlock1, 0);
+    mma_wait();
+    release(rp.stage);
+    if constexpr (kGemm == 1)
+      fold_tokens_m(acc_block<1>(acc), ba, pg0, pu0, pg1, pu1);
+    else
+      fold_tokens_m(acc_block<1>(acc), ba, pu0, pu0, pu1, pu1);
     pf.count(kPfStages);
-    pf.count(kPfStages);
+    if constexpr (kWide) pf.count(kPfStages);
   }
   pf.add(kPfLoop, t_loop);
 }
@@ -1185,13 +1129,17 @@ struct CombinePlan {
 // its registers: the EP paths' extra live values spill four ints at BN = 128, stored
 // once and reloaded once a tile, never inside the K loops -- checked in the SASS).
 // kPairs: pair tiles (FusedMoeConfig::pair_tiles), launched in clusters of two CTAs; its
-// own instantiation, so the other kernels' registers do not move.
-// kWide: wide tiles (FusedMoeConfig::wide_tiles): the schedule's ids are the pair tiles'
-// token pairs, both tiles of one in this CTA (mainloop_tokens_m_wide); no cluster.
-// NOTE: its consumers hold 128 accumulators through the epilogues, and ptxas spills 28
-// bytes there (nvcc 13.0): one value of the consumers' start, reloaded at each tile, and
-// predicate words around the epilogues: a few L1 accesses a tile, none in the K loops
-// (checked in the SASS, v25). Chosen: the K loops are what the wide tiles are for.
+// own instantiation, so the other kernels' registers do not move. 128-token tiles share
+// their stages (kPairRing: the token or weight rows multicast); decode pairs (kHalfPairs,
+// BN <= kDecodePairsMaxBlockN) give the two CTAs a GEMM1 tile's two halves, and the
+// epilogues exchange the tokens' amax (so a GEMM1 tile costs a CTA 64 columns' weights,
+// as before v27's 128-column groups), and GEMM2 token pairs (output blocks 2j, 2j + 1).
+// kWide: wide tiles (FusedMoeConfig::wide_tiles): 256 weight rows a stage, a GEMM1 tile's
+// two halves, or a GEMM2 token pair's two tiles (mainloop_tokens_m_blocks); no cluster.
+// NOTE: its consumers hold 128 accumulators through the epilogues, and ptxas spills 4 bytes
+// there (nvcc 13.0, v27; 28 in v25): a value of the consumers' start, reloaded at each tile,
+// never in the K loops (checked in the SASS). Chosen: the K loops are what the wide tiles
+// are for.
 template <int BN, bool kEp, bool kPairs = false, bool kWide = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
@@ -1199,11 +1147,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kStageBytes = stage_bytes(BN, kWide);
   constexpr int kWBytes = (kWide ? 2 : 1) * kBlockM * kBlockK;  // a stage's weight rows
   constexpr int kXBytes = BN * kBlockK;
-  constexpr int kAcc = kWide ? 128 : BN / 2;  // fp32 accumulators per thread: m64nBN (wide: two blocks)
   constexpr bool kSwapAB = swap_ab(BN);
+  // Pair tiles: 128-token tiles share their stages (multicast); decode tiles split a GEMM1
+  // tile's halves between the two CTAs and exchange the tokens' amax (kHalfPairs).
+  constexpr bool kPairRing = kPairs && !kSwapAB;
+  constexpr bool kHalfPairs = kPairs && kSwapAB;
+  // fp32 accumulators per thread: m64nBN for each of a GEMM1 tile's two halves (tokens in M: two
+  // blocks of 64, also a wide GEMM2 tile's two output blocks)
+  constexpr int kAcc = kSwapAB ? BN : 128;
 
-  static_assert(num::kGemm1FoldK == kBlockK && num::kInterGroup * 2 == kBlockK,
-                "GEMM1 folds once a stage, GEMM2 once a half (an intermediate scale group)");
+  static_assert(num::kGemm1FoldK == kBlockK && num::kInterGroup == kBlockK,
+                "both GEMMs fold once a K block (GEMM2: one intermediate scale group)");
   static_assert(kSwapAB || BN == 128, "the tokens-in-M layout is built for 128-token tiles");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // NOTE: offset the __shared__ array itself (not a cast integer) so the compiler keeps
@@ -1243,12 +1197,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       sm90::mbar_init(&full_bar[s], 1);
       // One arrival per consumer warp (pair tiles: of both CTAs, release_stage_pair).
-      sm90::mbar_init(&empty_bar[s], (kPairs ? 2 : 1) * kConsumerThreads / 32);
+      sm90::mbar_init(&empty_bar[s], (kPairRing ? 2 : 1) * kConsumerThreads / 32);
     }
     for (int s = 0; s < kTileSlots; ++s) {
       sm90::mbar_init(&done_bar[s], kConsumerThreads / 32);
       sm90::mbar_init(&free_bar[s], 1);
     }
+    if (kHalfPairs)
+      for (int b = 0; b < 2; ++b)
+        sm90::mbar_init(reinterpret_cast<uint64_t*>(tail + SmemTail::xchg(BN) + SmemTail::kXchgBar) + b, 1);
     for (int s = 0; s < kCombineStages; ++s) {
       sm90::mbar_init(&comb_full[s], 1);
       sm90::mbar_init(&comb_empty[s], kConsumerThreads);  // every reader arrives (see the combine)
@@ -1260,7 +1217,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::tma_prefetch_desc(&tm.w2);
     sm90::tma_prefetch_desc(&tm.x);
     sm90::tma_prefetch_desc(&tm.a2);
-    if (kPairs) sm90::tma_prefetch_desc(&tm.xh), sm90::tma_prefetch_desc(&tm.a2h);
+    if (kPairRing) sm90::tma_prefetch_desc(&tm.xh), sm90::tma_prefetch_desc(&tm.a2h);
     if (kWide) sm90::tma_prefetch_desc(&tm.w13w), sm90::tma_prefetch_desc(&tm.w2w);
   }
 
@@ -1287,11 +1244,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   // ---- Tile schedule (identical in every role) ----
   // Pair tiles: the schedule's ids count pairs of tiles (TileIds), and a cluster takes the
   // place of a CTA in TileSchedule.
-  static_assert(!kPairs || (BN == 128 && !kEp), "pair tiles: 128-token tiles on one device");
+  static_assert(!kPairs || (!kEp && (BN == 128 || BN <= kDecodePairsMaxBlockN)), "pair tiles: one device");
   static_assert(!kWide || (BN == 128 && !kEp && !kPairs), "wide tiles: 128-token tiles on one device");
-  constexpr int sh = kPairs || kWide ? 1 : 0;  // the ids count pairs of tiles
-  constexpr int csh = kPairs ? 1 : 0;          // the schedule's unit is a cluster of two CTAs
-  const TileIds ids = tile_ids(a, sc, sh);
+  constexpr int sh1 = kPairRing ? 1 : 0;        // GEMM1 ids count pairs of tiles
+  constexpr int sh2 = kPairs || kWide ? 1 : 0;  // GEMM2 ids count pairs of tiles
+  constexpr int csh = kPairs ? 1 : 0;           // the schedule's unit is a cluster of two CTAs
+  const TileIds ids = tile_ids(a, sc, sh1, sh2);
   const int t1_routed = ids.t1_routed, t1 = ids.t1, t2 = ids.t2, tiles = ids.tiles();
 
   // ---- Producer helpers (thread 0 only) ----
@@ -1299,39 +1257,38 @@ __global__ void __launch_bounds__(kThreads, 1)
   // depend on anything, the tokens on phase 0 (GEMM1) or on the tile's GEMM1
   // units (GEMM2), so weight loads start before those are done.
   const bool no_loads = a.debug_skip & kSkipLoads;
-  // g_tag (std::integral_constant): the tile's GEMM, decided once a tile as w_tag below.
-  auto stage_tx = [&](auto g_tag) -> uint32_t {
-    return no_loads ? 0 : kWBytes + kXBytes + (decltype(g_tag)::value == 1 ? 1 : 2) * BN * 4;
-  };
-  // w_tag (std::bool_constant): the tile's pair shares its weights (Tile::wpair), decided
-  // once a tile (the producer's fill below) so a stage's path has no branch on it.
-  auto issue_weights = [&](auto w_tag, auto g_tag, const Tile& tl, int kb, int stage) {
+  // A stage's bytes: weights, tokens and the tokens' scales of its K block (either GEMM).
+  const uint32_t stage_tx = no_loads ? 0 : kWBytes + kXBytes + BN * 4;
+  // w_tag (std::bool_constant): the tile's pair shares its weights (Tile::wpair); g_tag
+  // (std::integral_constant): the tile's GEMM; both decided once a tile (the producer's fill
+  // below) so a stage's path has no branch on them. h: a GEMM1 tile's half (one-block stages).
+  auto issue_weights = [&](auto w_tag, auto g_tag, const Tile& tl, int kb, int h, int stage) {
     constexpr bool kGemm1 = decltype(g_tag)::value == 1;
     if (no_loads) return;
     uint8_t* w_s = smem + stage * kStageBytes;
     const bool shared = tl.e == a.E;
     if constexpr (kWide) {
-      // Both output blocks (nblk even, nblk + 1) in one box: GEMM1 16 of the 8-row gate / up
-      // groups, GEMM2 256 rows; block 1's rows start at 16 KB.
+      // Two blocks in one box: GEMM1 the tile's 16 8-row gate / up groups (both halves), GEMM2
+      // output blocks nblk (even) and nblk + 1, 256 rows; block 1's rows start at 16 KB.
       if constexpr (kGemm1)
-        sm90::tma_load_5d(w_s, shared ? &tm.sw13w : &tm.w13w, &full_bar[stage], kb * 128, 0, 0, tl.nblk * 8,
+        sm90::tma_load_5d(w_s, shared ? &tm.sw13w : &tm.w13w, &full_bar[stage], kb * 128, 0, 0, tl.nblk * 16,
                           shared ? 0 : tl.e);
       else
         sm90::tma_load_3d(w_s, shared ? &tm.sw2w : &tm.w2w, &full_bar[stage], kb * 128, tl.nblk * 128,
                           shared ? 0 : tl.e);
     } else if constexpr (decltype(w_tag)::value) {
-      // A pair sharing its weights: this CTA's 64 of the tile's 128 weight rows into both
-      // CTAs' stage (GEMM1: 4 of the 8 gate / up row groups of 16).
+      // A pair sharing its weights: this CTA's 64 of the stage's 128 weight rows into both
+      // CTAs' stage (GEMM1: 4 of the half's 8 gate / up row groups of 16).
       const int half = int(sm90::cluster_ctarank());
       if constexpr (kGemm1)
         sm90::tma_load_5d_multicast(w_s + half * 64 * 128, shared ? &tm.sw13h : &tm.w13h, &full_bar[stage],
-                                    kb * 128, 0, 0, tl.nblk * 8 + half * 4, shared ? 0 : tl.e, 0x3);
+                                    kb * 128, 0, 0, tl.nblk * 16 + h * 8 + half * 4, shared ? 0 : tl.e, 0x3);
       else
         sm90::tma_load_3d_multicast(w_s + half * 64 * 128, shared ? &tm.sw2h : &tm.w2h, &full_bar[stage],
                                     kb * 128, tl.nblk * 128 + half * 64, shared ? 0 : tl.e, 0x3);
     } else if constexpr (kGemm1) {
-      sm90::tma_load_5d(w_s, shared ? &tm.sw13 : &tm.w13, &full_bar[stage], kb * 128, 0, 0, tl.nblk * 8,
-                        shared ? 0 : tl.e);
+      sm90::tma_load_5d(w_s, shared ? &tm.sw13 : &tm.w13, &full_bar[stage], kb * 128, 0, 0,
+                        tl.nblk * 16 + h * 8, shared ? 0 : tl.e);
     } else {
       sm90::tma_load_3d(w_s, shared ? &tm.sw2 : &tm.w2, &full_bar[stage], kb * 128, tl.nblk * 128,
                         shared ? 0 : tl.e);
@@ -1344,7 +1301,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Pair tiles: this CTA's 64 of the tile's token rows into both CTAs' stage (the
     // peer loads the other 64); the scales each CTA loads for itself.
     auto rows = [&](const CUtensorMap* map, const CUtensorMap* half_map) {
-      if constexpr (kPairs && !decltype(w_tag)::value) {
+      if constexpr (kPairRing && !decltype(w_tag)::value) {
         const int half = int(sm90::cluster_ctarank());
         sm90::tma_load_2d_multicast(x_s + half * 64 * 128, half_map, &full_bar[stage], kb * 128,
                                     tl.row0 + half * 64, 0x3);
@@ -1357,7 +1314,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::tma_load_2d(s_s, &tm.xs, &full_bar[stage], tl.row0, kb);
     } else {
       rows(&tm.a2, &tm.a2h);
-      sm90::tma_load_2d(s_s, &tm.a2s, &full_bar[stage], tl.row0, kb * 2);
+      sm90::tma_load_2d(s_s, &tm.a2s, &full_bar[stage], tl.row0, kb);
     }
   };
 
@@ -1379,7 +1336,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   int first_tile = tiles;
   if (tid == 0) {
     // (no tail pool for pairs: both CTAs of a cluster would have to claim the same tile)
-    sched.init(blockIdx.x >> csh, gridDim.x >> csh, t1, t2, a.H / 128, a.I / 128, !a.round_robin,
+    // (costs in weight bytes: a GEMM1 tile reads 256 rows x H, a GEMM2 tile 128 x I, a wide
+    // GEMM2 tile 256 x I; a CTA of decode pairs half a GEMM1 tile)
+    sched.init(blockIdx.x >> csh, gridDim.x >> csh, t1, t2, a.H / 128 * (kWide || kHalfPairs ? 1 : 2),
+               a.I / 128, !a.round_robin,
                a.round_robin || kPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
     first_tile = next_tile(sched);
   }
@@ -1488,13 +1448,15 @@ __global__ void __launch_bounds__(kThreads, 1)
           pf.store(kPfProdTotal, kPfSlots);
           break;
         }
-        // (wide tiles: the pair's rank-0 tile, nblk even; the consumers add block nblk + 1)
-        const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1, sh, kPairs ? sm90::cluster_ctarank() : 0);
+        // (wide GEMM2 tiles: the pair's rank-0 tile, nblk even; the consumers add block nblk + 1)
+        const Tile tl =
+            decode_tile<BN>(a, sc, tile, t1_routed, t1, sh1, sh2, kPairs ? sm90::cluster_ctarank() : 0);
         // The tile after this one, chosen now: a pool claim's round trip overlaps this
         // tile's loads (it is used at the end of the loop).
         const int next = next_tile(sched);
         // GEMM2 needs every GEMM1 tile of its (expert, token block).
-        const int need = (tl.e == a.E ? a.Is : a.I) / 64;
+        // (decode pairs: each CTA publishes its half of a GEMM1 tile)
+        const int need = (tl.e == a.E ? a.Is : a.I) / 128 * (kHalfPairs ? 2 : 1);
         uint32_t t0 = pf.now();
         bool ready = tl.gemm == 1 || sm90::ld_acquire_gpu(&done1[tl.unit]) >= need;
         if (a.no_early_loads && !ready) {
@@ -1505,11 +1467,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         // The tile's stages (w_tag, g_tag: issue_weights, stage_tx); the pairing and the GEMM
         // are chosen once a tile, so a stage's path has no branch on them (v24).
         auto fill = [&](auto w_tag, auto g_tag) {
+          // Stage i of the tile: K block i (of this CTA's half of a decode pair's GEMM1 tile), or
+          // for a GEMM1 tile on one-block stages (kHalves) one K block of one half: decode tiles
+          // half 0's K blocks, then half 1's; tokens in M the halves of a K block in turn. (Only
+          // a GEMM2 tile defers its tokens: one stage a K block.)
+          constexpr bool kHalves = decltype(g_tag)::value == 1 && !kWide && !kHalfPairs;
+          const int stages = (kHalves ? 2 : 1) * tl.kblocks;
           int deferred = 0;  // the last `deferred` stages filled: weights issued, tokens not yet
-          for (int kb = 0;; ++kb) {
+          for (int i = 0;; ++i) {
             // NOTE: at most kStages deferred stages: the next empty-wait must concern a stage
             // whose tokens were issued, or the consumers could never free it.
-            if (!ready && (deferred == kStages || kb == tl.kblocks)) {
+            if (!ready && (deferred == kStages || i == stages)) {
               t0 = pf.now();
               sm90::wait_geq_acquire_gpu(&done1[tl.unit], need);
               pf.add(kPfProdDep, t0);
@@ -1520,18 +1488,22 @@ __global__ void __launch_bounds__(kThreads, 1)
               for (int d = 0; d < deferred; ++d) {
                 int st = rp.stage - deferred + d;
                 if (st < 0) st += kStages;
-                issue_tokens(w_tag, g_tag, tl, kb - deferred + d, st);
+                issue_tokens(w_tag, g_tag, tl, i - deferred + d, st);
               }
               deferred = 0;
             }
-            if (kb == tl.kblocks) break;
+            if (i == stages) break;
             const int stage = rp.stage;
             t0 = pf.now();
             sm90::mbar_wait(&empty_bar[stage], rp.phase ^ 1);
             pf.add(kPfProdEmpty, t0);
-            if (kb == 0) stage_tile[stage] = tl;  // published by the full barrier's completion
-            sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx(g_tag));
-            issue_weights(w_tag, g_tag, tl, kb, stage);
+            if (i == 0) stage_tile[stage] = tl;  // published by the full barrier's completion
+            sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx);
+            const int h = !kHalves  ? (kHalfPairs ? int(sm90::cluster_ctarank()) : 0)
+                          : kSwapAB ? (i >= tl.kblocks)
+                                    : (i & 1);
+            const int kb = !kHalves ? i : kSwapAB ? i - h * tl.kblocks : (i >> 1);
+            issue_weights(w_tag, g_tag, tl, kb, h, stage);
             if (ready)
               issue_tokens(w_tag, g_tag, tl, kb, stage);
             else
@@ -1545,7 +1517,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           else
             fill(w_tag, std::integral_constant<int, 2>{});
         };
-        if constexpr (kPairs) {
+        if constexpr (kPairRing) {
           if (tl.wpair)
             fill_gemm(std::true_type{});
           else
@@ -1639,8 +1611,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Pair tiles: a stage goes back to both CTAs (the peer's producer wrote half of its
   // token or weight rows here and waits for this CTA's consumers too).
   const uint32_t peer_empty =
-      kPairs ? sm90::mapa_shared(sm90::smem_u32(empty_bar), sm90::cluster_ctarank() ^ 1u) : 0u;
-  int ntile = 0;  // tiles this CTA finished (the done_bar / free_bar slot sequence)
+      kPairRing ? sm90::mapa_shared(sm90::smem_u32(empty_bar), sm90::cluster_ctarank() ^ 1u) : 0u;
+  int ntile = 0;   // tiles this CTA finished (the done_bar / free_bar slot sequence)
+  int nsplit = 0;  // split wide GEMM1 tiles this CTA finished (their amax exchange's buffer)
+  int nxchg = 0;   // decode pairs: amax exchanges with the peer CTA (their buffer and parity)
+  const int rank = kPairs ? int(sm90::cluster_ctarank()) : 0;
+  // Decode pairs: the exchange region (SmemTail::xchg) of this CTA and, as a shared::cluster
+  // address, of the peer.
+  uint64_t* xchg_bar = reinterpret_cast<uint64_t*>(tail + SmemTail::xchg(BN) + SmemTail::kXchgBar);
+  const float* xchg_amax = reinterpret_cast<const float*>(tail + SmemTail::xchg(BN) + SmemTail::kXchgAmax);
+  const uint32_t peer_xchg =
+      kHalfPairs ? sm90::mapa_shared(sm90::smem_u32(tail + SmemTail::xchg(BN)), uint32_t(rank) ^ 1u) : 0u;
   // This warp's outputs of the tile are written: hand the counter to release (index in
   // a.counters; -1 = no more tiles) to the signal thread.
   auto tile_written = [&](int counter) {
@@ -1691,8 +1672,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tl.gemm == 1) {
       const int I_e = shared ? a.Is : a.I;
       const float* wsc = shared ? a.sw13_scale : a.w13_scale + size_t(tl.e) * (2 * (a.I / 128)) * (a.H / 128);
-      const float* sg_row = wsc + size_t(tl.nblk / 2) * (a.H / 128);
-      const float* su_row = wsc + size_t(I_e / 128 + tl.nblk / 2) * (a.H / 128);
+      const float* sg_row = wsc + size_t(tl.nblk) * (a.H / 128);
+      const float* su_row = wsc + size_t(I_e / 128 + tl.nblk) * (a.H / 128);
       if constexpr (kSwapAB) {
         // Routing weights of this thread's tokens, loaded before the K loop hides the latency.
         float rw[BN / 8][2];
@@ -1703,30 +1684,39 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int n = j * 8 + lcol + c;
             rw[j][c] = n < tl.rows ? __ldcg(a.row_weight + tl.row0 + n) : 0.0f;
           }
-        mainloop_swap_ab<BN, 1>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lcol, sg_row, su_row,
-                                a.debug_skip, pf);
+        mainloop_swap_ab<BN, 1, !kHalfPairs>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lcol, sg_row,
+                                             su_row, a.debug_skip, pf);
         t_epi = pf.now();
-        // ---- GEMM1 epilogue: SwiGLU x routing weight, 1x64 E4M3 quantization ----
-        // Thread holds gate (row lrow) and up (row lrow + 8) of intermediate column
-        // wg * 32 + wwarp * 8 + lane / 4 for tokens j * 8 + lcol + {0, 1}.
-        // swiglu_fast when the whole warp's gates allow it; straight-line code either way
-        // (columns past tl.rows are computed too, with weight 0, and never stored), so
-        // ptxas overlaps the thread's SwiGLUs (v15).
+        // ---- GEMM1 epilogue: SwiGLU x routing weight, 1x128 E4M3 quantization ----
+        // In half h (acc[h * BN / 2 ..]) the thread holds gate (row lrow) and up (row lrow + 8)
+        // of intermediate column 64 h + wg * 32 + wwarp * 8 + lane / 4 for tokens j * 8 + lcol
+        // + {0, 1} (decode pairs: one half, the CTA's rank). swiglu_fast when the whole warp's
+        // gates allow it; straight-line code either way (columns past tl.rows are computed too,
+        // with weight 0, and never stored), so ptxas overlaps the thread's SwiGLUs (v15).
+        constexpr int kHalf = BN / 2, kHeld = kHalfPairs ? 1 : 2;
         bool fast_ok = true;
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
+        for (int h = 0; h < kHeld; ++h)
 #pragma unroll
-          for (int c = 0; c < 2; ++c)
-            fast_ok &= (j * 8 + lcol + c >= tl.rows) | num::swiglu_fast_ok(acc[j * 4 + c], a.swiglu_limit);
+          for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+              fast_ok &= (j * 8 + lcol + c >= tl.rows) |
+                         num::swiglu_fast_ok(acc[h * kHalf + j * 4 + c], a.swiglu_limit);
         auto swiglu_rows = [&](auto act, float limit) {
 #pragma unroll
           for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
               const int n = j * 8 + lcol + c;
-              const float v = act(acc[j * 4 + c], acc[j * 4 + 2 + c], limit, rw[j][c]);
-              acc[j * 4 + c] = v;
-              float m = fabsf(v);
+              float m = 0.0f;
+#pragma unroll
+              for (int h = 0; h < kHeld; ++h) {
+                const int i = h * kHalf + j * 4 + c;
+                const float v = act(acc[i], acc[i + 2], limit, rw[j][c]);
+                acc[i] = v;
+                m = fmaxf(m, fabsf(v));
+              }
               m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
               m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
               m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
@@ -1743,21 +1733,39 @@ __global__ void __launch_bounds__(kThreads, 1)
           float amax = red[ctid];
 #pragma unroll
           for (int w = 1; w < 8; ++w) amax = fmaxf(amax, red[w * BN + ctid]);
+          if constexpr (kHalfPairs) {
+            // The other half's maxima come from the peer CTA: each sends its own into the
+            // peer's buffer (st.async, counted on the peer's exchange barrier) and waits for
+            // the peer's in its own. Two buffers by the exchanges' parity: the peer sends the
+            // next-but-one tile's maxima only after it received the next tile's from this CTA,
+            // sent after this CTA read these.
+            const int b = nxchg & 1;
+            if (ctid == 0) sm90::mbar_arrive_expect_tx(&xchg_bar[b], BN * 4);
+            sm90::st_async_cluster(peer_xchg + uint32_t(SmemTail::kXchgAmax + (b * 64 + ctid) * 4), amax,
+                                   peer_xchg + uint32_t(SmemTail::kXchgBar + b * 8));
+            sm90::mbar_wait(&xchg_bar[b], (nxchg >> 1) & 1);
+            amax = fmaxf(amax, xchg_amax[b * 64 + ctid]);
+          }
           const float s = num::act_scale(amax);
           tok_inv_scale[ctid] = 1.0f / s;
-          if (ctid < tl.rows) a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + ctid] = s;
+          if (ctid < tl.rows && (!kHalfPairs || rank == 0))
+            a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + ctid] = s;
         }
+        if constexpr (kHalfPairs) ++nxchg;
         sm90::named_barrier(1, kConsumerThreads);
-        const int col = tl.nblk * 64 + wg * 32 + wwarp * 8 + lane / 4;
+        const int col = tl.nblk * 128 + (kHalfPairs ? rank * 64 : 0) + wg * 32 + wwarp * 8 + lane / 4;
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
+        for (int h = 0; h < kHeld; ++h)
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int n = j * 8 + lcol + c;
-            if (n < tl.rows)
-              a.act2[size_t(tl.row0 + n) * a.inter_pitch + col] = to_e4m3(acc[j * 4 + c] * tok_inv_scale[n]);
+          for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int n = j * 8 + lcol + c;
+              if (n < tl.rows)
+                a.act2[size_t(tl.row0 + n) * a.inter_pitch + col + h * 64] =
+                    to_e4m3(acc[h * kHalf + j * 4 + c] * tok_inv_scale[n]);
+            }
           }
-        }
       } else {
         const int n0p = rbase + lrow;
         const float rw0 = n0p < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p) : 0.0f;
@@ -1767,21 +1775,24 @@ __global__ void __launch_bounds__(kThreads, 1)
             mainloop_tokens_m<1, false, true>(acc_block<0>(acc), tl.kblocks, rp, smem, full_bar, empty_bar, 0,
                                               0, wg, lrow, sg_row, su_row, a.debug_skip, pf);
           else
-            mainloop_tokens_m_wide<1>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, sg_row,
-                                      su_row, nullptr, a.debug_skip | wg_idle(tl), pf);
+            mainloop_tokens_m_blocks<1, true, false>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, 0, rbase,
+                                                     lrow, sg_row, su_row, nullptr,
+                                                     a.debug_skip | wg_idle(tl), pf);
         } else {
-          mainloop_tokens_m<1, kPairs>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, peer_empty, rbase, 0,
-                                       lrow, sg_row, su_row, a.debug_skip | wg_idle(tl), pf);
+          mainloop_tokens_m_blocks<1, false, kPairs>(acc, tl.kblocks, rp, smem, full_bar, empty_bar,
+                                                     peer_empty, rbase, lrow, sg_row, su_row, nullptr,
+                                                     a.debug_skip | wg_idle(tl), pf);
         }
         t_epi = pf.now();
-        // ---- GEMM1 epilogue (tokens in M) ----
-        // (output block nblk from the accumulators ac; a wide tile runs it for both blocks)
-        auto epilogue1 = [&](float(&ac)[64], int nblk) {
-          // Thread holds tokens n0 = rbase + lrow and n0 + 8; for i in 0..7 the gate
-          // (ac[8i + c], j = 2i) and up (ac[8i + 4 + c], j = 2i + 1) values of
-          // intermediate column 8i + lcol + c. A token's 64 columns sit in one lane quad.
-          const int n0 = n0p, n1r = n0 + 8;
-          float m0 = 0.0f, m1 = 0.0f;
+        // ---- GEMM1 epilogue (tokens in M): SwiGLU x routing weight, 1x128 E4M3 ----
+        // Thread holds tokens n0 = rbase + lrow and n0 + 8; in half h (acc_block<h>) for i in
+        // 0..7 the gate (ac[8i + c], j = 2i) and up (ac[8i + 4 + c], j = 2i + 1) values of
+        // intermediate column 64 h + 8i + lcol + c. A token's 64 columns of a half sit in one
+        // lane quad. (A split wide tile: warpgroup wg holds half wg of rows 0..63.)
+        const int n0 = n0p, n1r = n0 + 8;
+        const int ql = lane % 4;
+        float m0 = 0.0f, m1 = 0.0f;  // the rows' amax
+        auto swiglu_half = [&](float(&ac)[64]) {
           // swiglu_fast when the whole warp's gates allow it; straight-line code either way
           // (rows past tl.rows are computed too, with weight 0, and never stored), so
           // ptxas overlaps the thread's 32 SwiGLUs (v15).
@@ -1809,17 +1820,31 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
           };
           run_swiglu(swiglu_rows, __all_sync(0xffffffffu, fast_ok), a.swiglu_limit);
+        };
+        swiglu_half(acc_block<0>(acc));
+        if (!split) swiglu_half(acc_block<1>(acc));
 #pragma unroll
-          for (int o = 1; o < 4; o <<= 1) {
-            m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, o));
-            m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, o));
-          }
-          const float s0 = num::act_scale(m0), s1 = num::act_scale(m1);
-          const float inv0 = 1.0f / s0, inv1 = 1.0f / s1;
-          // A token's 64 codes sit in one lane quad, two bytes a lane every 8 columns: a
-          // 4 x 4 word transpose inside the quad gives each lane 16 adjacent bytes, one
-          // 16-byte store a row (v14: eight 2-byte stores a row).
-          const int ql = lane % 4;
+        for (int o = 1; o < 4; o <<= 1) {
+          m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, o));
+          m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, o));
+        }
+        if (split) {
+          // The other half's row maxima through shared memory, in one of two buffers by the
+          // split tiles' parity: a warpgroup writes the next split tile's maxima only after
+          // both passed this one's barrier, so after the other read these.
+          float* xm = red + (nsplit & 1) * 128;
+          if (ql == 0) xm[wg * 64 + n0] = m0, xm[wg * 64 + n1r] = m1;
+          sm90::named_barrier(1, kConsumerThreads);
+          m0 = fmaxf(m0, xm[(wg ^ 1) * 64 + n0]);
+          m1 = fmaxf(m1, xm[(wg ^ 1) * 64 + n1r]);
+          ++nsplit;
+        }
+        const float s0 = num::act_scale(m0), s1 = num::act_scale(m1);
+        const float inv0 = 1.0f / s0, inv1 = 1.0f / s1;
+        // A token's 64 codes of a half sit in one lane quad, two bytes a lane every 8
+        // columns: a 4 x 4 word transpose inside the quad gives each lane 16 adjacent bytes,
+        // one 16-byte store a row and half (v14: eight 2-byte stores a row).
+        auto store_half = [&](float(&ac)[64], int col0, bool scale) {
           auto store_row = [&](int n, int base, float inv, float s) {
             uint32_t w[4];  // w[k]: columns 16k + lcol + {0, 1} (lo) and 16k + 8 + lcol + {0, 1} (hi)
 #pragma unroll
@@ -1831,22 +1856,15 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (n < tl.rows) {
               const uint4 v = make_uint4(__byte_perm(w[0], w[1], 0x5410), __byte_perm(w[2], w[3], 0x5410),
                                          __byte_perm(w[0], w[1], 0x7632), __byte_perm(w[2], w[3], 0x7632));
-              *reinterpret_cast<uint4*>(a.act2 + size_t(tl.row0 + n) * a.inter_pitch + nblk * 64 + 16 * ql) =
-                  v;
-              if (ql == 0) a.act2_scale[size_t(nblk) * a.rows_cap + tl.row0 + n] = s;
+              *reinterpret_cast<uint4*>(a.act2 + size_t(tl.row0 + n) * a.inter_pitch + col0 + 16 * ql) = v;
+              if (scale && ql == 0) a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + n] = s;
             }
           };
           store_row(n0, 0, inv0, s0);
           store_row(n1r, 2, inv1, s1);
         };
-        epilogue1(acc_block<0>(acc), tl.nblk + (split ? wg : 0));
-        if constexpr (kWide) {
-          // A wide tile counts as its two tiles in done1: block 0 is published before block
-          // 1's epilogue (split: each warpgroup's one block, then the second count at once).
-          sm90::fence_proxy_async_global();
-          tile_written(a.units_base + tl.unit);
-          if (!split) epilogue1(acc_block<1>(acc), tl.nblk + 1);
-        }
+        store_half(acc_block<0>(acc), tl.nblk * 128 + (split ? wg * 64 : 0), !split || wg == 0);
+        if (!split) store_half(acc_block<1>(acc), tl.nblk * 128 + 64, false);
       }
       // act2 is read next by other CTAs' TMA (async proxy): the proxy fence, then the
       // signal thread's release of done1 (see tile_written).
@@ -1897,11 +1915,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                                               0, wg, lrow, wg ? wsc1 : wsc, wg ? wsc1 : wsc, a.debug_skip,
                                               pf);
           else
-            mainloop_tokens_m_wide<2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lrow, wsc, wsc,
-                                      wsc1, a.debug_skip | wg_idle(tl), pf);
+            mainloop_tokens_m_blocks<2, true, false>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, 0, rbase,
+                                                     lrow, wsc, nullptr, wsc1, a.debug_skip | wg_idle(tl),
+                                                     pf);
         } else {
-          mainloop_tokens_m<2, kPairs>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, peer_empty, rbase, 0,
-                                       lrow, wsc, wsc, a.debug_skip | wg_idle(tl), pf);
+          mainloop_tokens_m<2, kPairs>(acc_block<0>(acc), tl.kblocks, rp, smem, full_bar, empty_bar,
+                                       peer_empty, rbase, 0, lrow, wsc, wsc, a.debug_skip | wg_idle(tl), pf);
         }
         t_epi = pf.now();
         // ---- GEMM2 epilogue (tokens in M): the warp's 16 token rows x 128 columns ----
@@ -2142,9 +2161,10 @@ void set_smem_attr() {
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(BN)));
   MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<BN, true>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(BN)));
+  if constexpr (BN == 128 || BN <= kDecodePairsMaxBlockN)
+    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<BN, false, true>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(BN)));
   if constexpr (BN == 128) {
-    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<128, false, true>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(128)));
     MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<128, false, false, true>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             smem_bytes(128, true)));
@@ -2155,8 +2175,8 @@ void set_smem_attr() {
 struct PairLaunch {
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr[1]{};
-  PairLaunch(int grid, cudaStream_t stream) {
-    cfg.gridDim = dim3(grid), cfg.blockDim = dim3(kThreads), cfg.dynamicSmemBytes = smem_bytes(128);
+  PairLaunch(int grid, int block_n, cudaStream_t stream) {
+    cfg.gridDim = dim3(grid), cfg.blockDim = dim3(kThreads), cfg.dynamicSmemBytes = smem_bytes(block_n);
     cfg.stream = stream;
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = 2, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
@@ -2174,9 +2194,11 @@ void launch_fused(const KernelArgs& args, const TensorMaps& maps, int grid, cons
       MEGAMOE_CUDA_CHECK_LAUNCH();
       return;
     }
+  }
+  if constexpr (BN == 128 || BN <= kDecodePairsMaxBlockN) {
     if (cfg.pair_tiles) {
-      PairLaunch l(grid, stream);
-      MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&l.cfg, fused_moe_kernel<128, false, true>, args, maps));
+      PairLaunch l(grid, BN, stream);
+      MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&l.cfg, fused_moe_kernel<BN, false, true>, args, maps));
       return;
     }
   }
@@ -2195,8 +2217,8 @@ struct FusedMoePlan {
   MoeWeightsView w;
   void* workspace = nullptr;
   int num_sms = 0;
-  bool pairs_ok = false;  // the shape and grid allow pair tiles (FusedMoeConfig::pair_tiles)
-  bool wide_ok = false;   // the shape allows wide tiles (FusedMoeConfig::wide_tiles)
+  bool pairs_ok[kNumBlockNs] = {};  // the shape and grid allow pair tiles of a block_n (pair_tiles)
+  bool wide_ok = false;             // the shape allows wide tiles (FusedMoeConfig::wide_tiles)
   TensorMaps maps[kNumBlockNs];
   KernelArgs args{};
 };
@@ -2296,7 +2318,7 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
     m.a2 = make_map("act2", CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base + ws.act2.offset, {P, R}, {P}, {128, bn},
                     CU_TENSOR_MAP_SWIZZLE_128B);
     m.a2s = make_map("act2_scale", CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, base + ws.act2_scale.offset,
-                     {R, P / num::kInterGroup}, {R * 4}, {bn, 2}, CU_TENSOR_MAP_SWIZZLE_NONE);
+                     {R, P / num::kInterGroup}, {R * 4}, {bn, 1}, CU_TENSOR_MAP_SWIZZLE_NONE);
     if (bn == 128) {
       m.xh = make_map("x_sorted (pair half)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base + ws.x_sorted.offset,
                       {H, R}, {H}, {128, 64}, CU_TENSOR_MAP_SWIZZLE_128B);
@@ -2317,22 +2339,31 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   set_smem_attr<48>();
   set_smem_attr<64>();
   set_smem_attr<128>();
-  // Pair tiles need every GEMM's output blocks in pairs (I / 64, Is / 64 and H / 128 even),
+  // Pair tiles need every GEMM's output blocks in pairs (I / 128, Is / 128 and H / 128 even),
   // one device, an even grid, and the grid's clusters resident at once (the kernel's grid
-  // barrier waits for every CTA).
-  // (I / 64 and Is / 64 are even already: I and Is are multiples of 128, checked above.)
-  const bool even_blocks = (s.hidden / 128) % 2 == 0;
-  plan->wide_ok = !ep && even_blocks;  // (wide tiles: the same pairs of output blocks, in one CTA)
-  if (!ep && even_blocks && plan->num_sms % 2 == 0) {
-    PairLaunch l(plan->num_sms, nullptr);
+  // barrier waits for every CTA). Wide tiles pair GEMM2's output blocks only (H / 128 even).
+  const bool even_h = (s.hidden / 128) % 2 == 0;
+  const bool even_blocks = even_h && (s.inter / 128) % 2 == 0 && (s.shared_inter() / 128) % 2 == 0;
+  plan->wide_ok = !ep && even_h;
+  // Decode pairs (BN <= kDecodePairsMaxBlockN) pair GEMM2's output blocks only (H / 128 even).
+  auto resident = [&](int bn, auto kernel) {
+    PairLaunch l(plan->num_sms, bn, nullptr);
     int clusters = 0;
-    MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, fused_moe_kernel<128, false, true>, &l.cfg));
-    plan->pairs_ok = 2 * clusters >= plan->num_sms;
+    MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &l.cfg));
+    return 2 * clusters >= plan->num_sms;
+  };
+  if (!ep && plan->num_sms % 2 == 0) {
+    if (even_blocks) plan->pairs_ok[block_n_index(128)] = resident(128, fused_moe_kernel<128, false, true>);
+    if (even_h) {
+      plan->pairs_ok[block_n_index(8)] = resident(8, fused_moe_kernel<8, false, true>);
+      plan->pairs_ok[block_n_index(16)] = resident(16, fused_moe_kernel<16, false, true>);
+    }
   }
+  static_assert(kDecodePairsMaxBlockN == 16, "the decode pair kernels: block_n 8 and 16");
 
   KernelArgs& a = plan->args;
   a.H = s.hidden, a.I = s.inter, a.Is = s.shared_inter(), a.E = ws.local_experts, a.K = s.topk;
-  a.n1 = a.I / 64, a.n1s = a.Is / 64, a.n2 = a.H / 128;
+  a.n1 = a.I / 128, a.n1s = a.Is / 128, a.n2 = a.H / 128;
   a.units_base = MoeWorkspaceLayout::kCounterExperts + ws.experts_total;
   a.has_shared = s.has_shared() ? 1 : 0;
   a.rows_cap = ws.rows_cap, a.inter_pitch = ws.inter_pitch;
@@ -2465,7 +2496,7 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
   cfg.router_ksplit = kRouterSlices;
   cfg.wide_tiles = cfg.wide_tiles && cfg.block_n == 128 && p->wide_ok;
   // (wide tiles take the pair tiles' place: one CTA computes both tiles of a token pair)
-  cfg.pair_tiles = cfg.pair_tiles && cfg.block_n == 128 && p->pairs_ok && !cfg.wide_tiles;
+  cfg.pair_tiles = cfg.pair_tiles && p->pairs_ok[block_n_index(cfg.block_n)] && !cfg.wide_tiles;
   cfg.stages = stages_for(cfg.block_n, cfg.wide_tiles);
   return cfg;
 }
@@ -2500,7 +2531,7 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
   maybe_print_config(p->shape, host_tokens_hint, cfg);
   KernelArgs a = p->args;
   a.half_tiles = cfg.half_tiles;
-  a.pair_weights = cfg.pair_tiles && cfg.pair_weights;
+  a.pair_weights = cfg.pair_tiles && cfg.pair_weights && cfg.block_n == 128;
   a.num_tokens = t.num_tokens;
   a.x = t.x;
   a.y = t.y;

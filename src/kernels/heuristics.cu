@@ -35,8 +35,14 @@ FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms) {
   c.half_tiles = c.block_n == 128 && avg_rows <= kHalfTileMaxAvgRows;
   if (const char* env = std::getenv("MEGAMOE_HALF_TILES")) c.half_tiles = std::atoi(env) != 0;
   c.pair_tiles = kPairTiles && c.block_n == 128;
+  if (c.block_n <= kDecodePairsMaxBlockN) {
+    // GEMM1 tiles (128 columns of an expert hit) at most: every routed row another expert.
+    const int64_t hit = std::min<int64_t>(s.experts, int64_t(tokens) * s.topk);
+    const int64_t tiles1 = hit * (s.inter / 128) + s.shared_inter() / 128;
+    c.pair_tiles = tiles1 < int64_t(kDecodePairsMaxTilesPerCta) * num_sms;
+  }
   if (const char* env = std::getenv("MEGAMOE_PAIR_TILES")) c.pair_tiles = std::atoi(env) != 0;
-  c.pair_weights = kPairWeights;
+  c.pair_weights = kPairWeights && c.block_n == 128;
   if (const char* env = std::getenv("MEGAMOE_PAIR_WEIGHTS")) c.pair_weights = std::atoi(env) != 0;
   c.wide_tiles = kWideTiles && c.block_n == 128 && !c.half_tiles;
   if (const char* env = std::getenv("MEGAMOE_WIDE_TILES")) c.wide_tiles = std::atoi(env) != 0;

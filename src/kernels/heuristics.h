@@ -115,6 +115,18 @@ constexpr bool kPairTiles = true;
 // previous binary): GLM-5 4096 -2..-4 %, 16384 -1..-3 %, 1024 level, DeepSeek-V3 and
 // GLM-5.3-Flash level; GLM-5 16384 reads 25.0 GB from DRAM against 29.7 sharing tokens.
 constexpr bool kPairWeights = true;
+// Decode pairs (FusedMoeConfig::pair_tiles at block_n <= kDecodePairsMaxBlockN): clusters of
+// two CTAs that share each GEMM1 tile, one 64-column half each, exchanging the tokens' amax
+// through shared memory (the 1x128 act2 group spans both halves). v27 made a GEMM1 tile 128
+// columns (num::kInterGroup): at one token that is 144 tiles of 1.5 MB for 132 CTAs on
+// GLM-5, so 12 CTAs stream two while the mean is 1.1 (+9 % at T = 1 against v26's 288 tiles
+// of 0.75 MB). With the pairs (bench/results/ab/v27_decode_pairs_ab.log, interleaved): T = 1
+// GLM-5 125.5 -> 116 us, DeepSeek-V3 141 -> 131 (v26's kernel: 115 / 129). Chosen where the
+// GEMM1 tiles would be fewer than kDecodePairsMaxTilesPerCta a CTA: there a tile more or less
+// is most of a CTA's work, and the pairs' lost tail pool (TileSchedule's claims need one CTA)
+// matters least; forced on at 8-256 tokens they measured -0.6..+0.9 % (v27_decode_pairs_forced_ab.log).
+constexpr int kDecodePairsMaxBlockN = 16;
+constexpr int kDecodePairsMaxTilesPerCta = 2;
 // Wide tiles (FusedMoeConfig::wide_tiles): a 128-token tile against two neighbouring output
 // blocks in one CTA (the token pair's two tiles of TileIds, without a cluster): a stage holds
 // 256 weight rows and the 128 token rows (48 KB, four stages), and each consumer warpgroup
@@ -129,7 +141,9 @@ constexpr bool kPairWeights = true;
 // the rest is the power cap). With half tiles (up to kHalfTileMaxAvgRows) a wide tile of at
 // most 64 rows gives each warpgroup one block (fused_moe.cu's `split`): level at 1024 and
 // 2048 (+0.5 %; the four-stage ring waits for data there: 33 % of the K loops at 1024), so
-// wide tiles are chosen where half tiles are not.
+// wide tiles are chosen where half tiles are not. Since v27 (1x128 act2 groups) a GEMM1 tile
+// is 128 intermediate columns: a wide stage holds both its halves, the other 128-token
+// tiles take the halves in consecutive stages, and GEMM2 folds once a block and stage.
 constexpr bool kWideTiles = true;
 
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
@@ -157,8 +171,9 @@ constexpr int route_medium_max_tokens(int experts) {
 
 // Pipeline depth for a token block: as many stages as fit the budget, at most 12.
 // wide: a wide tile's stage (kWideTiles), two output blocks' weight rows.
+// A stage: weight rows, token rows, the tokens' float32 scales of the K block (either GEMM).
 constexpr int stage_bytes(int block_n, bool wide = false) {
-  return (((wide ? 2 : 1) * kBlockM * kBlockK + block_n * kBlockK + 2 * block_n * 4) + 1023) / 1024 * 1024;
+  return (((wide ? 2 : 1) * kBlockM * kBlockK + block_n * kBlockK + block_n * 4) + 1023) / 1024 * 1024;
 }
 // Shared memory after the stage ring (byte offsets; fused_moe.cu places its regions
 // by these, so the size below and the kernel cannot drift apart).
@@ -180,8 +195,14 @@ struct SmemTail {
   // epilogue pass (fused_moe.cu), 128-byte aligned.
   static constexpr int kStagingWarpBytes = 16 * 128;
   static constexpr int staging(int block_n) { return (inv_scales(block_n) + block_n * 4 + 127) / 128 * 128; }
+  // Decode tiles, at the same place: the decode pairs' amax exchange (fused_moe.cu), two
+  // mbarriers and two buffers of a token block's maxima from the peer CTA.
+  static constexpr int kXchgBar = 0;    // uint64 [2]
+  static constexpr int kXchgAmax = 16;  // float [2][64]
+  static constexpr int kXchgBytes = kXchgAmax + 2 * 64 * 4;
+  static constexpr int xchg(int block_n) { return staging(block_n); }
   static constexpr int bytes(int block_n) {
-    return staging(block_n) + (swap_ab(block_n) ? 0 : 8 * kStagingWarpBytes);
+    return staging(block_n) + (swap_ab(block_n) ? kXchgBytes : 8 * kStagingWarpBytes);
   }
 };
 constexpr int fixed_smem_bytes(int block_n) { return 1024 + SmemTail::bytes(block_n); }  // + alignment slack
@@ -195,6 +216,10 @@ constexpr int smem_bytes(int block_n, bool wide = false) {
 // The GEMM2 staging (v15) fits beside the six prefill stages v14 had.
 static_assert(stages_for(128) == 6, "prefill stages");
 static_assert(stages_for(128, true) == 4, "wide tile stages");
+// The decode pairs' exchange fits beside the decode rings v27 had.
+static_assert(stages_for(8) == 12 && stages_for(16) == 11 && stages_for(32) == 10 && stages_for(48) == 9 &&
+                  stages_for(64) == 8,
+              "decode stages");
 
 // Token block (wgmma N): the smallest of kBlockNs that holds the average rows per
 // routed expert plus its spread (choose_config), so decode tiles waste few columns,

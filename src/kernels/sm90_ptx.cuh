@@ -79,6 +79,16 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_addr) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
 }
 
+// Store 4 bytes into the shared memory of a CTA of the cluster (cluster_addr: mapa_shared) and
+// count them on that CTA's mbarrier `cluster_bar` (complete_tx, as a TMA load's bytes): the
+// receiver waits on its own barrier, which it armed with mbar_arrive_expect_tx.
+__device__ __forceinline__ void st_async_cluster(uint32_t cluster_addr, float v, uint32_t cluster_bar) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(cluster_addr),
+      "r"(__float_as_uint(v)), "r"(cluster_bar)
+      : "memory");
+}
+
 // Every non-exited thread of the cluster (an exited thread counts as arrived).
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release;" ::: "memory");

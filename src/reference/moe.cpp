@@ -56,7 +56,7 @@ void run_faithful(const MoeShape& s, std::vector<FaithfulTask>& tasks, int threa
   const float limit = s.swiglu_limit;
 
   // Per task: the requantized SwiGLU output (E4M3 codes, then split) [n][I] and
-  // its scales [n][ceil(I/64)]: the second GEMM's operand.
+  // its scales [n][ceil(I/128)]: the second GEMM's operand.
   struct Inter {
     std::vector<uint8_t> q;
     SplitCodes a;
@@ -80,9 +80,9 @@ void run_faithful(const MoeShape& s, std::vector<FaithfulTask>& tasks, int threa
     for (int g = 0; g < ceil_div(H, 64); ++g) items2.push_back({int(i), g});
   }
 
-  // Phase 1: for one task and one group of 64 intermediate columns, the gate
+  // Phase 1: for one task and one group of 128 intermediate columns, the gate
   // and up rows of those columns for all of the task's rows, SwiGLU, and the
-  // 1x64 requantization (the group is exactly one quantization group).
+  // 1x128 requantization (the group is exactly one quantization group).
   parallel_for(int(items1.size()), threads, [&](int it) {
     const FaithfulTask& tk = tasks[items1[it].task];
     Inter& md = inter[items1[it].task];
@@ -133,7 +133,7 @@ void run_faithful(const MoeShape& s, std::vector<FaithfulTask>& tasks, int threa
       std::vector<uint8_t>().swap(inter[i].q);  // the codes live on in their split form
     }
 
-  // Phase 2: y_k[h] for 64 output columns h of one task: per 64-deep block of
+  // Phase 2: y_k[h] for 64 output columns h of one task: per 128-deep block of
   // I a tensor-core partial (num::fp8_mma_chain), folded with s2 * w2_scale[h/128][k/128]; then bf16.
   parallel_for(int(items2.size()), threads, [&](int it) {
     const FaithfulTask& tk = tasks[items2[it].task];

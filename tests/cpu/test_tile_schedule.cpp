@@ -130,7 +130,7 @@ TEST(TileSchedule, BalancesDecodeBytes) {
 // the token blocks by chunks in increasing id order.
 struct IdCase {
   int E, S, H, I, BN, T, K;  // S shared experts (Is = S * I); T tokens, K routed slots each
-  int sh;                    // 1: pair tiles (and wide tiles: both ranks' tiles in one CTA)
+  int sh;                    // 1: pair tiles, in both GEMMs (2: wide tiles, GEMM2's output blocks in pairs)
   uint64_t seed;
   int wpairs = 0;  // pair tiles sharing the weight tile
 };
@@ -143,8 +143,10 @@ void check_tile_ids(const IdCase& k) {
   if (k.S > 0) rows[k.E] = k.T;
   std::vector<int> unit_off(E_total + 1, 0);
   for (int e = 0; e < E_total; ++e) unit_off[e + 1] = unit_off[e] + (rows[e] + k.BN - 1) / k.BN;
-  const int n1 = k.I / 64, n1s = k.S * k.I / 64, n2 = k.H / 128, chunk = 16;
-  const auto ids = kernels::TileIds::count(n1, n1s, n2, k.E, E_total, chunk, k.sh, unit_off.data(), k.wpairs);
+  const int n1 = k.I / 128, n1s = k.S * k.I / 128, n2 = k.H / 128, chunk = 16;
+  const int sh1 = k.sh == 1 ? 1 : 0, sh2 = k.sh ? 1 : 0;
+  const auto ids =
+      kernels::TileIds::count(n1, n1s, n2, k.E, E_total, chunk, sh1, sh2, unit_off.data(), k.wpairs);
   // seen[gemm - 1][unit][nblk]
   std::vector<std::vector<int>> seen[2];
   for (int g = 0; g < 2; ++g)
@@ -154,7 +156,8 @@ void check_tile_ids(const IdCase& k) {
   std::vector<int> last_chunk(2 * E_total, -1);
   int weight_pairs = 0;
   for (int tile = 0; tile < ids.tiles(); ++tile) {
-    if (k.sh) {
+    const int sh = tile < ids.t1 ? sh1 : sh2;  // this id names 1 << sh tiles
+    if (sh) {
       // The two ranks of a pair share a tile's token block (output blocks 2j, 2j + 1) or,
       // with wpairs, its weights (token blocks 2p, 2p + 1 of one output block).
       const kernels::TileCoord c0 = ids.decode(tile, 0), c1 = ids.decode(tile, 1);
@@ -168,7 +171,7 @@ void check_tile_ids(const IdCase& k) {
         EXPECT_TRUE(c0.block == c1.block && c0.nblk % 2 == 0 && c1.nblk == c0.nblk + 1) << "tile " << tile;
       }
     }
-    for (int rank = 0; rank < (1 << k.sh); ++rank) {
+    for (int rank = 0; rank < (1 << sh); ++rank) {
       const kernels::TileCoord c = ids.decode(tile, rank);
       ASSERT_TRUE(c.gemm == 1 || c.gemm == 2) << "tile " << tile;
       ASSERT_TRUE(c.e >= 0 && c.e < E_total && (c.gemm == 2 || c.e < k.E || k.S > 0)) << "tile " << tile;
@@ -201,11 +204,13 @@ TEST(TileSchedule, TileIdsCoverEveryTileOnce) {
   const IdCase cases[] = {
       {256, 1, 6144, 2048, 128, 16384, 8, 0, 1},     // GLM-5 prefill: 4-5 blocks an expert
       {256, 1, 6144, 2048, 128, 16384, 8, 1, 2},     // ... pair tiles
+      {256, 1, 6144, 2048, 128, 16384, 8, 2, 2},     // ... wide tiles
       {256, 1, 6144, 2048, 128, 16384, 8, 1, 2, 1},  // ... sharing the weight tile
       {256, 1, 6144, 2048, 128, 4096, 8, 1, 8, 1},   // ... 1-3 blocks an expert
       {256, 1, 6144, 2048, 8, 1, 8, 0, 3},           // decode: most experts empty
       {32, 2, 1024, 512, 128, 2600, 4, 0, 4},        // two shared experts (Is = 2I), 21 shared blocks
       {32, 2, 1024, 512, 128, 2600, 4, 1, 5},        // ... pair tiles
+      {32, 2, 1024, 512, 128, 2600, 4, 2, 5},        // ... wide tiles
       {32, 2, 1024, 512, 128, 2600, 4, 1, 5, 1},     // ... sharing the weight tile (odd last chunk)
       {32, 0, 1152, 384, 16, 300, 4, 0, 6},          // no shared expert, odd H / 128
       {8, 3, 256, 128, 32, 700, 2, 0, 7},            // three shared experts, chunks of 16 blocks and more

@@ -195,6 +195,39 @@ TEST_F(FusedMoe, PairTilesSmall) {
   }
 }
 
+TEST_F(FusedMoe, DecodePairsSmall) {
+  // Decode pairs (clusters of two CTAs, each computing one 64-column half of a GEMM1 tile,
+  // the tokens' amax exchanged through shared memory) against the reference, forced on and
+  // off at block_n 8 and 16: a small case for compute-sanitizer. T = 5: a token block an
+  // expert; T = 40: up to 16 rows an expert.
+  const TestCase tc = make_case(reduced_shape(), 600, 40, 40);
+  for (const char* pairs : {"1", "0"}) {
+    setenv("MEGAMOE_PAIR_TILES", pairs, 1);
+    for (const char* bn : {"8", "16"}) {
+      setenv("MEGAMOE_BLOCK_N", bn, 1);
+      for (int T : {5, 40}) check_against_reference(reduced_shape(), T, 600 + T);
+      const std::string cfg = tc.layer->config_for(40);
+      EXPECT_EQ(cfg.find("pair_tiles") != std::string::npos, pairs[0] == '1') << cfg;
+    }
+  }
+  unsetenv("MEGAMOE_PAIR_TILES");
+  unsetenv("MEGAMOE_BLOCK_N");
+}
+
+TEST_F(FusedMoe, DecodePairsWhereGemm1TilesAreFew) {
+  // The heuristic: decode pairs where an expert's GEMM1 tiles (I / 128 each, the shared
+  // expert's too) would number fewer than two a CTA. 128 experts of I = 512 (four tiles):
+  // 8 tokens hit at most 32 experts (132 tiles), 64 tokens up to 128 (516).
+  MoeShape s = reduced_shape();
+  s.hidden = 256, s.experts = 128;
+  const TestCase tc = make_case(s, 602, 8, 64);
+  const std::string few = tc.layer->config_for(8), many = tc.layer->config_for(64);
+  EXPECT_NE(few.find("block_n=8"), std::string::npos) << few;
+  EXPECT_NE(few.find("pair_tiles"), std::string::npos) << few;
+  EXPECT_NE(many.find("block_n=8"), std::string::npos) << many;
+  EXPECT_EQ(many.find("pair_tiles"), std::string::npos) << many;
+}
+
 TEST_F(FusedMoe, WideTilesSmall) {
   // 128-token tiles against two output blocks in one CTA, with half tiles and without,
   // against the reference: a small case for compute-sanitizer (the large-T cases run wide
@@ -290,6 +323,18 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
       EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
           << s.describe() << ": block_n " << bn << " changes the bytes";
     }
+    // Decode pairs (block_n 8 and 16; the odd shape's H / 128 = 9 output blocks cannot pair)
+    // and the same tiles alone: the same bytes.
+    for (const char* bn : {"8", "16"})
+      for (const char* pairs : {"0", "1"}) {
+        setenv("MEGAMOE_BLOCK_N", bn, 1);
+        setenv("MEGAMOE_PAIR_TILES", pairs, 1);
+        const GpuRun c = run_gpu(layer, x, T);
+        EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
+            << s.describe() << ": block_n " << bn << " MEGAMOE_PAIR_TILES=" << pairs << " changes the bytes ("
+            << layer.config_for(T) << ")";
+      }
+    unsetenv("MEGAMOE_PAIR_TILES");
     // 128-token tiles with warpgroup 1 idle on tiles of <= 64 rows (T = 200: ~25 rows an
     // expert, so every routed tile) and with both warpgroups computing (without half tiles
     // the heuristic takes wide tiles where the shape allows them): the same bytes.

@@ -163,8 +163,8 @@ struct DeviceRoutedBatch {
 // the fused kernel, not bit-identical to it):
 //   x -> E4M3 per 1x128 with num::act_scale; GEMM1 (block-scaled, fp32 or bf16
 //   out per gemm1_out); a = num::swiglu(g, u, swiglu_limit, w_k) in fp32; a ->
-//   E4M3 per 1x128 along I (cuBLASLt's VEC128 granularity; the fused kernel
-//   uses 1x64); GEMM2 -> bf16 per slot; y = bf16(sum of the slots' bf16 in
+//   E4M3 per 1x128 along I (cuBLASLt's VEC128 granularity, as the fused kernel's
+//   num::kInterGroup); GEMM2 -> bf16 per slot; y = bf16(sum of the slots' bf16 in
 //   ascending slot order, fp32).
 // Requires H % 128 == 0 and I % 128 == 0 (throws std::invalid_argument).
 class CublasLtMoeBaseline {

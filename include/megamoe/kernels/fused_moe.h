@@ -11,7 +11,7 @@
 //   3. fused_moe: ONE persistent kernel: quantize x (1x128 E4M3) and scatter
 //      each token to its experts' row segments, grid barrier, then a
 //      static byte-balanced tile schedule of GEMM1 tiles (w13, SwiGLU, x
-//      routing weight, 1x64 E4M3) and GEMM2 tiles (w2 -> BF16 per slot) with
+//      routing weight, 1x128 E4M3) and GEMM2 tiles (w2 -> BF16 per slot) with
 //      per-(expert, token block) completion counters between them, then the
 //      ordered slot reduction.
 // The token count is read from device memory, so one captured graph serves any
@@ -64,7 +64,7 @@ struct MoeWorkspaceLayout {
   Region x_sorted_scale;  // f32 [H/128][rows_cap] (K-block-major: TMA loads a token block's scales)
   Region row_weight;      // f32 [rows_cap]        routing weight of each sorted row (shared: 1)
   Region act2;            // e4m3 [rows_cap][inter_pitch]  SwiGLU output
-  Region act2_scale;      // f32 [inter_pitch/64][rows_cap]
+  Region act2_scale;      // f32 [inter_pitch/128][rows_cap] (num::kInterGroup)
   Region y_rows;          // bf16 [rows_cap][H]    per-slot outputs: single device [token][slot]
                           //   (slots routed 0..K-1, then shared), expert parallelism sorted rows
   Region row_src;         // i32 [rows_cap]        where a sorted row's output goes: single device

@@ -80,8 +80,9 @@ MEGAMOE_HD int largest_le(const int* off, int lo, int hi, int mul, int v) {
 // Tile ids run GEMM1 then GEMM2, expert by expert (the shared expert, E, last); inside
 // an expert by chunks of `chunk` token blocks (the last one shorter), output block major
 // inside a chunk (the token blocks of one weight tile are neighbours, so concurrently
-// running CTAs share it in L2, and a chunk's tokens stay there). Pair tiles (sh = 1): an
-// id names two tiles, one a cluster rank, and every count below counts pairs. Either the
+// running CTAs share it in L2, and a chunk's tokens stay there). Pair tiles (sh1 = sh2 = 1):
+// an id names two tiles, one a cluster rank, and every count below counts pairs; wide tiles
+// (sh2 = 1 only) count GEMM2's output blocks in pairs, both in one CTA. Either the
 // pair shares its token block (output blocks 2j, 2j + 1; rank `rank` takes 2j + rank), or,
 // with wpairs, it shares its weight tile: token blocks 2p, 2p + 1 of a chunk against one
 // output block, and only a chunk's odd last token block shares its tokens. In a chunk of
@@ -91,33 +92,43 @@ MEGAMOE_HD int largest_le(const int* off, int lo, int hi, int mul, int v) {
 struct TileCoord {
   int gemm;    // 1 or 2
   int e;       // expert (E: the shared one)
-  int nblk;    // output block: GEMM1 64 columns of the intermediate, GEMM2 128 rows of H
+  int nblk;    // output block: GEMM1 128 columns of the intermediate (one num::kInterGroup), GEMM2
+               // 128 rows of H
   int block;   // token block inside the expert
   bool wpair;  // pair tiles: the pair shares this tile's weights (else its tokens)
 };
 
 struct TileIds {
-  int n1, n1s, n2;      // output blocks of a routed expert's GEMM1, the shared one's, any GEMM2 (>> sh)
-  int E, E_total;       // routed experts; + 1 with a shared expert
-  int t1_routed, t1;    // the first shared GEMM1 id and the first GEMM2 id
-  int t2;               // GEMM2 ids
-  int chunk, sh;        // token blocks a chunk; 1 for pair tiles
+  int n1, n1s, n2;    // output blocks of a routed expert's GEMM1, the shared one's (>> sh1), a GEMM2 (>> sh2)
+  int E, E_total;     // routed experts; + 1 with a shared expert
+  int t1_routed, t1;  // the first shared GEMM1 id and the first GEMM2 id
+  int t2;             // GEMM2 ids
+  int chunk;          // token blocks a chunk
+  int sh1, sh2;       // 1: a GEMM1 / GEMM2 id names a pair of output blocks (pair tiles: both)
   const int* unit_off;  // [E_total + 1] token blocks before expert e
   int wpairs;           // pair tiles: pairs of token blocks share a weight tile (above)
 
   // The ids of one forward, from the experts' token blocks (unit_off) and the output
-  // blocks of a routed GEMM1 (I / 64), the shared one's (Is / 64) and a GEMM2 (H / 128);
-  // with sh = 1 every count is even (the plan's condition for pair tiles).
-  MEGAMOE_HD static TileIds count(int n1, int n1s, int n2, int E, int E_total, int chunk, int sh,
+  // blocks of a routed GEMM1 (I / 128), the shared one's (Is / 128) and a GEMM2 (H / 128);
+  // a count shifted by sh1 / sh2 = 1 is even (the plan's condition for pair and wide tiles).
+  // wpairs needs sh1 = sh2 = 1.
+  MEGAMOE_HD static TileIds count(int n1, int n1s, int n2, int E, int E_total, int chunk, int sh1, int sh2,
                                   const int* unit_off, int wpairs = 0) {
     const int t1_routed = n1 * unit_off[E];
     const int t1 = t1_routed + n1s * (unit_off[E_total] - unit_off[E]);
-    return {n1 >> sh, n1s >> sh,
-            n2 >> sh, E,
-            E_total,  t1_routed >> sh,
-            t1 >> sh, (n2 * unit_off[E_total]) >> sh,
-            chunk,    sh,
-            unit_off, sh ? wpairs : 0};
+    return {n1 >> sh1,
+            n1s >> sh1,
+            n2 >> sh2,
+            E,
+            E_total,
+            t1_routed >> sh1,
+            t1 >> sh1,
+            (n2 * unit_off[E_total]) >> sh2,
+            chunk,
+            sh1,
+            sh2,
+            unit_off,
+            sh1 && sh2 ? wpairs : 0};
   }
   MEGAMOE_HD int tiles() const { return t1 + t2; }
 
@@ -154,7 +165,8 @@ struct TileIds {
       t.block = b0 + 2 * (v - second * wp) + rank;
     } else {
       t.block = b0 + (wp ? csize - 1 : v);
-      t.nblk = (j << sh) + rank;
+      const int sh = t.gemm == 1 ? sh1 : sh2;
+      t.nblk = (j << sh) + (rank & sh);  // (an id of one tile: every rank's)
     }
     return t;
   }

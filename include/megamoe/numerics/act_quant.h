@@ -11,10 +11,13 @@ namespace megamoe::num {
 
 constexpr float kActScaleEps = 1e-4f;  // amax floor
 constexpr int kActGroup = 128;         // x -> FP8: 1x128 groups along H (matches the weight blocks)
-// SwiGLU output -> FP8 before the second GEMM: 1x64 groups along I with a
-// float32 scale. 64 = the intermediate columns one GEMM1 tile of the Hopper
-// kernel produces, so each tile quantizes its own output without a second pass.
-constexpr int kInterGroup = 64;
+// SwiGLU output -> FP8 before the second GEMM: 1x128 groups along I with a
+// float32 scale (v27; 1x64 before). 128 = one K block of the second GEMM, so every
+// GEMM2 tile folds once a 128-deep stage, as GEMM1 does (v26 measured the second fold a
+// stage at 7 % of GLM-5's layer at 16384 tokens), and the same granularity as
+// cuBLASLt's VEC128 and DeepGEMM's activations. Every Hopper GEMM1 tile therefore holds
+// the gate and up rows of 128 intermediate columns (fused_moe.cu), whatever its shape.
+constexpr int kInterGroup = 128;
 // Depth at which the kernel folds a first-GEMM tensor-core partial sum into its
 // float32 accumulator (times scale_x * scale_w): 128, one weight block, as DeepGEMM
 // does. The second GEMM folds every kInterGroup columns (its activation scale changes

@@ -28,7 +28,7 @@ enum class Mode {
   // block (num::kGemm1FoldK) accumulated as the tensor cores accumulate it (a chain of
   // num::fp8_mma_step, fitted to and tested against the H200) and folded in float32
   // with scale_x * scale_w of its 128-block; SwiGLU in float32; the SwiGLU output (times the routing
-  // weight) -> E4M3 per 1x64 (num::kInterGroup); second GEMM folded per 64-deep
+  // weight) -> E4M3 per 1x128 (num::kInterGroup); second GEMM folded per 128-deep
   // block; each slot's output rounded to BF16; slots summed in ascending order
   // (routed 0..K-1, then shared) in float32 and rounded to BF16.
   kKernelFaithful,
