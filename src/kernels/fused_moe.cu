@@ -903,6 +903,25 @@ __device__ __forceinline__ void fold_tokens_m(float (&acc)[64], const float (&bu
   }
 }
 
+// A tokens-in-M stage handed back; a pair tile's goes back to both CTAs (release_stage_pair).
+template <bool kPairs>
+__device__ __forceinline__ void release_ring_stage(uint64_t* empty_bar, int stage, uint32_t peer_empty) {
+  if constexpr (kPairs)
+    release_stage_pair(&empty_bar[stage], peer_empty + stage * 8);
+  else
+    release_stage(&empty_bar[stage]);
+}
+
+// `stages` stages handed back unread (kSkipMma: a half tile's idle warpgroup).
+template <bool kPairs, int kStages>
+__device__ __forceinline__ void skip_stages(int stages, RingPos<kStages>& rp, uint64_t* full_bar,
+                                            uint64_t* empty_bar, uint32_t peer_empty) {
+  for (int s = 0; s < stages; ++s, rp.advance()) {
+    sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
+    release_ring_stage<kPairs>(empty_bar, rp.stage, peer_empty);
+  }
+}
+
 // One output block a stage: a GEMM2 tile of a one-block ring (pair tiles release each
 // stage to both CTAs), or (kWide) one block `wblk` of a wide tile's stage on token rows
 // xrow0 = 0 in each warpgroup (a split wide tile of at most 64 rows: GEMM1 half wblk or
@@ -918,20 +937,8 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   constexpr int kStageBytes = stage_bytes(128, kWide);
   constexpr int kWBytes = (kWide ? 2 : 1) * kBlockM * kBlockK;
   constexpr int kXBytes = 128 * kBlockK;
-  // Pair tiles: the stage goes back to both CTAs (release_stage_pair).
-  auto release = [&](int stage) {
-    if constexpr (kPairs)
-      release_stage_pair(&empty_bar[stage], peer_empty + stage * 8);
-    else
-      release_stage(&empty_bar[stage]);
-  };
-  if (skip & kSkipMma) {
-    for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
-      sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
-      release(rp.stage);
-    }
-    return;
-  }
+  auto release = [&](int stage) { release_ring_stage<kPairs>(empty_bar, stage, peer_empty); };
+  if (skip & kSkipMma) return skip_stages<kPairs>(kblocks, rp, full_bar, empty_bar, peer_empty);
   const uint32_t t_loop = pf.now();
   const int r0 = xrow0 + lrow, r1 = r0 + 8;
   float ba[64];
@@ -1001,19 +1008,9 @@ __device__ __forceinline__ void mainloop_tokens_m_blocks(float (&acc)[128], int 
   constexpr int kWBytes = (kWide ? 2 : 1) * kBlockM * kBlockK;
   constexpr int kXBytes = 128 * kBlockK;
   constexpr uint32_t kBlock1 = kWide ? (kBlockM * kBlockK) >> 4 : 0;  // block 1's weight rows in a stage
-  auto release = [&](int stage) {
-    if constexpr (kPairs)
-      release_stage_pair(&empty_bar[stage], peer_empty + stage * 8);
-    else
-      release_stage(&empty_bar[stage]);
-  };
-  if (skip & kSkipMma) {
-    for (int s = 0; s < (kWide ? 1 : 2) * kblocks; ++s, rp.advance()) {
-      sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
-      release(rp.stage);
-    }
-    return;
-  }
+  auto release = [&](int stage) { release_ring_stage<kPairs>(empty_bar, stage, peer_empty); };
+  if (skip & kSkipMma)
+    return skip_stages<kPairs>((kWide ? 1 : 2) * kblocks, rp, full_bar, empty_bar, peer_empty);
   const uint32_t t_loop = pf.now();
   const int r0 = xrow0 + lrow, r1 = r0 + 8;
   float ba[64];
