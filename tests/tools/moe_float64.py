@@ -13,7 +13,7 @@ Usage
   #   `first_moe_layer=L` (the checkpoint's first MoE layer) for scripts
   # compare a `megamoe forward` output against float64
   moe_float64.py --checkpoint DIR --layer L --input X.safetensors --compare OUT.safetensors \
-      [--max-rel-l2 0.08] [--max-rel-l2-emulated 0.02] [--inter-group 64]
+      [--max-rel-l2 0.08] [--max-rel-l2-emulated 0.02] [--inter-group 128]
 
 The comparison checks, and exits 1 if any fails:
   - topk_ids: exactly equal to the float64 routing (same experts, same order:
@@ -372,7 +372,7 @@ def mlp(x, w, limit, rw=None, inter_group=0):
     return a @ wd.T
 
 
-def moe(cfg, layer, x, ids, w, limit, emulate=False, inter_group=64):
+def moe(cfg, layer, x, ids, w, limit, emulate=False, inter_group=128):
     xin = act_quant(x, 128) if emulate else x
     ig = inter_group if emulate else 0
     T, H = x.shape
@@ -526,8 +526,9 @@ def main(argv=None):
     p.add_argument("--max-rel-l2-emulated", type=float, default=0.02,
                    help="bound vs the float64 layer with E4M3-quantized activations")
     p.add_argument("--max-weight-err", type=float, default=1e-4, help="routing weights, relative")
-    p.add_argument("--inter-group", type=int, default=64,
-                   help="columns per scale of the SwiGLU output quantization (emulation only)")
+    p.add_argument("--inter-group", type=int, default=128,
+                   help="columns per scale of the SwiGLU output quantization (emulation only; the "
+                   "kernel's num::kInterGroup)")
     a = p.parse_args(argv)
     if a.write_input:
         if not (a.hidden or a.checkpoint) or a.tokens < 0:
