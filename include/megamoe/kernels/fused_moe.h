@@ -88,15 +88,17 @@ struct FusedMoeConfig {
   bool half_tiles = false;
   // 128-token tiles in CTA pairs (clusters of two): the pair computes one token block
   // against two neighbouring output blocks, each CTA loading half of the token tile for
-  // both (TMA multicast). Only where the shape allows it (fused_moe_config).
+  // both (TMA multicast). Decode tiles (block_n <= kDecodePairsMaxBlockN) in pairs: each
+  // CTA computes one 64-column half of a GEMM1 tile, the two exchange the tokens' amax.
+  // Only where the shape allows it (fused_moe_config).
   bool pair_tiles = false;
   // Pair tiles whose two CTAs take neighbouring token blocks of one output block instead,
   // each loading half of the weight tile for both (an expert's odd last token block keeps
   // the shared token tile): the weight tile is read once for both token blocks.
   bool pair_weights = false;
-  // 128-token tiles against two neighbouring output blocks in one CTA (no cluster): a
-  // stage holds both blocks' weight rows, the token rows once (kWideTiles). Replaces the
-  // pair tiles where the shape allows it (fused_moe_config).
+  // 128-token tiles against 256 weight rows in one CTA (no cluster): a stage holds a GEMM1
+  // tile's two halves or two neighbouring GEMM2 output blocks, the token rows once
+  // (kWideTiles). Replaces the pair tiles where the shape allows it (fused_moe_config).
   bool wide_tiles = false;
 };
 
