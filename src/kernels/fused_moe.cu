@@ -1180,6 +1180,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* red = reinterpret_cast<float*>(tail + SmemTail::kRed);                      // [8 warps][BN]
   float* tok_inv_scale = reinterpret_cast<float*>(tail + SmemTail::inv_scales(BN));  // [BN]
   uint8_t* staging = tail + SmemTail::staging(BN);  // [8 warps][16 rows][128 B], tokens in M only
+  // Decode pairs, at the same place (SmemTail::xchg): the amax exchange's barriers and buffers.
+  uint8_t* xchg = tail + SmemTail::xchg(BN);
+  uint64_t* xchg_bar = reinterpret_cast<uint64_t*>(xchg + SmemTail::kXchgBar);          // [2]
+  const float* xchg_amax = reinterpret_cast<const float*>(xchg + SmemTail::kXchgAmax);  // [2][64]
 
   Prof pf;
   const uint32_t t_start = pf.now();
@@ -1201,8 +1205,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::mbar_init(&free_bar[s], 1);
     }
     if (kHalfPairs)
-      for (int b = 0; b < 2; ++b)
-        sm90::mbar_init(reinterpret_cast<uint64_t*>(tail + SmemTail::xchg(BN) + SmemTail::kXchgBar) + b, 1);
+      for (int b = 0; b < 2; ++b) sm90::mbar_init(&xchg_bar[b], 1);
     for (int s = 0; s < kCombineStages; ++s) {
       sm90::mbar_init(&comb_full[s], 1);
       sm90::mbar_init(&comb_empty[s], kConsumerThreads);  // every reader arrives (see the combine)
@@ -1613,12 +1616,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   int nsplit = 0;  // split wide GEMM1 tiles this CTA finished (their amax exchange's buffer)
   int nxchg = 0;   // decode pairs: amax exchanges with the peer CTA (their buffer and parity)
   const int rank = kPairs ? int(sm90::cluster_ctarank()) : 0;
-  // Decode pairs: the exchange region (SmemTail::xchg) of this CTA and, as a shared::cluster
-  // address, of the peer.
-  uint64_t* xchg_bar = reinterpret_cast<uint64_t*>(tail + SmemTail::xchg(BN) + SmemTail::kXchgBar);
-  const float* xchg_amax = reinterpret_cast<const float*>(tail + SmemTail::xchg(BN) + SmemTail::kXchgAmax);
-  const uint32_t peer_xchg =
-      kHalfPairs ? sm90::mapa_shared(sm90::smem_u32(tail + SmemTail::xchg(BN)), uint32_t(rank) ^ 1u) : 0u;
+  // Decode pairs: the peer's exchange region, as a shared::cluster address.
+  const uint32_t peer_xchg = kHalfPairs ? sm90::mapa_shared(sm90::smem_u32(xchg), uint32_t(rank) ^ 1u) : 0u;
   // This warp's outputs of the tile are written: hand the counter to release (index in
   // a.counters; -1 = no more tiles) to the signal thread.
   auto tile_written = [&](int counter) {
