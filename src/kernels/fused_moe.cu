@@ -1549,9 +1549,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // the barrier below, off every issue slot, until the consumers are done with the ring.
     const CombinePlan cp(a, T, kStages * kStageBytes, kEp);
     if (warp == kCombineWarp && cp.bulk && a.debug_stop != 3) {
-      // The consumers are done with the stage ring (they arrive after their last tile).
-      // (The counter below orders that too, through the gpu-scope releases, but
-      // compute-sanitizer's racecheck follows a barrier, not that chain.)
+      // The consumers are done with the stage ring (they arrive after their last tile, each
+      // after its own proxy fence). (The counter below orders that too, through the
+      // gpu-scope releases, but compute-sanitizer's racecheck follows a barrier, not that chain.)
       sm90::named_barrier(kCombineRingBarrier, kConsumerThreads + 32);
       if (lane == 0) {
         sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2],
@@ -1992,7 +1992,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const CombinePlan cp(a, T, kStages * kStageBytes, kEp);
   if (cp.bulk) {
     // Through shared memory (CombinePlan): a thread sums 8 columns of a unit over its slots.
-    sm90::named_barrier_arrive(kCombineRingBarrier, kConsumerThreads + 32);  // the ring is free
+    // The ring is free: this thread's reads of it (the K loops' scale loads) are ordered
+    // before the combine's bulk copies into it (async proxy) by its own proxy fence, then
+    // the barrier. (The combine lane fences again after the barrier, which the PTX memory
+    // model accepts on its own; v27's racecheck flagged the last scale loads of ring stage 0
+    // against those copies where BN = 8 puts them inside the combine's first stage: NOTES v28.)
+    sm90::fence_proxy_async_shared();
+    sm90::named_barrier_arrive(kCombineRingBarrier, kConsumerThreads + 32);
     int i = 0;
     for (int u = blockIdx.x; u < cp.units; u += gridDim.x, ++i) {
       const int s = cp.stage(i);
