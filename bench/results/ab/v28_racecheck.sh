@@ -19,7 +19,7 @@ race() {  # race BINARY LABEL FILTER [ENV=VALUE...]
   local b=$1 label=$2 filter=$3; shift 3
   [ -x "$bin/$b/megamoe_gpu_tests" ] || { echo "$b: no binary"; return; }
   local log="$out/race_${b}_$label.log"
-  env "$@" timeout 150 $CS --tool racecheck "$bin/$b/megamoe_gpu_tests" --gtest_filter="$filter" > "$log" 2>&1
+  env "$@" timeout 80 $CS --tool racecheck "$bin/$b/megamoe_gpu_tests" --gtest_filter="$filter" > "$log" 2>&1
   echo "$b $label rc=$?"
   grep -E "RACECHECK SUMMARY|PASSED|FAILED|Race reported|Write access" "$log" | cut -c1-250 | head -6
 }
