@@ -1,17 +1,24 @@
 #!/usr/bin/env python3
 """Cross-check `megamoe forward` against the Hugging Face transformers MoE blocks.
 
-HOW TO RUN (device machine: torch 2.11, transformers 5.17, numpy; no network needed)
+HOW TO RUN (torch, transformers and numpy; no network needed; the CPU backend needs
+no GPU: the device machine has torch 2.11 and transformers 5.17, without deepseek_v4,
+which is then skipped; transformers 5.25 has all five)
     cmake -S . -B build -G Ninja && cmake --build build -j      # or any existing build
     python3 scripts/crosscheck_hf.py --cli build/megamoe --workdir /tmp/x
   options: --tokens 64  --backends cpu,cuda (default: cpu, plus cuda when torch sees
-  a GPU)  --families glm5_next,glm_moe_dsa,deepseek_v3,glm4_moe_lite  --max-rel-l2 0.08
+  a GPU)  --families glm5_next,glm_moe_dsa,deepseek_v3,glm4_moe_lite,deepseek_v4
+  --max-rel-l2 0.08
   Exit status: 0 all found families agree; 1 a mismatch; 2 set-up problem (torch or
   transformers missing, no family found, the CLI failed to write a checkpoint).
 
 WHAT IT DOES, per family (model_type -> megamoe preset)
   glm5_next -> glm-5.3-flash, glm_moe_dsa -> glm-5, deepseek_v3 -> deepseek-v3
-  (E=32, grouped 8/4), glm4_moe_lite -> glm-4.7-flash:
+  (E=32, grouped 8/4), glm4_moe_lite -> glm-4.7-flash; and deepseek_v4, which has no
+  megamoe family (VARIANTS): a deepseek-v3 checkpoint whose config.json is edited to
+  V4's routing (sqrtsoftplus scores, no groups, the SwiGLU clamp at 10), against
+  DeepseekV4SparseMoeBlock built from those values -- the one HF block that scores
+  with something other than sigmoid:
   1. `megamoe make-checkpoint` writes a small HF-layout block-FP8 checkpoint
      (H=256, I=192 so that 2I != H and a fused [E, 2I, H] expert weight cannot
      be mistaken for its transpose; E=16 or 32, K=4), and a random BF16 input x.
@@ -34,12 +41,14 @@ WHAT IT DOES, per family (model_type -> megamoe preset)
   A table is printed; any mismatch exits 1.
 
 WHAT IT DOES NOT COVER
-  Scoring functions other than sigmoid (the HF blocks hard-code sigmoid), the
-  correction bias switch (HF always adds it; our presets use noaux_tc), real
+  Softmax scores (no HF block of these families uses them), the correction bias
+  switch (HF always adds it; our presets use noaux_tc), real
   checkpoints (only synthetic weights), multi-rank CUDA (EP) runs.
 """
 import argparse
 import importlib
+import inspect
+import json
 import os
 import shutil
 import subprocess
@@ -60,7 +69,18 @@ FAMILIES = [
     ("glm_moe_dsa", "glm-5", "glm_moe_dsa", ["GlmMoeDsaMoE"], ["GlmMoeDsaConfig"], 16, 1.0),
     ("deepseek_v3", "deepseek-v3", "deepseek_v3", ["DeepseekV3MoE"], ["DeepseekV3Config"], 32, 1.0),
     ("glm4_moe_lite", "glm-4.7-flash", "glm4_moe_lite", ["Glm4MoeLiteMoE"], ["Glm4MoeLiteConfig"], 16, 1.0),
+    ("deepseek_v4", "deepseek-v3", "deepseek_v4", ["DeepseekV4SparseMoeBlock"], ["DeepseekV4Config"], 32, 4.0),
 ]
+# Blocks without a megamoe family of their own: the preset's checkpoint with these
+# config.json keys set, and the HF config built from the values (AutoConfig would read the
+# checkpoint's own model_type). DeepSeek-V4's router and experts hard-code what the edits
+# say: sqrtsoftplus scores, no expert groups, renormalized weights, the clamp always on; the
+# block is built for a layer of plain top-k routing (not its first layers' hash routing).
+VARIANTS = {
+    "deepseek_v4": dict(edits={"scoring_func": "sqrtsoftplus", "n_group": 1, "topk_group": 1,
+                               "norm_topk_prob": True, "swiglu_limit": 10.0},
+                        hf={"mlp_layer_types": ["moe"], "num_hidden_layers": 1}),
+}
 H, I, K = 256, 192, 4
 
 
@@ -82,9 +102,20 @@ def find_class(mod, names, suffixes, exclude=()):
     return None
 
 
-def hf_config(torch, tfm, cfg_cls, ckdir, lc, notes):
+def edit_config(ckdir, edits):
+    """Set `edits` in the checkpoint's config.json (its text config for multimodal models)."""
+    path = os.path.join(ckdir, "config.json")
+    with open(path) as f:
+        root = json.load(f)
+    root.get("text_config", root).update(edits)
+    with open(path, "w") as f:
+        json.dump(root, f, indent=2)
+
+
+def hf_config(torch, tfm, cfg_cls, ckdir, lc, notes, variant=None):
     """The HF config: AutoConfig on the checkpoint itself when possible (its
-    text config for multimodal models), else one built from the values."""
+    text config for multimodal models), else one built from the values (always
+    for a VARIANTS block, with its own keys added)."""
     want = dict(hidden_size=lc.hidden, moe_intermediate_size=lc.inter, n_routed_experts=lc.experts,
                 num_experts_per_tok=lc.topk, n_shared_experts=lc.shared, n_group=lc.n_group,
                 topk_group=lc.topk_group, norm_topk_prob=bool(lc.norm),
@@ -92,7 +123,11 @@ def hf_config(torch, tfm, cfg_cls, ckdir, lc, notes):
     if lc.swiglu_limit:
         want["swiglu_limit"] = float(lc.swiglu_limit)
     cfg = None
+    if variant is not None:
+        want.update(variant["hf"])
     try:
+        if variant is not None:
+            raise LookupError("a variant of another family's checkpoint")
         ac = tfm.AutoConfig.from_pretrained(ckdir, local_files_only=True)
         cfg = ac.get_text_config() if hasattr(ac, "get_text_config") else ac
         bad = []
@@ -106,6 +141,8 @@ def hf_config(torch, tfm, cfg_cls, ckdir, lc, notes):
             notes.append("AutoConfig read the checkpoint differently: " + ", ".join(bad))
             return None, "autoconfig-mismatch"
         src = f"AutoConfig({type(cfg).__name__})"
+    except LookupError:
+        cfg = None
     except Exception as e:  # noqa: BLE001
         notes.append(f"AutoConfig failed ({type(e).__name__}: {str(e).splitlines()[0][:120]}); built from values")
         cfg = None
@@ -285,6 +322,9 @@ def main():
         except RuntimeError as e:
             print(f"{mt}: {e}", file=sys.stderr)
             return 2
+        variant = VARIANTS.get(mt)
+        if variant is not None:
+            edit_config(ck, variant["edits"])
         lc = f64.LayerConfig(ck, 0)
         L = lc.moe_layers[0]
         lc.layer = L
@@ -300,13 +340,15 @@ def main():
         y_emu = f64.moe(lc, layer, x, ids_ref, w_ref, lc.swiglu_limit, emulate=True)
 
         try:
-            cfg, src = hf_config(torch, tfm, cfg_cls, ck, lc, notes)
+            cfg, src = hf_config(torch, tfm, cfg_cls, ck, lc, notes, variant)
             if cfg is None:
                 raise ValueError("; ".join(notes))
             y_hf = None
             for dtype in (torch.float64, torch.float32):
                 try:
-                    moe = moe_cls(cfg).to(dtype).eval()
+                    # (DeepseekV4SparseMoeBlock also takes its layer index)
+                    takes_layer = "layer_idx" in inspect.signature(moe_cls.__init__).parameters
+                    moe = (moe_cls(cfg, layer_idx=0) if takes_layer else moe_cls(cfg)).to(dtype).eval()
                     load_weights(torch, moe, layer, lc)
                     y_hf, ids_hf, w_hf = run_hf(torch, moe, x, dtype)
                     break
