@@ -7,18 +7,18 @@ which is then skipped; transformers 5.25 has all five)
     cmake -S . -B build -G Ninja && cmake --build build -j      # or any existing build
     python3 scripts/crosscheck_hf.py --cli build/megamoe --workdir /tmp/x
   options: --tokens 64  --backends cpu,cuda (default: cpu, plus cuda when torch sees
-  a GPU)  --families glm5_next,glm_moe_dsa,deepseek_v3,glm4_moe_lite,deepseek_v4
+  a GPU)  --families glm5_next,glm_moe_dsa,deepseek_v3,glm4_moe_lite,deepseek_v4,deepseek_v2
   --max-rel-l2 0.08
   Exit status: 0 all found families agree; 1 a mismatch; 2 set-up problem (torch or
   transformers missing, no family found, the CLI failed to write a checkpoint).
 
 WHAT IT DOES, per family (model_type -> megamoe preset)
   glm5_next -> glm-5.3-flash, glm_moe_dsa -> glm-5, deepseek_v3 -> deepseek-v3
-  (E=32, grouped 8/4), glm4_moe_lite -> glm-4.7-flash; and deepseek_v4, which has no
-  megamoe family (VARIANTS): a deepseek-v3 checkpoint whose config.json is edited to
-  V4's routing (sqrtsoftplus scores, no groups, the SwiGLU clamp at 10), against
-  DeepseekV4SparseMoeBlock built from those values -- the one HF block that scores
-  with something other than sigmoid:
+  (E=32, grouped 8/4), glm4_moe_lite -> glm-4.7-flash; and two blocks without a
+  megamoe family (VARIANTS), each on a deepseek-v3 checkpoint whose config.json is
+  edited to that block's routing, the block built from those values: deepseek_v4
+  (sqrtsoftplus scores, no groups, the SwiGLU clamp at 10) and deepseek_v2 (softmax
+  scores, plain top-k, no bias, no renormalization) -- the scores that are not sigmoid:
   1. `megamoe make-checkpoint` writes a small HF-layout block-FP8 checkpoint
      (H=256, I=192 so that 2I != H and a fused [E, 2I, H] expert weight cannot
      be mistaken for its transpose; E=16 or 32, K=4), and a random BF16 input x.
@@ -41,8 +41,8 @@ WHAT IT DOES, per family (model_type -> megamoe preset)
   A table is printed; any mismatch exits 1.
 
 WHAT IT DOES NOT COVER
-  Softmax scores (no HF block of these families uses them), the correction bias
-  switch (HF always adds it; our presets use noaux_tc), real
+  Softmax or sqrtsoftplus with expert groups (the HF blocks that use them have none),
+  the correction bias switch (HF always adds it; our presets use noaux_tc), real
   checkpoints (only synthetic weights), multi-rank CUDA (EP) runs.
 """
 import argparse
@@ -70,16 +70,22 @@ FAMILIES = [
     ("deepseek_v3", "deepseek-v3", "deepseek_v3", ["DeepseekV3MoE"], ["DeepseekV3Config"], 32, 1.0),
     ("glm4_moe_lite", "glm-4.7-flash", "glm4_moe_lite", ["Glm4MoeLiteMoE"], ["Glm4MoeLiteConfig"], 16, 1.0),
     ("deepseek_v4", "deepseek-v3", "deepseek_v4", ["DeepseekV4SparseMoeBlock"], ["DeepseekV4Config"], 32, 4.0),
+    ("deepseek_v2", "deepseek-v3", "deepseek_v2", ["DeepseekV2Moe"], ["DeepseekV2Config"], 32, 1.0),
 ]
 # Blocks without a megamoe family of their own: the preset's checkpoint with these
 # config.json keys set, and the HF config built from the values (AutoConfig would read the
 # checkpoint's own model_type). DeepSeek-V4's router and experts hard-code what the edits
 # say: sqrtsoftplus scores, no expert groups, renormalized weights, the clamp always on; the
 # block is built for a layer of plain top-k routing (not its first layers' hash routing).
+# DeepSeek-V2's router: softmax scores (float32), plain top-k, no correction bias, no
+# renormalization, then the scaling factor.
 VARIANTS = {
     "deepseek_v4": dict(edits={"scoring_func": "sqrtsoftplus", "n_group": 1, "topk_group": 1,
                                "norm_topk_prob": True, "swiglu_limit": 10.0},
                         hf={"mlp_layer_types": ["moe"], "num_hidden_layers": 1}),
+    "deepseek_v2": dict(edits={"scoring_func": "softmax", "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+                               "norm_topk_prob": False},
+                        hf={"topk_method": "greedy"}),
 }
 H, I, K = 256, 192, 4
 
