@@ -3,7 +3,7 @@
 
 HOW TO RUN (torch, transformers and numpy; no network needed; the CPU backend needs
 no GPU: the device machine has torch 2.11 and transformers 5.17, without deepseek_v4,
-which is then skipped; transformers 5.25 has all five)
+which is then skipped; transformers 5.25 has all six)
     cmake -S . -B build -G Ninja && cmake --build build -j      # or any existing build
     python3 scripts/crosscheck_hf.py --cli build/megamoe --workdir /tmp/x
   options: --tokens 64  --backends cpu,cuda (default: cpu, plus cuda when torch sees
@@ -129,29 +129,27 @@ def hf_config(torch, tfm, cfg_cls, ckdir, lc, notes, variant=None):
     if lc.swiglu_limit:
         want["swiglu_limit"] = float(lc.swiglu_limit)
     cfg = None
-    if variant is not None:
+    if variant is not None:  # another family's checkpoint: AutoConfig would read that family
         want.update(variant["hf"])
-    try:
-        if variant is not None:
-            raise LookupError("a variant of another family's checkpoint")
-        ac = tfm.AutoConfig.from_pretrained(ckdir, local_files_only=True)
-        cfg = ac.get_text_config() if hasattr(ac, "get_text_config") else ac
-        bad = []
-        for k, v in want.items():
-            if k == "hidden_act":
-                continue
-            got = getattr(cfg, k, None)
-            if got is None or (float(got) != float(v) if isinstance(v, (int, float)) else got != v):
-                bad.append(f"{k}={got!r} (want {v!r})")
-        if bad:
-            notes.append("AutoConfig read the checkpoint differently: " + ", ".join(bad))
-            return None, "autoconfig-mismatch"
-        src = f"AutoConfig({type(cfg).__name__})"
-    except LookupError:
-        cfg = None
-    except Exception as e:  # noqa: BLE001
-        notes.append(f"AutoConfig failed ({type(e).__name__}: {str(e).splitlines()[0][:120]}); built from values")
-        cfg = None
+    else:
+        try:
+            ac = tfm.AutoConfig.from_pretrained(ckdir, local_files_only=True)
+            cfg = ac.get_text_config() if hasattr(ac, "get_text_config") else ac
+            bad = []
+            for k, v in want.items():
+                if k == "hidden_act":
+                    continue
+                got = getattr(cfg, k, None)
+                if got is None or (float(got) != float(v) if isinstance(v, (int, float)) else got != v):
+                    bad.append(f"{k}={got!r} (want {v!r})")
+            if bad:
+                notes.append("AutoConfig read the checkpoint differently: " + ", ".join(bad))
+                return None, "autoconfig-mismatch"
+            src = f"AutoConfig({type(cfg).__name__})"
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"AutoConfig failed ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                         "built from values")
+            cfg = None
     if cfg is None:
         try:
             cfg = cfg_cls(**want)
