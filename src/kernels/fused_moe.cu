@@ -1549,8 +1549,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // the barrier below, off every issue slot, until the consumers are done with the ring.
     const CombinePlan cp(a, T, kStages * kStageBytes, kEp);
     if (warp == kCombineWarp && cp.bulk && a.debug_stop != 3) {
-      // The consumers are done with the stage ring (they arrive after their last tile, each
-      // after its own proxy fence). (The counter below orders that too, through the
+      // The consumers are done with the stage ring (they join this barrier after their last
+      // tile, each after its own proxy fence). (The counter below orders that too, through the
       // gpu-scope releases, but compute-sanitizer's racecheck follows a barrier, not that chain.)
       sm90::named_barrier(kCombineRingBarrier, kConsumerThreads + 32);
       if (lane == 0) {
@@ -1992,13 +1992,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   const CombinePlan cp(a, T, kStages * kStageBytes, kEp);
   if (cp.bulk) {
     // Through shared memory (CombinePlan): a thread sums 8 columns of a unit over its slots.
-    // The ring is free: this thread's reads of it (the K loops' scale loads) are ordered
-    // before the combine's bulk copies into it (async proxy) by its own proxy fence, then
-    // the barrier. (The combine lane fences again after the barrier, which the PTX memory
-    // model accepts on its own; v27's racecheck flagged the last scale loads of ring stage 0
-    // against those copies where BN = 8 puts them inside the combine's first stage: NOTES v28.)
+    // The ring is free: each thread fences its own reads of it (the K loops' scale loads)
+    // against the combine's bulk copies into it (async proxy), then syncs with the combine
+    // warp -- bar.sync, not an arrive: the copies cannot land before this barrier anyway, and
+    // racecheck then sees the order from both sides. (The PTX memory model orders them
+    // already through the barrier and the combine lane's fence after it; v27's racecheck
+    // reported these loads against those copies where BN = 8 puts ring stage 0's scales
+    // inside the combine's first stage: NOTES v28.)
     sm90::fence_proxy_async_shared();
-    sm90::named_barrier_arrive(kCombineRingBarrier, kConsumerThreads + 32);
+    sm90::named_barrier(kCombineRingBarrier, kConsumerThreads + 32);
     int i = 0;
     for (int u = blockIdx.x; u < cp.units; u += gridDim.x, ++i) {
       const int s = cp.stage(i);

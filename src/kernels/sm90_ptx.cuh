@@ -248,12 +248,6 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Arrives on named barrier `id` without waiting (the waiting side uses named_barrier
-// with the same thread count).
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
 // Named barrier that also returns whether `pred` held for any of the threads.
 __device__ __forceinline__ bool named_barrier_or(int id, int threads, bool pred) {
   uint32_t r;
