@@ -1549,15 +1549,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     // the barrier below, off every issue slot, until the consumers are done with the ring.
     const CombinePlan cp(a, T, kStages * kStageBytes, kEp);
     if (warp == kCombineWarp && cp.bulk && a.debug_stop != 3) {
-      // The consumers are done with the stage ring (they join this barrier after their last
-      // tile, each after its own proxy fence). (The counter below orders that too, through the
-      // gpu-scope releases, but compute-sanitizer's racecheck follows a barrier, not that chain.)
+      // The consumers are done with the stage ring: they join this barrier after their last
+      // tile, each after the proxy fence that orders its reads of the ring before these bulk
+      // copies. (The counter below orders that too, through the gpu-scope releases, but
+      // compute-sanitizer's racecheck follows a barrier, not that chain.)
       sm90::named_barrier(kCombineRingBarrier, kConsumerThreads + 32);
       if (lane == 0) {
         sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2],
                                    a.n2 * sc.unit_off[E_total]);
         sm90::fence_proxy_async_global();  // y_rows (the GEMM2 epilogues' generic stores)
-        sm90::fence_proxy_async_shared();  // the ring's last generic reads, before bulk writes
       }
       __syncwarp();
       // Lane k < slots: whether token t has slot k's row (a routed slot without an expert
@@ -1995,8 +1995,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The ring is free: each thread fences its own reads of it (the K loops' scale loads)
     // against the combine's bulk copies into it (async proxy), then syncs with the combine
     // warp -- bar.sync, not an arrive: the copies cannot land before this barrier anyway, and
-    // racecheck then sees the order from both sides. (The PTX memory model orders them
-    // already through the barrier and the combine lane's fence after it; v27's racecheck
+    // racecheck then sees the order from both sides. (v27 had one fence, the combine lane's
+    // after the barrier, which the PTX memory model accepts too, and bar.arrive; its racecheck
     // reported these loads against those copies where BN = 8 puts ring stage 0's scales
     // inside the combine's first stage: NOTES v28.)
     sm90::fence_proxy_async_shared();

@@ -3,7 +3,7 @@
 # decode geometry that put ring stage 0's scale bytes inside the combine's first stage, under
 # racecheck, for three binaries:
 #   head -- the commit under test (v28: each consumer thread runs a proxy fence, then bar.sync
-#           instead of bar.arrive, before it hands the ring to the combine);
+#           instead of bar.arrive, before it hands the ring to the combine; no lane fence);
 #   v27  -- a267e43 (the report's binary: bar.arrive, the combine lane's fence only);
 #   old  -- 72ee3ac (v25's kernels: was the report there before v27, on this geometry?).
 # DecodePairsSmall is v27's reported case (the old binary does not have it); ReducedShapeSmallT

@@ -5,6 +5,8 @@ no earlier than the last GEMM1 tile of its expert, pool tiles go to the CTA free
 Prints the makespan against the mean (1.000 = perfectly balanced) and the CTAs' dependency
 stalls, for v26's GEMM1 tiles (64 intermediate columns, 48 stages on GLM-5) and v27's (128
 columns, 96 stages), to see whether v27's decode loss (~1 % at 8-256 tokens) is the schedule.
+The lists are TileSchedule::init / next as of v28, written again here (a model, not a test:
+tests/cpu/test_tile_schedule.cpp checks the C++ itself).
 Usage: python3 bench/results/ab/v28_schedule_sim.py
 """
 import heapq
