@@ -4,7 +4,8 @@
 # v27's report, and the Hugging Face cross-check of the CPU and CUDA forwards.
 # Usage on the device machine: bash bench/results/ab/v28_call1.sh BIN_DIR
 # (BIN_DIR/head: megamoe + megamoe_gpu_tests of this commit; BIN_DIR/v27, BIN_DIR/old:
-# megamoe_gpu_tests of a267e43 and 72ee3ac). About 6 minutes.
+# megamoe_gpu_tests of a267e43 and 72ee3ac; here: scripts/build_devbin.sh BIN_DIR v27=a267e43
+# old=72ee3ac, then carry BIN_DIR). About 6 minutes.
 set -uo pipefail
 bin=$1
 out=${OUT:-/tmp/out}; mkdir -p "$out"
