@@ -212,6 +212,23 @@ TEST(SafetensorsHostile, ShapeOverflow) {
       {"'t'", "overflows"});
 }
 
+// Element counts multiply in order with an overflow check (as the format's reference
+// implementation does): a zero dimension empties a tensor whose other dimensions are huge,
+// unless their product overflowed before it. (The first case is the fuzzer's find: its
+// checker, not the parser, stopped multiplying before the zero.)
+TEST(SafetensorsHostile, ZeroDimAfterHugeDims) {
+  const auto bytes = file_bytes(
+      R"({"w": {"dtype": "F64", "shape": [42, 4967299679426, 2, 0, 616], "data_offsets": [8, 8]}})", 8);
+  const Header h = parse_header(bytes.data(), bytes.size(), "ok.safetensors");
+  ASSERT_EQ(h.tensors.size(), 1u);
+  EXPECT_EQ(h.tensors[0].bytes(), 0u);
+  EXPECT_EQ(h.tensors[0].shape.size(), 5u);
+  expect_error(
+      file_bytes(R"({"t": {"dtype": "U8", "shape": [4294967296, 4294967296, 0], "data_offsets": [0, 0]}})",
+                 0),
+      {"'t'", "overflows"});
+}
+
 TEST(SafetensorsHostile, ByteSizeMismatch) {
   expect_error(file_bytes(R"({"t": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 20]}})", 24),
                {"'t'", "byte size 20", "24 expected", "F32 [2, 3]"});

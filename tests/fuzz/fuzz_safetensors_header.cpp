@@ -35,11 +35,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (const TensorInfo& t : h.tensors) {
     if (t.begin > t.end) fail("begin > end", t);
     if (t.end > data_bytes) fail("range past the end of the file", t);
+    // NOTE: a zero dimension anywhere makes the count 0 however large the others are (the
+    // parser multiplies in order with an overflow check, as the format's reference does),
+    // so it is found before the early stop below, which is only sound for a growing product.
     unsigned __int128 n = dtype_size(t.dtype);
     for (int64_t d : t.shape) {
       if (d < 0) fail("negative dimension", t);
+      if (d == 0) n = 0;
+    }
+    for (int64_t d : t.shape) {
+      if (n == 0 || n > size) break;  // n > size: cannot match a range inside the buffer anyway
       n *= uint64_t(d);
-      if (n > size) break;  // cannot match a range inside the buffer anyway
     }
     if (n != t.bytes()) fail("byte size differs from dtype x shape", t);
     if (prev && !(prev->name < t.name)) fail("tensors not sorted by unique name", t);
