@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: build, then the CPU test suite (ctest), the end-to-end
-# forward check against an independent float64 implementation, and a bounded
-# fuzzing run of the safetensors header parser. GPU tests are a separate
+# forward check against an independent float64 implementation, and bounded
+# fuzzing runs of the two untrusted-input parsers (safetensors headers,
+# config.json). GPU tests are a separate
 # binary (build/megamoe_gpu_tests) run on a machine with an H100/H200.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -4,6 +4,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -68,14 +71,16 @@ class Reader {
     return v->get<int>();
   }
 
-  std::optional<double> number(std::initializer_list<std::string_view> names, double def) {
+  // A number that fits a float (the shape's fields are floats; a larger double would not
+  // convert).
+  float real32(std::initializer_list<std::string_view> names, float def) {
     const json* v = find(names);
     if (!v) return def;
-    if (!v->is_number()) {
-      wrong(names, "a number", *v);
+    if (!v->is_number() || !(std::fabs(v->get<double>()) <= double(FLT_MAX))) {
+      wrong(names, "a finite number in float range", *v);
       return def;
     }
-    return v->get<double>();
+    return float(v->get<double>());
   }
 
   bool boolean(std::initializer_list<std::string_view> names, bool def) {
@@ -130,7 +135,10 @@ void parse_quant(const json& q, QuantConfig& out, std::vector<std::string>& prob
   if (auto a = r.string({"activation_scheme"})) out.activation_scheme = *a;
   out.scale_fmt = r.string({"scale_fmt"});
   if (const json* b = r.find({"weight_block_size"})) {
-    if (!b->is_array() || b->size() != 2 || !(*b)[0].is_number_integer() || !(*b)[1].is_number_integer())
+    auto is_int = [](const json& v) {
+      return v.is_number_integer() && v.get<int64_t>() >= INT32_MIN && v.get<int64_t>() <= INT32_MAX;
+    };
+    if (!b->is_array() || b->size() != 2 || !is_int((*b)[0]) || !is_int((*b)[1]))
       r.wrong({"quantization_config.weight_block_size"}, "[rows, cols]", *b);
     else
       out.block = {(*b)[0].get<int>(), (*b)[1].get<int>()};
@@ -218,7 +226,13 @@ ModelDesc parse_config(std::string_view text, std::string_view label) {
   Reader r(*lm, problems);
   MoeShape& s = d.shape;
   s.hidden = r.integer({"hidden_size"}, true).value_or(0);
-  d.num_layers = r.integer({"num_hidden_layers"}, true).value_or(0);
+  if (const auto n = r.integer({"num_hidden_layers"}, true)) {
+    if (*n >= 1 && *n <= ModelDesc::kMaxLayers)
+      d.num_layers = *n;
+    else  // (num_layers stays 0: nothing below is sized by it)
+      problems.push_back(
+          fmt::format("'num_hidden_layers' = {} must be in [1, {}]", *n, ModelDesc::kMaxLayers));
+  }
   s.inter = r.integer({"moe_intermediate_size"}, true).value_or(0);
   s.experts = r.integer({"n_routed_experts", "num_experts"}, true).value_or(0);
   s.topk = r.integer({"num_experts_per_tok", "num_experts_per_token"}, true).value_or(0);
@@ -226,8 +240,8 @@ ModelDesc parse_config(std::string_view text, std::string_view label) {
   s.n_group = r.integer({"n_group"}, false, 1).value_or(1);
   s.topk_group = r.integer({"topk_group"}, false, 1).value_or(1);
   s.norm_topk_prob = r.boolean({"norm_topk_prob", "moe_renormalize"}, true);
-  s.routed_scaling = float(r.number({"routed_scaling_factor"}, 1.0).value_or(1.0));
-  s.swiglu_limit = float(r.number({"swiglu_limit"}, 0.0).value_or(0.0));
+  s.routed_scaling = r.real32({"routed_scaling_factor"}, 1.0f);
+  s.swiglu_limit = r.real32({"swiglu_limit"}, 0.0f);
 
   if (auto sf = r.string({"scoring_func"})) {
     if (*sf == "sigmoid")

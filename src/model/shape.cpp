@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <stdexcept>
 
 namespace megamoe {
@@ -19,11 +20,15 @@ std::string_view to_string(RouterDtype d) { return d == RouterDtype::kBF16 ? "bf
 
 void MoeShape::validate() const {
   auto bad = [](const std::string& what) { throw std::invalid_argument("invalid MoE shape: " + what); };
-  if (hidden <= 0) bad(fmt::format("hidden size H = {} must be > 0", hidden));
-  if (inter <= 0) bad(fmt::format("intermediate size I = {} must be > 0", inter));
-  if (experts <= 0) bad(fmt::format("experts E = {} must be > 0", experts));
+  if (hidden <= 0 || hidden > kMaxDim)
+    bad(fmt::format("hidden size H = {} must be in [1, {}]", hidden, kMaxDim));
+  if (inter <= 0 || inter > kMaxDim)
+    bad(fmt::format("intermediate size I = {} must be in [1, {}]", inter, kMaxDim));
+  if (experts <= 0 || experts > kMaxExperts)
+    bad(fmt::format("experts E = {} must be in [1, {}]", experts, kMaxExperts));
   if (topk <= 0 || topk > experts) bad(fmt::format("top-k K = {} must be in [1, E = {}]", topk, experts));
-  if (shared_experts < 0) bad(fmt::format("shared experts S = {} must be >= 0", shared_experts));
+  if (shared_experts < 0 || shared_experts > kMaxSharedExperts)
+    bad(fmt::format("shared experts S = {} must be in [0, {}]", shared_experts, kMaxSharedExperts));
   if (n_group <= 0 || experts % n_group != 0)
     bad(fmt::format("n_group = {} must divide E = {}", n_group, experts));
   if (topk_group <= 0 || topk_group > n_group)
@@ -32,7 +37,10 @@ void MoeShape::validate() const {
     bad(fmt::format("grouped top-k needs >= 2 experts per group (E = {}, n_group = {})", experts, n_group));
   if (n_group > 1 && topk > topk_group * (experts / n_group))
     bad(fmt::format("K = {} exceeds the experts in topk_group = {} groups", topk, topk_group));
-  if (!(swiglu_limit >= 0.0f)) bad(fmt::format("swiglu_limit = {} must be >= 0", swiglu_limit));
+  if (!std::isfinite(routed_scaling) || !(routed_scaling > 0.0f))
+    bad(fmt::format("routed_scaling = {} must be finite and > 0", routed_scaling));
+  if (!std::isfinite(swiglu_limit) || !(swiglu_limit >= 0.0f))
+    bad(fmt::format("swiglu_limit = {} must be finite and >= 0 (0: no clamp)", swiglu_limit));
 }
 
 double MoeShape::flops_per_token() const {

@@ -221,6 +221,37 @@ TEST(Config, InvalidJsonAndInvalidShape) {
   EXPECT_NE(msg.find("top-k K = 9"), std::string::npos) << msg;
 }
 
+// Numbers a hostile config.json may hold: each is an error naming the key, never an
+// allocation sized by it, a value cut to fit, or an infinite scale (before the fix the
+// first was std::bad_alloc after an 8 GB layer list, the next three were accepted).
+TEST(Config, OutOfRangeNumbers) {
+  const std::string quant = R"({"quant_method": "fp8", "weight_block_size": [128, 128]})";
+  auto with = [&](const std::string& key, const std::string& value) {
+    std::string text = small_config(quant);
+    const size_t at = text.find("\"" + key + "\"");
+    if (at == std::string::npos) return text.insert(1, "\"" + key + "\": " + value + ", ");
+    const size_t v0 = text.find(':', at) + 2, v1 = text.find_first_of(",}", v0);
+    return text.replace(v0, v1 - v0, value);
+  };
+  auto expect = [&](const std::string& text, const std::string& needle) {
+    const std::string msg = error_of(text);
+    EXPECT_NE(msg.find(needle), std::string::npos) << msg;
+  };
+  expect(with("num_hidden_layers", "2147483647"), "'num_hidden_layers' = 2147483647 must be in [1, 65536]");
+  expect(with("num_hidden_layers", "-3"), "'num_hidden_layers' = -3 must be in [1, 65536]");
+  expect(with("num_hidden_layers", "0"), "'num_hidden_layers' = 0 must be in [1, 65536]");
+  expect(with("routed_scaling_factor", "1e300"),
+         "'routed_scaling_factor' must be a finite number in float range");
+  expect(with("routed_scaling_factor", "-2.5"), "routed_scaling = -2.5 must be finite and > 0");
+  expect(with("swiglu_limit", "-1"), "swiglu_limit = -1 must be finite and >= 0");
+  expect(with("hidden_size", "2097152"), "hidden size H = 2097152 must be in [1, 1048576]");
+  expect(with("n_routed_experts", "1000000"), "experts E = 1000000 must be in [1, 16384]");
+  expect(with("n_shared_experts", "100000"), "shared experts S = 100000 must be in [0, 64]");
+  expect(small_config(R"({"quant_method": "fp8", "weight_block_size": [4294967424, 128]})"),
+         "'quantization_config.weight_block_size' must be [rows, cols], found [4294967424,128]");
+  EXPECT_EQ(error_of(with("num_hidden_layers", "65536")), "no error");
+}
+
 TEST(Config, RoundTripEveryPreset) {
   for (const Preset& p : presets()) {
     SCOPED_TRACE(p.name);

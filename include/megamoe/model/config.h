@@ -55,6 +55,10 @@ struct QuantConfig {
 };
 
 struct ModelDesc {
+  // The most decoder layers a config may claim (real models have tens to a few hundred):
+  // the MoE layer list is built from num_hidden_layers, so it must not size an allocation.
+  static constexpr int kMaxLayers = 1 << 16;
+
   std::string model_type;  // config.json model_type
   std::string family;      // preset name: glm-5.3-flash, glm-5, deepseek-v3, glm-4.7-flash
   MoeShape shape;

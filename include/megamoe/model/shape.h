@@ -30,11 +30,19 @@ struct MoeShape {
   RouterDtype router_dtype = RouterDtype::kBF16;
   bool correction_bias = true;  // gate.e_score_correction_bias present
 
+  // Bounds validate() enforces, whatever a config.json claims: far above every real model
+  // (H and I in the thousands, E in the hundreds, S one or two), and low enough that no
+  // count derived from them overflows (a layer's bytes E x 3 x H x I in size_t, S x I in int).
+  static constexpr int kMaxDim = 1 << 20;  // H, I
+  static constexpr int kMaxExperts = 1 << 14;
+  static constexpr int kMaxSharedExperts = 64;
+
   int shared_inter() const { return shared_experts * inter; }
   bool has_shared() const { return shared_experts > 0; }
   // Output slots per token: K routed + 1 shared (when present).
   int slots() const { return topk + (has_shared() ? 1 : 0); }
-  // Throws std::invalid_argument naming the first bad field.
+  // Throws std::invalid_argument naming the first bad field (sizes out of their bounds
+  // above included; routed_scaling must be finite and > 0, swiglu_limit finite and >= 0).
   void validate() const;
   // Multiply-adds x2 for one token through K routed experts and the shared one.
   double flops_per_token() const;
