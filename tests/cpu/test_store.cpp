@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -176,6 +177,23 @@ TEST(Store, HostileUpdatesAreRejected) {
   // An expert the layout does not have (the file has more experts than the config).
   expect_format_error(p + "experts.8.gate_proj.weight", io::Dtype::kF8_E4M3, {128, 256}, 128 * 256,
                       junk.data(), "unexpected tensor");
+  // Right dtype and shape, corrupt values: a block scale must be finite and >= 0, the
+  // router and the bias finite (each is refused with its position, before any byte lands).
+  const std::string scale = p + "experts.1.gate_proj.weight_scale_inv";
+  for (const float bad : {NAN, INFINITY, -1.0f}) {
+    const float v[2] = {0.01f, bad};
+    expect_format_error(scale, io::Dtype::kF32, {1, 2}, sizeof(v), v, fmt::format("holds {} at [0, 1]", bad));
+    expect_format_error(scale, io::Dtype::kF32, {1, 2}, sizeof(v), v,
+                        "a block scale must be finite and >= 0");
+  }
+  std::vector<float> router(8 * 256, 0.5f);
+  router[3 * 256 + 7] = -INFINITY;
+  expect_format_error(p + "gate.weight", io::Dtype::kF32, {8, 256}, router.size() * 4, router.data(),
+                      "holds -inf at [3, 7] (router weights and bias must be finite)");
+  std::vector<float> bias(8, -0.25f);
+  bias[5] = NAN;
+  expect_format_error(p + "gate.e_score_correction_bias", io::Dtype::kF32, {8}, bias.size() * 4, bias.data(),
+                      "holds nan at [5]");
   st.finish();  // nothing landed: no half pair
   EXPECT_EQ(layer_bytes(st, d.moe_layers[0]), before);
   EXPECT_TRUE(st.ready(d.moe_layers[0]));
