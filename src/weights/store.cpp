@@ -275,7 +275,7 @@ struct WeightStore::Impl {
   // and >= 0; the router's weights and the correction bias finite. Anything else is a
   // corrupt checkpoint that would turn tokens' outputs into NaN without a word, so it is
   // refused before a byte is written (the slot keeps its old bytes). Costs one read of
-  // ~1 % of a layer's bytes.
+  // ~0.1 % of a layer's bytes (GLM-5: 2.4 MB of scales and 6.3 MB of router in 9.7 GB).
   void check_values(const Layer& l, size_t slot, std::string_view name, const void* data) const {
     const io::TensorSlot& s = l.slots[slot];
     const SlotInfo& in = l.info[slot];
