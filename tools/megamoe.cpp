@@ -2,6 +2,7 @@
 // Every error names what is wrong and exits non-zero.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <chrono>
@@ -11,6 +12,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <set>
 #include <stdexcept>
@@ -56,16 +58,13 @@ int run_demo(const DemoArgs& a) {
   const Preset& p = find_preset(a.preset);
   const MoeShape& s = p.shape;
   if (a.tokens < 1) throw std::invalid_argument(fmt::format("--tokens {} must be >= 1", a.tokens));
-  api::Backend b = api::parse_backend(a.backend);
-  std::string why;
-  if (b == api::Backend::kAuto) {
-    b = api::resolve(b);
-    if (b == api::Backend::kCpu) {
-      api::cuda_available(&why);
-      fmt::print("backend: auto -> cpu ({})\n", why);
-    } else {
-      fmt::print("backend: auto -> cuda\n");
-    }
+  const bool automatic = api::parse_backend(a.backend) == api::Backend::kAuto;
+  // (an explicit cuda without a device fails here, before the weights are made)
+  const api::Backend b = api::resolve(api::parse_backend(a.backend));
+  if (automatic) {
+    std::string why;
+    api::cuda_available(&why);
+    fmt::print("backend: auto -> {}{}\n", api::to_string(b), b == api::Backend::kCpu ? " (" + why + ")" : "");
   }
   fmt::print("preset {} ({}): {}\n", p.name, p.model_type, s.describe());
   const auto t0 = std::chrono::steady_clock::now();
@@ -122,6 +121,7 @@ struct ForwardArgs {
 };
 
 int run_forward(const ForwardArgs& a) {
+  const api::Backend backend = api::resolve(api::parse_backend(a.backend));  // before any loading
   const ModelDesc desc = load_config(a.checkpoint);
   if (!desc.is_moe_layer(a.layer)) {
     throw std::invalid_argument(fmt::format("--layer {} is not an MoE layer of {} (MoE layers: {})", a.layer,
@@ -135,10 +135,13 @@ int run_forward(const ForwardArgs& a) {
   if (xv.dtype != io::Dtype::kBF16 || xv.shape.size() != 2 || xv.shape[1] != s.hidden)
     throw std::invalid_argument(fmt::format("{}: tensor 'x' must be BF16 [T, {}], found {} {}", a.input,
                                             s.hidden, io::to_string(xv.dtype), io::format_shape(xv.shape)));
+  if (xv.shape[0] > std::numeric_limits<int>::max())
+    throw std::invalid_argument(
+        fmt::format("{}: tensor 'x' has {} tokens, more than one forward takes", a.input, xv.shape[0]));
   const int T = int(xv.shape[0]);
   std::vector<num::bf16_t> x(size_t(T) * s.hidden);
   std::memcpy(x.data(), xv.data, x.size() * 2);
-  const api::ForwardOutput out = api::forward(api::parse_backend(a.backend), w, x.data(), T, a.ranks);
+  const api::ForwardOutput out = api::forward(backend, w, x.data(), T, a.ranks);
   std::vector<io::TensorToWrite> t;
   t.push_back({"y", io::Dtype::kBF16, {T, s.hidden}, out.y.data(), out.y.size() * 2});
   t.push_back({"topk_ids", io::Dtype::kI32, {T, s.topk}, out.ids.data(), out.ids.size() * 4});
@@ -336,6 +339,13 @@ int main(int argc, char** argv) {
     if (*c_bench) return run_bench_cmd(bench);
     for (const auto& c : checkpoint_cmds)
       if (*c.app) return c.run();
+  } catch (const std::bad_alloc&) {
+    const double gb = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE)) * 1e-9;
+    fmt::print(stderr,
+               "megamoe: error: out of host memory (std::bad_alloc): the request does not fit this machine's "
+               "{:.0f} GB; ask for fewer tokens or layers\n",
+               gb);
+    return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "megamoe: error: {}\n", e.what());
     return 1;

@@ -37,24 +37,22 @@ bool cuda_available(std::string* why) {
 }
 
 Backend resolve(Backend b) {
-  if (b != Backend::kAuto) return b;
-  return cuda_available() ? Backend::kCuda : Backend::kCpu;
+  if (b == Backend::kCpu) return b;
+  std::string why;
+  if (cuda_available(&why)) return Backend::kCuda;
+  if (b == Backend::kCuda) throw std::runtime_error("CUDA backend requested but unavailable: " + why);
+  return Backend::kCpu;
 }
 
 ForwardOutput forward(Backend b, const HostMoeWeights& w, const num::bf16_t* x, int T, int ranks) {
   const MoeShape& s = w.shape;
   if (T < 0) throw std::invalid_argument(fmt::format("token count {} must be >= 0", T));
   if (ranks < 1) throw std::invalid_argument(fmt::format("ranks = {} must be >= 1", ranks));
-  b = resolve(b);
-  if (b == Backend::kCuda) {
 #if defined(MEGAMOE_HAVE_CUDA)
-    return detail::cuda_forward(w, x, T, ranks);
+  if (resolve(b) == Backend::kCuda) return detail::cuda_forward(w, x, T, ranks);
 #else
-    std::string why;
-    cuda_available(&why);
-    throw std::runtime_error("CUDA backend requested but unavailable: " + why);
+  resolve(b);  // (throws for an explicit cuda)
 #endif
-  }
   ForwardOutput out;
   out.backend = Backend::kCpu;
   out.ids.resize(size_t(T) * s.topk);

@@ -4,10 +4,12 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "megamoe/api/forward.h"
 #include "megamoe/io/checkpoint.h"
 #include "megamoe/io/safetensors.h"
 #include "megamoe/reference/moe.h"
@@ -99,6 +101,24 @@ TEST(CliForward, ErrorsNameWhatIsWrong) {
   r = run_cli("forward --help");
   EXPECT_EQ(r.status, 0);
   EXPECT_NE(r.output.find("--checkpoint"), std::string::npos);
+}
+
+TEST(CliDemo, CudaWithoutDeviceFailsFirst) {
+  // An explicit --backend cuda on a machine without a usable GPU: the error, at once (before
+  // the demo spends seconds making a 7 GB layer, or forward loads a checkpoint).
+  std::string why;
+  if (api::cuda_available(&why)) GTEST_SKIP() << "a CUDA device is present";
+  for (const char* cmd : {"demo --backend cuda --preset glm-5",
+                          "forward --backend cuda --checkpoint /nonexistent "
+                          "--layer 3 --input a --output b"}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto r = run_cli(cmd);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_NE(r.status, 0) << cmd;
+    EXPECT_NE(r.output.find("CUDA backend requested but unavailable: " + why), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("random block-FP8 layer"), std::string::npos) << r.output;
+    EXPECT_LT(s, 5.0) << cmd;
+  }
 }
 
 TEST(CliDemo, CpuBackendChecksItself) {

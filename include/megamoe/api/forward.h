@@ -22,7 +22,9 @@ std::string to_string(Backend b);
 // capability 9.0 is present. `why` (optional) says what is missing.
 bool cuda_available(std::string* why = nullptr);
 
-// kAuto -> kCuda when available, else kCpu (this is the documented choice, printed by the tools).
+// kAuto -> kCuda when available, else kCpu (this is the documented choice, printed by the tools);
+// kCuda without a usable device throws std::runtime_error saying what is missing (callers
+// resolve before building inputs, so an impossible request fails first, not after them).
 Backend resolve(Backend b);
 
 struct ForwardOutput {
