@@ -233,6 +233,24 @@ ModelDesc write_synthetic_checkpoint(const std::filesystem::path& dir, const Mod
   d.quant = QuantConfig{};
   if (pow2_scales) d.quant.scale_fmt = "ue8m0";
 
+  if (num_moe_layers > ModelDesc::kMaxLayers - first)
+    throw std::invalid_argument(
+        fmt::format("write_synthetic_checkpoint: {} MoE layers from layer {} exceed {}", num_moe_layers,
+                    first, ModelDesc::kMaxLayers));
+
+  // Enough room for every layer before the first byte (a layer of GLM-5 is 9.7 GB: a
+  // mistyped layer count should not end in a full disk and half a checkpoint), measured
+  // on the folder or, before it exists, the nearest one above it.
+  const double need = double(MoeWeightLayout::compute(d.shape).total_bytes) * num_moe_layers;
+  std::filesystem::path probe = std::filesystem::absolute(dir);
+  while (!std::filesystem::exists(probe) && probe.has_parent_path() && probe != probe.parent_path())
+    probe = probe.parent_path();
+  std::error_code space_ec;
+  const std::filesystem::space_info room = std::filesystem::space(probe, space_ec);
+  if (!space_ec && need > double(room.available))
+    throw Error(fmt::format("{}: {} MoE layers of {} take {:.1f} GB, {:.1f} GB are free there", dir.string(),
+                            num_moe_layers, d.family.empty() ? d.shape.describe() : d.family, need * 1e-9,
+                            double(room.available) * 1e-9));
   std::filesystem::create_directories(dir);
   const int num_shards = 1 + 2 * num_moe_layers;
   auto shard_name = [&](int i) {

@@ -173,6 +173,25 @@ INSTANTIATE_TEST_SUITE_P(Families, CheckpointSynthetic,
                            return n;
                          });
 
+// A layer count the disk cannot hold (GLM-5: 9.7 GB a layer) or the config cannot name
+// is an error before anything is written, and leaves no folder behind.
+TEST(CheckpointSynthetic, TooManyLayersWriteNothing) {
+  TempDir dir;
+  const std::filesystem::path out = dir.path() / "ckpt";
+  const Preset& glm5 = find_preset("glm-5");
+  try {
+    write_synthetic_checkpoint(out, glm5, 60000, 1, false);
+    ADD_FAILURE() << "60000 GLM-5 layers (582 TB) were accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("60000 MoE layers of glm-5 take 582"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("GB are free there"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(std::filesystem::exists(out));
+  EXPECT_THROW(write_synthetic_checkpoint(out, glm5, ModelDesc::kMaxLayers, 1, false), std::invalid_argument);
+  EXPECT_FALSE(std::filesystem::exists(out));
+}
+
 TEST(CheckpointLoad, RaggedShapeSingleFile) {
   TempDir dir;
   const MoeShape s = ragged_shape();
