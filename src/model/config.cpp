@@ -17,6 +17,20 @@ namespace {
 
 using json = nlohmann::json;
 
+// Real configs nest a few levels (text_config, quantization_config, rope_scaling); the
+// limit keeps a hostile one from driving the recursive parts of nlohmann::json (dump,
+// comparison) off the stack.
+constexpr int kMaxConfigDepth = 32;
+
+// A value for a message: its JSON, cut after kMaxShown characters (a key may hold a
+// megabyte of array).
+std::string brief(const json& v) {
+  constexpr size_t kMaxShown = 80;
+  std::string s = v.dump();
+  if (s.size() > kMaxShown) s = s.substr(0, kMaxShown) + fmt::format("... ({} characters)", s.size());
+  return s;
+}
+
 struct Family {
   std::string_view model_type;
   std::string_view preset;  // family name == preset name
@@ -54,7 +68,7 @@ class Reader {
       if (it == obj_.end() || it->is_null()) continue;
       if (found && *found != *it)
         problems_.push_back(
-            fmt::format("'{}' = {} disagrees with '{}' = {}", n, it->dump(), found_name, found->dump()));
+            fmt::format("'{}' = {} disagrees with '{}' = {}", n, brief(*it), found_name, brief(*found)));
       if (!found) found = &*it, found_name = n;
     }
     return found;
@@ -110,7 +124,7 @@ class Reader {
   }
 
   void wrong(std::initializer_list<std::string_view> names, std::string_view expected, const json& v) {
-    problems_.push_back(fmt::format("'{}' must be {}, found {}", spell(names), expected, v.dump()));
+    problems_.push_back(fmt::format("'{}' must be {}, found {}", spell(names), expected, brief(v)));
   }
 
   static std::string spell(std::initializer_list<std::string_view> names) {
@@ -197,7 +211,12 @@ bool ModelDesc::is_moe_layer(int layer) const {
 ModelDesc parse_config(std::string_view text, std::string_view label) {
   json root;
   try {
-    root = json::parse(text);
+    root = json::parse(text, [&](int depth, json::parse_event_t ev, json&) {
+      if ((ev == json::parse_event_t::object_start || ev == json::parse_event_t::array_start) &&
+          depth + 1 > kMaxConfigDepth)  // (depth: the enclosing containers')
+        throw ConfigError(fmt::format("{}: nests deeper than {} levels", label, kMaxConfigDepth));
+      return true;
+    });
   } catch (const json::exception& e) {
     throw ConfigError(fmt::format("{}: not valid JSON: {}", label, e.what()));
   }
@@ -221,7 +240,7 @@ ModelDesc parse_config(std::string_view text, std::string_view label) {
     if (it->is_object())
       lm = &*it;
     else
-      problems.push_back(fmt::format("'text_config' must be an object, found {}", it->dump()));
+      problems.push_back(fmt::format("'text_config' must be an object, found {}", brief(*it)));
   }
   Reader r(*lm, problems);
   MoeShape& s = d.shape;
@@ -280,7 +299,7 @@ ModelDesc parse_config(std::string_view text, std::string_view label) {
           d.moe_layers.push_back(int(i));
         else if (t != "dense")
           problems.push_back(
-              fmt::format("mlp_layer_types[{}] is {}, expected \"dense\" or \"sparse\"", i, t.dump()));
+              fmt::format("mlp_layer_types[{}] is {}, expected \"dense\" or \"sparse\"", i, brief(t)));
       }
     }
   } else {
@@ -304,7 +323,7 @@ ModelDesc parse_config(std::string_view text, std::string_view label) {
   if (!q) {
     problems.push_back("missing key 'quantization_config' (only block-FP8 checkpoints are supported)");
   } else if (!q->is_object()) {
-    problems.push_back(fmt::format("'quantization_config' must be an object, found {}", q->dump()));
+    problems.push_back(fmt::format("'quantization_config' must be an object, found {}", brief(*q)));
   } else {
     parse_quant(*q, d.quant, problems);
   }

@@ -252,6 +252,28 @@ TEST(Config, OutOfRangeNumbers) {
   EXPECT_EQ(error_of(with("num_hidden_layers", "65536")), "no error");
 }
 
+// Nesting that a real config never has is refused while parsing: printing such a value in
+// a message (or comparing two spellings of a key) recursed once a level, and 100000 levels
+// under hidden_size crashed the process. Long values are cut in messages.
+TEST(Config, DeepNestingAndLongValues) {
+  const std::string quant = R"({"quant_method": "fp8", "weight_block_size": [128, 128]})";
+  for (int depth : {33, 100000}) {
+    std::string text = small_config(quant);
+    text.replace(text.find("256"), 3, std::string(size_t(depth), '[') + std::string(size_t(depth), ']'));
+    const std::string msg = error_of(text);
+    EXPECT_NE(msg.find("test/config.json: nests deeper than 32 levels"), std::string::npos)
+        << msg.substr(0, 200);
+  }
+  std::string text = small_config(quant);
+  std::string list = "[0";
+  for (int i = 1; i < 10000; ++i) list += "," + std::to_string(i);
+  text.replace(text.find("256"), 3, list + "]");
+  const std::string msg = error_of(text);
+  EXPECT_NE(msg.find("'hidden_size' must be an integer, found [0,1,2,"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("... (48891 characters)"), std::string::npos) << msg;
+  EXPECT_LT(msg.size(), 400u);
+}
+
 TEST(Config, RoundTripEveryPreset) {
   for (const Preset& p : presets()) {
     SCOPED_TRACE(p.name);
