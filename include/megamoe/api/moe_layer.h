@@ -37,6 +37,9 @@ class CudaMoeLayer {
   // T (<= max_tokens) that sizes the launch (capture a graph at the largest
   // hint you need). If num_tokens_dev is null the layer uses its own device
   // counter set to tokens_hint (an async copy, capturable).
+  // NOTE: the kernels read *num_tokens_dev as it is: it must lie in [0, tokens_hint].
+  // A larger count is not checked on the device (the routing covers tokens_hint
+  // tokens, the workspace max_tokens): it corrupts outputs or overruns the workspace.
   void forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint, const int* num_tokens_dev,
                Stream stream);
 
