@@ -29,6 +29,7 @@
 #include "megamoe/reference/moe.h"
 #include "megamoe/weights/host_weights.h"
 #include "megamoe/weights/store.h"
+#include "megamoe_git_commit.h"
 
 namespace fs = std::filesystem;
 using namespace megamoe;
@@ -306,8 +307,10 @@ int main(int argc, char** argv) {
   c_bench->add_option("--topk", bench.topk, "override every preset's top-k");
   c_bench->add_option("--shared-experts", bench.shared_experts,
                       "override every preset's shared experts (0: none)");
-  c_bench->add_option("--commit", bench.commit, "commit id recorded in the JSON");
-  c_bench->add_option("--command", bench.command, "command line recorded in the JSON");
+  bench.commit = MEGAMOE_GIT_COMMIT;
+  c_bench->add_option("--commit", bench.commit, "commit id recorded in the JSON (default: the build's)")
+      ->capture_default_str();
+  c_bench->add_option("--command", bench.command, "command line recorded in the JSON (default: this one)");
 
   const std::vector<tools::Command> checkpoint_cmds = tools::add_checkpoint_commands(app);
 
@@ -332,6 +335,18 @@ int main(int argc, char** argv) {
       ->capture_default_str();
 
   CLI11_PARSE(app, argc, argv);
+  if (bench.command.empty()) {  // this command line, as a shell would take it back
+    bench.command = "megamoe";
+    for (int i = 1; i < argc; ++i) {
+      std::string arg = argv[i];
+      if (arg.empty() || arg.find_first_of(" \t\n\"'$\\*?;&|<>()`") != std::string::npos) {
+        std::string q = "'";
+        for (char c : arg) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+        arg = q + "'";
+      }
+      bench.command += " " + arg;
+    }
+  }
   try {
     if (*c_epc) return run_ep_check(epc);
     if (*c_demo) return run_demo(demo);
