@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -140,6 +141,10 @@ struct Source {
 struct ScaleStats {
   int64_t scales = 0, pow2 = 0;
   size_t tensors = 0;
+  // Scales no quantizer writes (NaN, infinite or negative: a block scale is amax / 448),
+  // which the loader refuses; the first one's tensor, index and value.
+  int64_t corrupt = 0;
+  std::string first_corrupt;
 };
 
 int run_inspect(const InspectArgs& a) {
@@ -221,6 +226,10 @@ int run_inspect(const InspectArgs& a) {
       float x;
       std::memcpy(&x, v.data + 4 * i, 4);
       st.pow2 += num::is_pow2_scale(x);
+      if (!(x >= 0.0f && x <= FLT_MAX) && st.corrupt++ == 0) {
+        const size_t cols = v.shape.size() == 2 ? size_t(v.shape[1]) : 1;
+        st.first_corrupt = fmt::format("{} [{}, {}] = {}", v.name, i / cols, i % cols, x);
+      }
     }
     st.scales += int64_t(n);
     ++st.tensors;
@@ -266,6 +275,8 @@ int run_inspect(const InspectArgs& a) {
       }
       const ScaleStats& st = per_layer[li];
       total.scales += st.scales, total.pow2 += st.pow2, total.tensors += st.tensors;
+      if (total.corrupt == 0) total.first_corrupt = st.first_corrupt;
+      total.corrupt += st.corrupt;
       const double frac = st.scales ? double(st.pow2) / double(st.scales) : 0.0;
       fmt::format_to(
           out, "{:>6}  {:<40} {:>4}/{:<4} {:>10} {:>7} {:>6} {:>6.1f}%{}\n", L, prefix, found, slots.size(),
@@ -309,18 +320,29 @@ int run_inspect(const InspectArgs& a) {
       continue;
     std::vector<float> scale(sc->bytes / 4);
     std::memcpy(scale.data(), sc->data, sc->bytes);
+    if (!std::all_of(scale.begin(), scale.end(), [](float x) { return x >= 0.0f && x <= FLT_MAX; }))
+      continue;  // (counted above as corrupt; the requantization would refuse it)
     std::vector<uint8_t> q(w->bytes), sf(w->bytes / num::kMxGroup);
     est += num::requant_block_to_mxfp8(w->data, scale.data(), rows, cols, q.data(), sf.data());
     ++sampled;
   }
   const double pow2_frac = total.scales ? double(total.pow2) / double(total.scales) : 0.0;
-  j["scales"] = {{"tensors", total.tensors}, {"count", total.scales}, {"pow2_fraction", pow2_frac}};
+  j["scales"] = {{"tensors", total.tensors},
+                 {"count", total.scales},
+                 {"pow2_fraction", pow2_frac},
+                 {"corrupt", total.corrupt},
+                 {"first_corrupt", total.first_corrupt}};
   j["mxfp8_estimate"] = {{"sampled_tensors", sampled},
                          {"rel_l2", est.rel_l2},
                          {"max_abs_err", est.max_abs_err},
                          {"exact", sampled > 0 && est.all_pow2}};
   fmt::format_to(out, "\nscales    {} block scales in {} tensors, {:.2f}% powers of two\n", total.scales,
                  total.tensors, 100 * pow2_frac);
+  if (total.corrupt)
+    fmt::format_to(out,
+                   "CORRUPT   {} block scale{} NaN, infinite or negative (first: {}): the loader refuses "
+                   "this checkpoint\n",
+                   total.corrupt, total.corrupt == 1 ? " is" : "s are", total.first_corrupt);
   if (sampled)
     fmt::format_to(
         out, "mxfp8     requantization estimate on {} sampled tensor{}: rel L2 {:.3e}, max abs {:.3e}{}\n",
@@ -333,7 +355,7 @@ int run_inspect(const InspectArgs& a) {
     fmt::print("{}\n", j.dump(2));
   else
     fmt::print("{}", text);
-  return 0;
+  return total.corrupt ? 1 : 0;  // (the report is the output either way)
 }
 
 // ---------------------------------------------------------------- reload-check

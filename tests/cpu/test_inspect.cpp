@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -72,6 +73,47 @@ TEST(Inspect, Pow2CheckpointIsExactAndSingleFileWorks) {
   EXPECT_EQ(j["files"], 1);
   EXPECT_GT(j["scales"]["count"].get<int>(), 0);
   EXPECT_FALSE(j["layers"][0]["missing"].empty());  // the other half of the layer is in shard 3
+}
+
+// A NaN written over one block scale of a shard on disk: inspect reports it (and exits 1),
+// the loader refuses the checkpoint naming the tensor, before it serves a forward.
+TEST(Inspect, CorruptScaleIsReportedAndRefused) {
+  TempDir dir;
+  const std::string ck = make_small(dir.path() / "ck", false, 1);
+  const std::filesystem::path shard = std::filesystem::path(ck) / "model-00002-of-00003.safetensors";
+  std::string name;
+  uint64_t at = 0;
+  {
+    std::ifstream in(shard, std::ios::binary);
+    uint64_t n = 0;
+    in.read(reinterpret_cast<char*>(&n), 8);
+    std::string header(n, '\0');
+    in.read(header.data(), std::streamsize(n));
+    const auto j = nlohmann::json::parse(header);
+    for (const auto& [k, v] : j.items())
+      if (k.ends_with("experts.1.down_proj.weight_scale_inv"))
+        name = k, at = 8 + n + v["data_offsets"][0].get<uint64_t>();
+  }
+  ASSERT_FALSE(name.empty());
+  {
+    std::fstream f(shard, std::ios::binary | std::ios::in | std::ios::out);
+    const float nan = NAN;
+    f.seekp(std::streamoff(at + 4));  // block [1, 0] of the [2, 1] grid (H 256, I 128)
+    f.write(reinterpret_cast<const char*>(&nan), 4);
+  }
+  auto r = run_cli("inspect '" + ck + "'");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("CORRUPT   1 block scale is NaN, infinite or negative (first: " + name +
+                          " [1, 0] = nan)"),
+            std::string::npos)
+      << r.output;
+  r = run_cli("inspect --json '" + ck + "'");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(r.output)["scales"]["corrupt"], 1);
+  r = run_cli(fmt::format("reload-check --checkpoint '{}' --backend cpu --tokens 2", ck));
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("tensor '" + name + "' holds nan at [1, 0]"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("the checkpoint is corrupt"), std::string::npos) << r.output;
 }
 
 TEST(Inspect, HostileFileIsACleanError) {
