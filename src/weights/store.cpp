@@ -276,10 +276,13 @@ struct WeightStore::Impl {
   // corrupt checkpoint that would turn tokens' outputs into NaN without a word, so it is
   // refused before a byte is written (the slot keeps its old bytes). Costs one read of
   // ~0.1 % of a layer's bytes (GLM-5: 2.4 MB of scales and 6.3 MB of router in 9.7 GB).
+  static bool has_checked_values(const Layer& l, size_t slot) {
+    return l.info[slot].partner < 0 || l.info[slot].is_scale;  // not a weight
+  }
   void check_values(const Layer& l, size_t slot, std::string_view name, const void* data) const {
     const io::TensorSlot& s = l.slots[slot];
     const SlotInfo& in = l.info[slot];
-    if (in.partner >= 0 && !in.is_scale) return;  // a weight
+    if (!has_checked_values(l, slot)) return;
     const int64_t cols = s.shape.size() >= 2 ? s.shape.back() : 1;
     auto refuse = [&](size_t i, float v) {
       const int64_t r = int64_t(i) / cols, c = int64_t(i) % cols;
@@ -588,6 +591,7 @@ FinishReport WeightStore::load(const io::Checkpoint& ckpt, const LoadOptions& op
         return a.file != b.file ? a.file < b.file : a.t->begin < b.t->begin;
       });
       size_t i = 0;
+      std::vector<uint8_t> staged;
       while (i < items.size()) {
         const io::SafetensorsFile& file = ckpt.file(items[i].file);
         const int fd = ::open(file.path().c_str(), O_RDONLY | O_CLOEXEC);
@@ -603,15 +607,24 @@ FinishReport WeightStore::load(const io::Checkpoint& ckpt, const LoadOptions& op
             m.check(l, s, t.name, t.dtype, t.shape, t.bytes(), true);
             m.touch(l);
             uint8_t* dst = l.base + s.at(l.layout);
+            // Scales, router and bias go through `staged` for check_values (they are small);
+            // the weights straight into the layout.
+            const bool stage = Impl::has_checked_values(l, target.second);
+            if (stage) staged.resize(t.bytes());
+            uint8_t* into = stage ? staged.data() : dst;
             for (size_t got = 0; got < t.bytes();) {
               const ssize_t r =
-                  ::pread(fd, dst + got, t.bytes() - got, off_t(file.header().data_offset + t.begin + got));
+                  ::pread(fd, into + got, t.bytes() - got, off_t(file.header().data_offset + t.begin + got));
               if (r < 0 && errno == EINTR) continue;
               if (r <= 0)
                 throw io::Error(fmt::format("{}: tensor '{}': read failed at byte {}: {}", file.path(),
                                             t.name, got,
                                             r == 0 ? "unexpected end of file" : std::strerror(errno)));
               got += size_t(r);
+            }
+            if (stage) {
+              m.check_values(l, target.second, t.name, staged.data());
+              std::memcpy(dst, staged.data(), t.bytes());
             }
             ++m.report.tensors, m.report.bytes += t.bytes();
             m.arrived(l, target.second);

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <vector>
 
@@ -197,6 +198,38 @@ TEST(Store, HostileUpdatesAreRejected) {
   st.finish();  // nothing landed: no half pair
   EXPECT_EQ(layer_bytes(st, d.moe_layers[0]), before);
   EXPECT_TRUE(st.ready(d.moe_layers[0]));
+}
+
+// A NaN block scale in a shard on disk: both load paths (streaming pread, and the shuffled
+// updates) refuse it naming the tensor, and the streaming path never writes it to the layout.
+TEST(Store, CorruptScaleOnDiskIsRefusedByEveryLoadPath) {
+  TempDir dir;
+  const ModelDesc d = test::write_test_checkpoint(dir.path(), 1, 15);
+  const std::string name = d.layer_prefix(d.moe_layers[0]) + "experts.2.up_proj.weight_scale_inv";
+  {
+    const std::string path(io::Checkpoint(dir.path()).lookup(name).file);
+    const io::SafetensorsFile f(path);
+    const io::TensorInfo& t = *f.header().find(name);
+    std::fstream out(path, std::ios::binary | std::ios::in | std::ios::out);
+    const float inf = INFINITY;
+    out.seekp(std::streamoff(f.header().data_offset + t.begin));
+    out.write(reinterpret_cast<const char*>(&inf), 4);
+  }
+  const io::Checkpoint ck(dir.path());
+  for (const bool shuffle : {false, true}) {
+    SCOPED_TRACE(shuffle ? "shuffled updates" : "streaming");
+    WeightStore st = WeightStore::for_checkpoint(ck, d);
+    LoadOptions o;
+    o.shuffle = shuffle;
+    try {
+      st.load(ck, o);
+      ADD_FAILURE() << "loaded a checkpoint with an infinite block scale";
+    } catch (const io::FormatError& e) {
+      EXPECT_NE(std::string(e.what()).find("tensor '" + name + "' holds inf at [0, 0]"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_FALSE(st.ready(d.moe_layers[0]));
+  }
 }
 
 TEST(Store, LayerSubsetAndBadOptions) {
