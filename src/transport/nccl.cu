@@ -103,6 +103,13 @@ __global__ void resolve_peers(ncclWindow_t w, int world, uint8_t** out) {
 ncclUniqueId rendezvous_id(const NcclApi& api, const NcclOptions& o, bool creator) {
   ncclUniqueId id{};
   if (creator) {
+    // Rank 0 removes the file once every rank has joined (NcclTransport), so one found here
+    // is an earlier run's that died first: the other ranks may have read its stale id.
+    if (std::ifstream(o.rendezvous).good())
+      std::fprintf(stderr,
+                   "megamoe: NCCL transport: replacing %s, left by an earlier run; ranks that read it "
+                   "first hold a stale id and will fail to join (use a fresh path per run)\n",
+                   o.rendezvous.c_str());
     api.check(api.GetUniqueId(&id), "ncclGetUniqueId", 0);
     const std::string tmp = o.rendezvous + ".tmp." + std::to_string(getpid());
     {
@@ -189,6 +196,9 @@ class NcclTransport final : public Transport {
         }
       });
     for (auto& t : threads) t.join();
+    // Every rank has joined (or failed to): the id is spent, and a file left behind would
+    // hand the next run's ranks a stale one.
+    if (have_zero && !opt.rendezvous.empty()) std::remove(opt.rendezvous.c_str());
     for (const std::string& e : errors)
       if (!e.empty()) {
         release();
