@@ -256,6 +256,7 @@ int main(int argc, char** argv) {
   CLI::App app{
       "megamoe: FP8 Mixture-of-Experts layers (DeepSeek-V3 / GLM-5 family) on Hopper GPUs and the CPU"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("megamoe ") + MEGAMOE_GIT_COMMIT);
 
   DemoArgs demo;
   auto* c_demo =

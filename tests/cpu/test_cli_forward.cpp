@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -119,6 +120,15 @@ TEST(CliDemo, CudaWithoutDeviceFailsFirst) {
     EXPECT_EQ(r.output.find("random block-FP8 layer"), std::string::npos) << r.output;
     EXPECT_LT(s, 5.0) << cmd;
   }
+}
+
+TEST(Cli, VersionNamesTheBuild) {
+  // The commit the binary was built from (cmake/git_commit.cmake), as megamoe bench's JSON
+  // records it: seven hex digits (and "+uncommitted" for a dirty tree), or "unknown" outside git.
+  const auto r = run_cli("--version");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("^megamoe ([0-9a-f]{7}(\\+uncommitted)?|unknown)\n$")))
+      << r.output;
 }
 
 TEST(CliDemo, CpuBackendChecksItself) {
