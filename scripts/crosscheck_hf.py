@@ -39,6 +39,12 @@ WHAT IT DOES, per family (model_type -> megamoe preset)
      reference of tests/tools/moe_float64.py (must agree to ~1e-6: HF's router
      is fp32) and the CLI vs moe_float64's FP8-activation emulation.
   A table is printed; any mismatch exits 1.
+  5. Configs (the four families with a preset): transformers' own default config of the
+     model (AutoConfig.for_model, serialized with every key, a block-FP8
+     quantization_config added) goes through `megamoe inspect --json` beside an empty
+     model.safetensors; the shape, routing and the MoE layer list it parses must be the
+     config's attributes, the layer list derived here from mlp_layer_types or
+     first_k_dense_replace / moe_layer_freq.
 
 WHAT IT DOES NOT COVER
   Softmax or sqrtsoftplus with expert groups (the HF blocks that use them have none),
@@ -268,6 +274,42 @@ def run_hf(torch, moe, x, dtype):
     return y, ids.long().numpy(), w.double().numpy()
 
 
+def check_hf_config(tfm, cli, workdir, mt, preset):
+    """Problems found parsing transformers' default config of model_type mt (step 5)."""
+    cfg = tfm.AutoConfig.for_model(mt)
+    d = json.loads(cfg.to_json_string(use_diff=False))
+    d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                "weight_block_size": [128, 128]}
+    ck = os.path.join(workdir, mt + "_hfconfig")
+    shutil.rmtree(ck, ignore_errors=True)
+    os.makedirs(ck)
+    with open(os.path.join(ck, "config.json"), "w") as f:
+        json.dump(d, f, indent=2)
+    with open(os.path.join(ck, "model.safetensors"), "wb") as f:  # no tensors
+        f.write((8).to_bytes(8, "little") + b"{}      ")
+    got = json.loads(run([cli, "inspect", "--json", ck]))["model"]
+    tc = getattr(cfg, "text_config", None) or cfg
+    attr = lambda *names: next(getattr(tc, n) for n in names if getattr(tc, n, None) is not None)  # noqa: E731
+    n = attr("num_hidden_layers")
+    if getattr(tc, "mlp_layer_types", None) is not None:
+        moe = [i for i, t in enumerate(tc.mlp_layer_types) if t == "sparse"]
+    else:
+        first, freq = attr("first_k_dense_replace"), getattr(tc, "moe_layer_freq", None) or 1
+        moe = [i for i in range(first, n) if i % freq == 0]
+    want = {"family": preset, "hidden": attr("hidden_size"), "inter": attr("moe_intermediate_size"),
+            "experts": attr("n_routed_experts", "num_experts"),
+            "topk": attr("num_experts_per_tok", "num_experts_per_token"),
+            "shared_experts": attr("n_shared_experts"), "num_layers": n, "moe_layers": moe}
+    problems = [f"{k}: megamoe {got[k]} vs HF {v}" for k, v in want.items() if got[k] != v]
+    r = got["routing"]
+    if abs(r["routed_scaling"] - attr("routed_scaling_factor")) > 1e-6:
+        problems.append(f"routed_scaling: megamoe {r['routed_scaling']} vs HF {attr('routed_scaling_factor')}")
+    for k, hk in (("n_group", "n_group"), ("topk_group", "topk_group"), ("norm_topk_prob", "norm_topk_prob")):
+        if getattr(tc, hk, None) is not None and r[k] != getattr(tc, hk):
+            problems.append(f"{k}: megamoe {r[k]} vs HF {getattr(tc, hk)}")
+    return problems, f"{n} layers, {len(moe)} MoE, H {want['hidden']} E {want['experts']} K {want['topk']}"
+
+
 def sorted_routing(ids, w):
     o = np.argsort(ids, axis=1, kind="stable")
     return np.take_along_axis(ids, o, 1), np.take_along_axis(w, o, 1)
@@ -409,6 +451,21 @@ def main():
             failed |= not ok_all
         for n in notes:
             print(f"  {mt}: note: {n}")
+
+    # Step 5: transformers' own default configs through our parser.
+    for mt, preset, *_ in FAMILIES:
+        if mt in VARIANTS or mt not in a.families.split(","):
+            continue
+        try:
+            problems, what = check_hf_config(tfm, a.cli, a.workdir, mt, preset)
+        except Exception as e:  # noqa: BLE001  (no such model_type in this transformers, or the CLI failed)
+            print(f"config {mt}: not checked ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+            if isinstance(e, RuntimeError):
+                failed = True
+            continue
+        print(f"config {mt}: transformers' default config -> megamoe inspect: {what}: "
+              + ("agree" if not problems else "DIFFER: " + "; ".join(problems)))
+        failed |= bool(problems)
 
     hdr = ("family", "HF block [config, dtype]", "backend", "ids differ", "w err", "relL2 vs HF",
            "vs FP8-emul", "HF vs f64", "other", "status")
