@@ -123,6 +123,11 @@ struct ForwardArgs {
 
 int run_forward(const ForwardArgs& a) {
   const api::Backend backend = api::resolve(api::parse_backend(a.backend));  // before any loading
+  // (and the output's folder: a forward that cannot write its result should not run first)
+  if (const auto dir = std::filesystem::path(a.output).parent_path();
+      !dir.empty() && !std::filesystem::is_directory(dir))
+    throw std::invalid_argument(
+        fmt::format("--output {}: the folder {} does not exist", a.output, dir.string()));
   const ModelDesc desc = load_config(a.checkpoint);
   if (!desc.is_moe_layer(a.layer)) {
     throw std::invalid_argument(fmt::format("--layer {} is not an MoE layer of {} (MoE layers: {})", a.layer,

@@ -99,6 +99,12 @@ TEST(CliForward, ErrorsNameWhatIsWrong) {
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("missing"), std::string::npos) << r.output;
 
+  // An output folder that does not exist: refused before the checkpoint is loaded.
+  r = run_cli(fmt::format("forward --checkpoint '{}' --layer {} --input '{}' --output '{}'", f.ck, f.layer,
+                          f.in, f.out("no/such/folder/y.safetensors")));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("does not exist"), std::string::npos) << r.output;
+
   r = run_cli("forward --help");
   EXPECT_EQ(r.status, 0);
   EXPECT_NE(r.output.find("--checkpoint"), std::string::npos);
