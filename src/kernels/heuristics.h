@@ -208,11 +208,16 @@ struct SmemTail {
 constexpr int fixed_smem_bytes(int block_n) { return 1024 + SmemTail::bytes(block_n); }  // + alignment slack
 constexpr int stages_for(int block_n, bool wide = false) {
   const int s = (kSmemBudget - fixed_smem_bytes(block_n)) / stage_bytes(block_n, wide);
+#ifdef MEGAMOE_STAGES_CAP  // timing-only builds of bench/results/ab/v29_stage_sweep.sh
+  return s > MEGAMOE_STAGES_CAP ? MEGAMOE_STAGES_CAP : s;
+#else
   return s > 12 ? 12 : s;
+#endif
 }
 constexpr int smem_bytes(int block_n, bool wide = false) {
   return fixed_smem_bytes(block_n) + stages_for(block_n, wide) * stage_bytes(block_n, wide);
 }
+#ifndef MEGAMOE_STAGES_CAP
 // The GEMM2 staging (v15) fits beside the six prefill stages v14 had.
 static_assert(stages_for(128) == 6, "prefill stages");
 static_assert(stages_for(128, true) == 4, "wide tile stages");
@@ -220,6 +225,7 @@ static_assert(stages_for(128, true) == 4, "wide tile stages");
 static_assert(stages_for(8) == 12 && stages_for(16) == 11 && stages_for(32) == 10 && stages_for(48) == 9 &&
                   stages_for(64) == 8,
               "decode stages");
+#endif
 
 // Token block (wgmma N): the smallest of kBlockNs that holds the average rows per
 // routed expert plus its spread (choose_config), so decode tiles waste few columns,
