@@ -8,7 +8,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cfloat>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -226,7 +225,7 @@ int run_inspect(const InspectArgs& a) {
       float x;
       std::memcpy(&x, v.data + 4 * i, 4);
       st.pow2 += num::is_pow2_scale(x);
-      if (!(x >= 0.0f && x <= FLT_MAX) && st.corrupt++ == 0) {
+      if (!num::is_valid_block_scale(x) && st.corrupt++ == 0) {
         const size_t cols = v.shape.size() == 2 ? size_t(v.shape[1]) : 1;
         st.first_corrupt = fmt::format("{} [{}, {}] = {}", v.name, i / cols, i % cols, x);
       }
@@ -320,7 +319,7 @@ int run_inspect(const InspectArgs& a) {
       continue;
     std::vector<float> scale(sc->bytes / 4);
     std::memcpy(scale.data(), sc->data, sc->bytes);
-    if (!std::all_of(scale.begin(), scale.end(), [](float x) { return x >= 0.0f && x <= FLT_MAX; }))
+    if (!std::all_of(scale.begin(), scale.end(), num::is_valid_block_scale))
       continue;  // (counted above as corrupt; the requantization would refuse it)
     std::vector<uint8_t> q(w->bytes), sf(w->bytes / num::kMxGroup);
     est += num::requant_block_to_mxfp8(w->data, scale.data(), rows, cols, q.data(), sf.data());

@@ -59,10 +59,10 @@ int run_demo(const DemoArgs& a) {
   const Preset& p = find_preset(a.preset);
   const MoeShape& s = p.shape;
   if (a.tokens < 1) throw std::invalid_argument(fmt::format("--tokens {} must be >= 1", a.tokens));
-  const bool automatic = api::parse_backend(a.backend) == api::Backend::kAuto;
+  const api::Backend asked = api::parse_backend(a.backend);
   // (an explicit cuda without a device fails here, before the weights are made)
-  const api::Backend b = api::resolve(api::parse_backend(a.backend));
-  if (automatic) {
+  const api::Backend b = api::resolve(asked);
+  if (asked == api::Backend::kAuto) {
     std::string why;
     api::cuda_available(&why);
     fmt::print("backend: auto -> {}{}\n", api::to_string(b), b == api::Backend::kCpu ? " (" + why + ")" : "");
@@ -341,7 +341,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
 
   CLI11_PARSE(app, argc, argv);
-  if (bench.command.empty()) {  // this command line, as a shell would take it back
+  if (*c_bench && bench.command.empty()) {  // this command line, as a shell would take it back
     bench.command = "megamoe";
     for (int i = 1; i < argc; ++i) {
       std::string arg = argv[i];

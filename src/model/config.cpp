@@ -22,6 +22,11 @@ using json = nlohmann::json;
 // comparison) off the stack.
 constexpr int kMaxConfigDepth = 32;
 
+// A JSON integer that fits an int (a larger one would be narrowed by get<int>).
+bool is_int32(const json& v) {
+  return v.is_number_integer() && v.get<int64_t>() >= INT32_MIN && v.get<int64_t>() <= INT32_MAX;
+}
+
 // A value for a message: its JSON, cut after kMaxShown characters (a key may hold a
 // megabyte of array).
 std::string brief(const json& v) {
@@ -78,7 +83,7 @@ class Reader {
                              std::optional<int> def = std::nullopt) {
     const json* v = find(names);
     if (!v) return missing(names, required) ? std::nullopt : def;
-    if (!v->is_number_integer() || v->get<int64_t>() < INT32_MIN || v->get<int64_t>() > INT32_MAX) {
+    if (!is_int32(*v)) {
       wrong(names, "an integer", *v);
       return def;
     }
@@ -149,10 +154,7 @@ void parse_quant(const json& q, QuantConfig& out, std::vector<std::string>& prob
   if (auto a = r.string({"activation_scheme"})) out.activation_scheme = *a;
   out.scale_fmt = r.string({"scale_fmt"});
   if (const json* b = r.find({"weight_block_size"})) {
-    auto is_int = [](const json& v) {
-      return v.is_number_integer() && v.get<int64_t>() >= INT32_MIN && v.get<int64_t>() <= INT32_MAX;
-    };
-    if (!b->is_array() || b->size() != 2 || !is_int((*b)[0]) || !is_int((*b)[1]))
+    if (!b->is_array() || b->size() != 2 || !is_int32((*b)[0]) || !is_int32((*b)[1]))
       r.wrong({"quantization_config.weight_block_size"}, "[rows, cols]", *b);
     else
       out.block = {(*b)[0].get<int>(), (*b)[1].get<int>()};

@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -271,8 +270,8 @@ struct WeightStore::Impl {
   }
 
   // The values of a block scale, router or bias tensor (weights are E4M3 codes and are
-  // not scanned: 99 % of the bytes). A block scale is amax / 448 of its block, so finite
-  // and >= 0; the router's weights and the correction bias finite. Anything else is a
+  // not scanned: 99.9 % of the bytes). A block scale must pass num::is_valid_block_scale;
+  // the router's weights and the correction bias must be finite. Anything else is a
   // corrupt checkpoint that would turn tokens' outputs into NaN without a word, so it is
   // refused before a byte is written (the slot keeps its old bytes). Costs one read of
   // ~0.1 % of a layer's bytes (GLM-5: 2.4 MB of scales and 6.3 MB of router in 9.7 GB).
@@ -291,18 +290,14 @@ struct WeightStore::Impl {
           s.shape.size() >= 2 ? fmt::format(", {}", c) : std::string(),
           in.is_scale ? "a block scale must be finite and >= 0" : "router weights and bias must be finite"));
     };
+    auto good = [&](float v) { return in.is_scale ? num::is_valid_block_scale(v) : std::isfinite(v); };
     auto scan = [&](auto value, size_t n) {
       // (the common case without a branch a value: one pass, then find the culprit)
       bool ok = true;
-      for (size_t i = 0; i < n; ++i) {
-        const float v = value(i);
-        ok &= in.is_scale ? (v >= 0.0f && v <= FLT_MAX) : std::fabs(v) <= FLT_MAX;
-      }
+      for (size_t i = 0; i < n; ++i) ok &= good(value(i));
       if (ok) return;
-      for (size_t i = 0; i < n; ++i) {
-        const float v = value(i);
-        if (!(in.is_scale ? (v >= 0.0f && v <= FLT_MAX) : std::fabs(v) <= FLT_MAX)) refuse(i, v);
-      }
+      for (size_t i = 0; i < n; ++i)
+        if (!good(value(i))) refuse(i, value(i));
     };
     if (s.dtype == io::Dtype::kF32) {
       const auto* f = static_cast<const float*>(data);
