@@ -187,14 +187,27 @@ void CudaEpMoeLayer::forward(const std::vector<const num::bf16_t*>& x, const std
 void CudaEpMoeLayer::check() {
   Impl& m = *impl_;
   DeviceGuard guard;
-  std::string first;
-  for (const Impl::Rank& k : m.local) {
+  std::string first, counts;
+  for (size_t i = 0; i < m.local.size(); ++i) {
+    const Impl::Rank& k = m.local[i];
     MEGAMOE_CUDA_CHECK(cudaSetDevice(k.device));
     MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
     const kernels::EpStatus st = kernels::ep_status(k.plan);
     if (st.phase != kernels::EpStatus::kNone && first.empty()) first = st.message();
+    // A rank whose device token count was out of range ran clamped (the protocol
+    // stays consistent: its peers see the clamped count); reported, then cleared.
+    const kernels::TokenCountStatus tc = kernels::token_count_status(k.plan);
+    if (tc.bad_forwards) {
+      kernels::token_count_reset(k.plan);
+      counts += fmt::format("{}rank {}: {}", counts.empty() ? "" : "; ", m.transport->local_ranks()[i],
+                            tc.message());
+    }
   }
-  if (first.empty()) return;
+  if (first.empty()) {
+    if (!counts.empty()) throw std::runtime_error("CudaEpMoeLayer: " + counts);
+    return;
+  }
+  if (!counts.empty()) first += "; " + counts;
   // NOTE: with one process per GPU every process sees its own ranks' status; each resets
   // its own (a peer that timed out elsewhere reports there).
   for (const Impl::Rank& k : m.local) {

@@ -107,6 +107,13 @@ void CudaMoeLayer::route(const num::bf16_t* x, int tokens_hint, const int* num_t
   kernels::route_forward(impl_->plan, t, tokens_hint, s);
 }
 
+void CudaMoeLayer::check() {
+  const kernels::TokenCountStatus st = kernels::token_count_status(impl_->plan);
+  if (st.bad_forwards == 0) return;
+  kernels::token_count_reset(impl_->plan);
+  throw std::runtime_error("CudaMoeLayer: " + st.message());
+}
+
 const int32_t* CudaMoeLayer::topk_ids() const { return kernels::routing_outputs(impl_->plan).ids; }
 const float* CudaMoeLayer::topk_weights() const { return kernels::routing_outputs(impl_->plan).weights; }
 const MoeShape& CudaMoeLayer::shape() const { return impl_->shape; }

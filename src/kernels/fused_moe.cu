@@ -123,6 +123,7 @@ MoeWorkspaceLayout MoeWorkspaceLayout::compute(const MoeShape& s, int max_tokens
   place(w.y_rows, R * H * 2);
   place(w.row_src, R * 4);
   place(w.ep_state, 16);
+  place(w.token_status, TokenCountStatus::kWords * 4);
   w.total_bytes = plan.total();
   return w;
 }
@@ -169,6 +170,7 @@ struct KernelArgs {
   int half_tiles;      // FusedMoeConfig::half_tiles (per forward)
   int pair_weights;    // FusedMoeConfig::pair_weights (per forward; pair tiles only)
   const int* num_tokens;
+  int tokens_cap;  // the forward's host hint: T = device_token_count(num_tokens, tokens_cap)
   const uint16_t* x;
   uint16_t* y;
   int* counters;
@@ -1190,7 +1192,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   pf.stamp(kPfStartNs);
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
-  const int T = *a.num_tokens;
+  const int T = device_token_count(a.num_tokens, a.tokens_cap);
   const int E_total = a.E + a.has_shared;
   int* done1 = a.counters + a.units_base;
 
@@ -2392,6 +2394,7 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   a.row_src = reinterpret_cast<int32_t*>(base + ws.row_src.offset);
   a.w13_scale = w.w13_scale, a.w2_scale = w.w2_scale;
   a.sw13_scale = w.shared_w13_scale, a.sw2_scale = w.shared_w2_scale;
+  MEGAMOE_CUDA_CHECK(cudaMemset(base + ws.token_status.offset, 0, ws.token_status.bytes));  // (poisoned)
   if (ep) {
     EpArgs& e = a.ep;
     e.ranks = ep->layout.ranks;
@@ -2485,6 +2488,29 @@ void ep_reset(const FusedMoePlan* p) {
   MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+std::string TokenCountStatus::message() const {
+  if (bad_forwards == 0) return {};
+  return std::to_string(bad_forwards) + " forward" + (bad_forwards == 1 ? "" : "s") +
+         " read a device token count outside [0, tokens_hint] (the last: " + std::to_string(last_count) +
+         " with tokens_hint " + std::to_string(last_hint) + "); the kernels clamped it, so " +
+         (last_count < 0 ? "no token was computed" : "the tokens past the hint were not computed");
+}
+
+TokenCountStatus token_count_status(const FusedMoePlan* p) {
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  int w[TokenCountStatus::kWords];
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(w, static_cast<const uint8_t*>(p->workspace) + p->ws.token_status.offset,
+                                sizeof(w), cudaMemcpyDeviceToHost));
+  return {w[0], w[1], w[2]};
+}
+
+void token_count_reset(const FusedMoePlan* p) {
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  MEGAMOE_CUDA_CHECK(cudaMemset(static_cast<uint8_t*>(p->workspace) + p->ws.token_status.offset, 0,
+                                p->ws.token_status.bytes));
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
 RoutingOutputs routing_outputs(const FusedMoePlan* p) {
   auto* base = static_cast<const uint8_t*>(p->workspace);
   return {reinterpret_cast<const int32_t*>(base + p->ws.topk_ids.offset),
@@ -2514,6 +2540,8 @@ void route_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_token
   r.router = p->w.router;
   r.bias = p->shape.correction_bias ? p->w.bias : nullptr;
   r.num_tokens = t.num_tokens;
+  r.tokens_cap = host_tokens_hint;
+  r.token_status = reinterpret_cast<int*>(base + p->ws.token_status.offset);
   r.partial = reinterpret_cast<float*>(base + p->ws.logits_partial.offset);
   r.ids = reinterpret_cast<int32_t*>(base + p->ws.topk_ids.offset);
   r.weights = reinterpret_cast<float*>(base + p->ws.topk_weights.offset);
@@ -2537,6 +2565,7 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
   a.half_tiles = cfg.half_tiles;
   a.pair_weights = cfg.pair_tiles && cfg.pair_weights && cfg.block_n == 128;
   a.num_tokens = t.num_tokens;
+  a.tokens_cap = host_tokens_hint;
   a.x = t.x;
   a.y = t.y;
   const TensorMaps& maps = p->maps[block_n_index(cfg.block_n)];

@@ -94,8 +94,16 @@ __global__ void __launch_bounds__(WK* WM* WN * 32) route_logits_kernel(RouteArgs
     const int end = min(a.zero_words, (b + 1) * per);
     for (int i = b * per + int(threadIdx.x); i < end; i += kThreads) a.zero[i] = 0;
     if (a.epoch && b == 0 && threadIdx.x == 0) *a.epoch += 1;
+    if (b == 0 && threadIdx.x == 0) {
+      const int raw = *a.num_tokens;
+      if (raw < 0 || raw > a.tokens_cap) {  // a caller's bug, kept for CudaMoeLayer::check
+        a.token_status[0] += 1;
+        a.token_status[1] = raw;
+        a.token_status[2] = a.tokens_cap;
+      }
+    }
   }
-  const int T = *a.num_tokens;
+  const int T = device_token_count(a.num_tokens, a.tokens_cap);
   const int t0 = blockIdx.y * BT;
   if (t0 >= T) return;
   const int e0 = blockIdx.x * BE;
@@ -368,7 +376,7 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
   __shared__ float score_s[kTopkWarps][kMaxE];
   __shared__ float sel_s[kTopkWarps][kMaxE];
   __shared__ float group_s[kTopkWarps][32];
-  const int T = *a.num_tokens;
+  const int T = device_token_count(a.num_tokens, a.tokens_cap);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int E = s.experts, K = s.topk;
   float* score = score_s[warp];

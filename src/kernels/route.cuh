@@ -23,6 +23,8 @@ struct RouteArgs {
   const void* router = nullptr;  // bf16 or f32 [E][H]
   const float* bias = nullptr;   // [E] or null
   const int* num_tokens = nullptr;
+  int tokens_cap = 0;            // the forward's host hint: T is clamped into [0, tokens_cap]
+  int* token_status = nullptr;   // TokenCountStatus words (route_logits records a clamp)
   float* partial = nullptr;      // [kRouterGroups][max_tokens][E]
   int32_t* ids = nullptr;        // [T][K]
   float* weights = nullptr;      // [T][K]
@@ -33,6 +35,13 @@ struct RouteArgs {
   int max_tokens = 0;
   uint64_t* epoch = nullptr;  // expert parallelism: bumped once per forward (ep_layout.h)
 };
+
+// T of a forward: the device count clamped into [0, cap] (cap = the host hint the launch
+// was sized for). Every kernel of the forward reads T through this, so they agree on it
+// even when a caller's count is out of range (route_logits reports that: TokenCountStatus).
+__device__ __forceinline__ int device_token_count(const int* num_tokens, int cap) {
+  return min(max(*num_tokens, 0), cap);
+}
 
 // Raises the router kernels' shared-memory limits (once per device, before launches).
 void route_prepare();

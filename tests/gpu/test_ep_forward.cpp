@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -306,6 +307,32 @@ TEST_F(EpForward, GraphReplaysWithChangingCounts) {
       EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2))
           << "replay " << tokens[0] << "," << tokens[1] << "," << tokens[2] << "," << tokens[3] << " rank "
           << r;
+  }
+  // Counts outside [0, Tmax] (a caller's bug) run clamped to {96, 0, 13, 50}, and
+  // check() names the ranks.
+  {
+    const std::vector<int> bad = {500, -3, 13, 50}, clamped = {96, 0, 13, 50};
+    for (int r = 0; r < R; ++r)
+      CK(cudaMemcpy(const_cast<int*>(counts[r]), &bad[r], sizeof(int), cudaMemcpyHostToDevice));
+    b.poison();
+    CK(cudaGraphLaunch(exec, st));
+    CK(cudaStreamSynchronize(st));
+    try {
+      layer.check();
+      ADD_FAILURE() << "check() did not report the counts";
+    } catch (const std::runtime_error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("rank 0: 1 forward read"), std::string::npos) << m;
+      EXPECT_NE(m.find("rank 1: 1 forward read"), std::string::npos) << m;
+      EXPECT_EQ(m.find("rank 2"), std::string::npos) << m;
+    }
+    ASSERT_NO_THROW(layer.check());
+    const auto got = b.read(clamped, s.hidden);
+    std::vector<std::vector<num::bf16_t>> xt;
+    for (int r = 0; r < R; ++r) xt.emplace_back(xs[r].begin(), xs[r].begin() + size_t(clamped[r]) * s.hidden);
+    const auto want = single_device(w, xt, clamped);
+    for (int r = 0; r < R; ++r)
+      EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2)) << "clamped rank " << r;
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -467,6 +468,57 @@ TEST_F(FusedMoe, GraphReplayWithDeviceTokenCount) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(st);
+  cudaFree(dx);
+  cudaFree(dy);
+  cudaFree(dT);
+}
+
+// A device token count outside [0, tokens_hint] is a caller's bug: the kernels clamp it
+// (the tokens up to the hint are computed as usual, no row past the hint is written, a
+// negative count computes nothing) and check() reports it once.
+TEST_F(FusedMoe, DeviceTokenCountOutOfRangeIsClampedAndReported) {
+  const MoeShape s = reduced_shape();
+  HostMoeWeights w = make_random_weights(s, 41);
+  const int Tmax = 64, hint = 20;
+  const auto x = random_x(size_t(Tmax) * s.hidden, 42);
+  api::MoeLayerOptions opt;
+  opt.max_tokens = Tmax;
+  api::CudaMoeLayer layer(w, opt);
+  std::vector<num::bf16_t> xh(x.begin(), x.begin() + size_t(hint) * s.hidden);
+  const GpuRun want = run_gpu(layer, xh, hint);
+  ASSERT_NO_THROW(layer.check());
+  num::bf16_t *dx = nullptr, *dy = nullptr;
+  int* dT = nullptr;
+  CK(cudaMalloc(&dx, x.size() * 2));
+  CK(cudaMalloc(&dy, x.size() * 2));
+  CK(cudaMalloc(&dT, sizeof(int)));
+  CK(cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+  std::vector<num::bf16_t> y(x.size());
+  for (int count : {37, Tmax + 1000, -5, hint}) {
+    SCOPED_TRACE("device count " + std::to_string(count) + ", hint " + std::to_string(hint));
+    CK(cudaMemcpy(dT, &count, sizeof(int), cudaMemcpyHostToDevice));
+    CK(cudaMemset(dy, 0xFF, x.size() * 2));  // poison: bf16 NaN
+    layer.forward(dx, dy, hint, dT, nullptr);
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemcpy(y.data(), dy, y.size() * 2, cudaMemcpyDeviceToHost));
+    const size_t done = count < 0 ? 0 : size_t(hint) * s.hidden;
+    EXPECT_EQ(0, std::memcmp(y.data(), want.y.data(), done * 2)) << "the rows up to the hint";
+    size_t written = 0;
+    for (size_t i = done; i < y.size(); ++i) written += y[i] != 0xFFFF;
+    EXPECT_EQ(written, 0u) << "outputs written past the clamped count";
+    if (count == hint) {
+      EXPECT_NO_THROW(layer.check());
+      continue;
+    }
+    try {
+      layer.check();
+      ADD_FAILURE() << "check() did not report the count";
+    } catch (const std::runtime_error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("last: " + std::to_string(count) + " with tokens_hint 20"), std::string::npos) << m;
+    }
+    EXPECT_NO_THROW(layer.check()) << "reported once, then cleared";
+  }
   cudaFree(dx);
   cudaFree(dy);
   cudaFree(dT);

@@ -48,7 +48,8 @@ class CudaEpMoeLayer {
   // One forward of every local rank (index i = local_ranks()[i]): x[i], y[i] are its
   // bf16 [T][H] arrays on its device, tokens[i] = T (host; over max_tokens is an
   // error naming the rank). If num_tokens_dev is given, num_tokens_dev[i] is a device
-  // int holding T <= tokens[i] (capture a graph at the largest counts you need).
+  // int holding T in [0, tokens[i]] (capture a graph at the largest counts you need;
+  // a count outside it runs clamped into it and check() reports it).
   // Enqueued on `stream`: the ranks fork onto their own streams and join back
   // (capturable). launch_mask (by local index): the ranks that run (tests leave one
   // out to see the timeout).
@@ -58,6 +59,8 @@ class CudaEpMoeLayer {
 
   // After the forwards completed (synchronizes the device): throws
   // std::runtime_error naming the rank, the phase and the peer if a rank timed out,
+  // and naming the rank and the count if a rank read a device token count outside
+  // [0, tokens[i]] (CudaMoeLayer::check; that record is cleared once reported),
   // after resetting every rank, so the layer stays usable. Call it after every forward
   // (or graph replay) whose output you use: after a timeout the ranks' epochs disagree
   // and outputs are undefined until check() has reported the error and reset them

@@ -37,11 +37,18 @@ class CudaMoeLayer {
   // T (<= max_tokens) that sizes the launch (capture a graph at the largest
   // hint you need). If num_tokens_dev is null the layer uses its own device
   // counter set to tokens_hint (an async copy, capturable).
-  // NOTE: the kernels read *num_tokens_dev as it is: it must lie in [0, tokens_hint].
-  // A larger count is not checked on the device (the routing covers tokens_hint
-  // tokens, the workspace max_tokens): it corrupts outputs or overruns the workspace.
+  // NOTE: *num_tokens_dev must lie in [0, tokens_hint]. A count outside it is a bug
+  // the device cannot throw for: the kernels clamp it into that range (never reading
+  // past x or writing past y; rows past the hint are not written) and record it,
+  // and check() reports it.
   void forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint, const int* num_tokens_dev,
                Stream stream);
+
+  // After the forwards so far completed (synchronizes the device): throws
+  // std::runtime_error if any of them read a device token count outside
+  // [0, tokens_hint] (how many, the last count and its hint), then clears the
+  // record, so the next check() reports only what happened after it.
+  void check();
 
   // Only the routing part of forward (router GEMM + top-k), for benchmarks.
   void route(const num::bf16_t* x, int tokens_hint, const int* num_tokens_dev, Stream stream);

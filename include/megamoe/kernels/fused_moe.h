@@ -70,6 +70,8 @@ struct MoeWorkspaceLayout {
   Region row_src;         // i32 [rows_cap]        where a sorted row's output goes: single device
                           //   token * slots + slot, expert parallelism packed (source, token, slot)
   Region ep_state;        // u64 [2]               expert parallelism: epoch, status (EpStatus)
+  Region token_status;    // i32 [TokenCountStatus::kWords]: device token counts out of range
+                          //   (sticky until token_count_reset; not zeroed per forward)
   size_t total_bytes = 0;
 
   int counter_count() const { return kCounterExperts + experts_total + units_cap; }
@@ -104,7 +106,7 @@ struct FusedMoeConfig {
 
 struct DeviceTensors {
   const uint16_t* x = nullptr;      // bf16 [T][H]
-  const int* num_tokens = nullptr;  // device int: T (<= max_tokens)
+  const int* num_tokens = nullptr;  // device int: T in [0, tokens hint] (else clamped, TokenCountStatus)
   uint16_t* y = nullptr;            // bf16 [T][H]
   void* workspace = nullptr;        // MoeWorkspaceLayout::total_bytes
 };
@@ -140,6 +142,19 @@ struct EpStatus {
     st.peer = int(code & 0xFFFF);
     return st;
   }
+};
+
+// What the kernels saw of the device token count. A count outside [0, tokens hint]
+// is a caller's bug that would read past x and the routing outputs and write past y:
+// every kernel of the forward clamps it into that range (one rule, device_token_count
+// in route.cuh, so they agree on T) and route_logits records it here for the host.
+struct TokenCountStatus {
+  // Words of the workspace region: forwards that read a bad count, the last such count, its hint.
+  static constexpr int kWords = 3;
+  int bad_forwards = 0;
+  int last_count = 0;
+  int last_hint = 0;
+  std::string message() const;  // empty when bad_forwards == 0
 };
 
 // Opaque per-layer launch plan: tensor maps etc. (built once per layer object).
@@ -183,6 +198,10 @@ RoutingOutputs routing_outputs(const FusedMoePlan* plan);
 // (every rank of the group resets before the next forward after an error).
 EpStatus ep_status(const FusedMoePlan* plan);
 void ep_reset(const FusedMoePlan* plan);
+
+// The token-count status of the forwards so far (synchronizes the device), and its reset.
+TokenCountStatus token_count_status(const FusedMoePlan* plan);
+void token_count_reset(const FusedMoePlan* plan);
 
 // *p = v on the stream (a one-thread kernel, so it can be captured in a graph).
 void set_device_int(int* p, int v, cudaStream_t stream);
