@@ -54,4 +54,24 @@ void device_memset(void* dst, int value, size_t bytes) {
   }
 }
 
+bool is_device_pointer(const void* p) {
+  static const bool have_device = device_memory_available();
+  if (!p || !have_device) return false;
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();  // (not a pointer CUDA knows: host memory)
+    return false;
+  }
+  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
+
+void copy_device_to_device(void* dst, const void* src, size_t bytes) {
+  if (!bytes) return;
+  // NOTE: a device-to-device cudaMemcpy may return before the copy is done; the caller
+  // may reuse its source as soon as we return, so wait for this copy (and only it: the
+  // thread's default stream, not the whole device).
+  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cudaStreamPerThread));
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
+}
+
 }  // namespace megamoe::dev

@@ -498,9 +498,22 @@ bool WeightStore::update(std::string_view name, io::Dtype dtype, std::span<const
   Layer& l = m.layers[target->first];
   const io::TensorSlot& s = l.slots[target->second];
   m.check(l, s, name, dtype, shape, bytes, data != nullptr);
-  m.check_values(l, target->second, name, data);
+  // A device store also takes device memory (a trainer's tensors): copied device to
+  // device; the few values check_values reads come back to the host first.
+  const bool from_device = m.device() && dev::is_device_pointer(data);
+  std::vector<uint8_t> staged;
+  const void* values = data;
+  if (from_device && Impl::has_checked_values(l, target->second)) {
+    staged.resize(bytes);
+    dev::copy_to_host(staged.data(), data, bytes);
+    values = staged.data();
+  }
+  m.check_values(l, target->second, name, values);
   m.touch(l);
-  m.write(l.base + s.at(l.layout), data, bytes);
+  if (from_device)
+    dev::copy_device_to_device(l.base + s.at(l.layout), data, bytes);
+  else
+    m.write(l.base + s.at(l.layout), data, bytes);
   ++m.report.tensors, m.report.bytes += bytes;
   m.arrived(l, target->second);
   return true;

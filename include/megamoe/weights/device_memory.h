@@ -28,4 +28,12 @@ void copy_to_device(void* dst, const void* src, size_t bytes);
 void copy_to_host(void* dst, const void* src, size_t bytes);
 void device_memset(void* dst, int value, size_t bytes);
 
+// True when `p` is device (or managed) memory of this process, e.g. a tensor on the
+// GPU handed to WeightStore::update. False for host memory, null, and without a device.
+// (It initializes the CUDA runtime when a device is present: call it where device
+// memory is in use anyway.)
+bool is_device_pointer(const void* p);
+// Device -> device (any device of the process), returning with the bytes in place.
+void copy_device_to_device(void* dst, const void* src, size_t bytes);
+
 }  // namespace megamoe::dev

@@ -123,6 +123,11 @@ class WeightStore {
   // inside a held layer's experts./shared_experts./gate. namespace that the
   // layout does not have is an io::FormatError, as is a dtype, shape or byte
   // size that differs from the layout (message: tensor, expected vs found).
+  // `data` is host memory, or for a device store also device memory (e.g. a trainer's
+  // tensor on the GPU: copied device to device, its block scales, router and bias read
+  // back for the value check, ~0.1 % of the bytes); device data must be complete (its
+  // producing stream synchronized) before the call. Either way the bytes are in place
+  // when update returns, and `data` may be reused.
   bool update(std::string_view name, io::Dtype dtype, std::span<const int64_t> shape, const void* data,
               size_t bytes);
   bool update(const io::TensorView& v) { return update(v.name, v.dtype, v.shape, v.data, v.bytes); }

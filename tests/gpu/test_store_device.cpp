@@ -1,0 +1,123 @@
+// WeightStore fed from device memory (a trainer's tensors on the GPU): the bytes of a
+// device store updated from device copies of a checkpoint's tensors equal those of a
+// host store loaded from the files, for both kernel formats; the source may be
+// overwritten as soon as update() returns; a corrupt block scale in device memory is
+// refused like one on disk.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../cpu/store_support.h"
+#include "gpu_test_util.h"
+#include "megamoe/io/checkpoint.h"
+#include "megamoe/weights/device_memory.h"
+#include "megamoe/weights/store.h"
+
+namespace megamoe {
+namespace {
+
+#define CK(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+std::vector<uint8_t> allocation(const WeightStore& st, int L) {
+  std::vector<uint8_t> b(st.allocation_bytes(L));
+  st.read_bytes(L, 0, b.size(), b.data());
+  return b;
+}
+
+// One tensor in device memory, freed by the destructor.
+struct DeviceCopy {
+  void* p = nullptr;
+  DeviceCopy(const void* host, size_t bytes) {
+    EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(bytes, 1)), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  ~DeviceCopy() { cudaFree(p); }
+};
+
+class StoreDevice : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!testutil::have_device()) GTEST_SKIP() << "no sm_90 device";
+  }
+};
+
+TEST_F(StoreDevice, UpdatesFromDeviceMemoryMatchTheHostLoad) {
+  test::TempDir dir;
+  const ModelDesc d = test::write_test_checkpoint(dir.path(), 2, 21);
+  const io::Checkpoint ck(dir.path());
+  for (const KernelFormat f : {KernelFormat::kBlockFp8Hopper, KernelFormat::kMxfp8Blackwell}) {
+    SCOPED_TRACE(std::string(to_string(f)));
+    WeightStoreOptions ho;
+    ho.kernel_format = f;
+    WeightStore host = WeightStore::for_checkpoint(ck, d, ho);
+    host.load(ck);
+    WeightStoreOptions dopt = ho;
+    dopt.memory = StoreMemory::kDevice;
+    WeightStore dev = WeightStore::for_checkpoint(ck, d, dopt);
+    std::vector<const void*> bases;
+    for (int L : dev.layers()) bases.push_back(dev.base(L));
+    // Every tensor from the GPU but one in eight from host memory (both kinds in one
+    // session), in a shuffled order; each source is poisoned right after its update.
+    std::vector<std::string> names;
+    for (int L : d.moe_layers)
+      for (const auto& n : ck.names_with_prefix(d.layer_prefix(L))) names.push_back(n);
+    std::mt19937_64 rng(7);
+    std::shuffle(names.begin(), names.end(), rng);
+    dev.begin(ReloadMode::kLayerwise);
+    for (size_t i = 0; i < names.size(); ++i) {
+      const io::TensorView v = ck.lookup(names[i]);
+      if (i % 8 == 3) {
+        EXPECT_TRUE(dev.update(v));
+        continue;
+      }
+      DeviceCopy src(v.data, v.bytes);
+      ASSERT_TRUE(dev::is_device_pointer(src.p));
+      EXPECT_TRUE(dev.update(v.name, v.dtype, v.shape, src.p, v.bytes));
+      CK(cudaMemset(src.p, 0xFF, v.bytes));
+      CK(cudaDeviceSynchronize());
+    }
+    dev.finish();
+    for (size_t i = 0; i < dev.layers().size(); ++i) {
+      const int L = dev.layers()[i];
+      EXPECT_TRUE(dev.ready(L));
+      EXPECT_EQ(dev.base(L), bases[i]) << "the buffers never move";
+      EXPECT_EQ(allocation(dev, L), allocation(host, L)) << "layer " << L;
+    }
+  }
+}
+
+TEST_F(StoreDevice, CorruptScaleInDeviceMemoryIsRefused) {
+  test::TempDir dir;
+  const ModelDesc d = test::write_test_checkpoint(dir.path(), 1, 22);
+  const io::Checkpoint ck(dir.path());
+  WeightStoreOptions o;
+  o.memory = StoreMemory::kDevice;
+  WeightStore st = WeightStore::for_checkpoint(ck, d, o);
+  st.load(ck);
+  const int L = d.moe_layers[0];
+  const auto before = allocation(st, L);
+  const std::string name = d.layer_prefix(L) + "experts.5.down_proj.weight_scale_inv";
+  const io::TensorView v = ck.lookup(name);
+  std::vector<float> bad(v.bytes / 4);
+  std::memcpy(bad.data(), v.data, v.bytes);
+  bad[bad.size() - 1] = NAN;
+  DeviceCopy src(bad.data(), v.bytes);
+  st.begin(ReloadMode::kDirect);
+  try {
+    st.update(v.name, v.dtype, v.shape, src.p, v.bytes);
+    ADD_FAILURE() << "a NaN block scale in device memory was accepted";
+  } catch (const io::FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor '" + name + "' holds nan"), std::string::npos) << e.what();
+  }
+  st.finish();
+  EXPECT_EQ(allocation(st, L), before) << "a refused update writes nothing";
+}
+
+}  // namespace
+}  // namespace megamoe
