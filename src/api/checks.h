@@ -5,8 +5,10 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
+#include <array>
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 
 #include "../kernels/cuda_check.h"
 #include "../kernels/heuristics.h"
@@ -26,6 +28,44 @@ inline void require_device_memory(const void* p, const char* what) {
     throw std::invalid_argument(
         fmt::format("{}: pointer is on device {}, the layer on device {}", what, attr.device, dev));
 }
+
+// The pointers a forward is handed (x, y, the device token count) must be device or
+// managed memory of the layer's device: a host pointer would fault inside the kernel and
+// take the CUDA context with it. The check is a driver query, so a pointer is checked the
+// first time it comes (an engine reuses its buffers; the last kRemember are kept), and
+// not while the stream is capturing: a graph is captured after eager forwards with the
+// same buffers, and a query is not worth an invalidated capture.
+class IoPointerCheck {
+ public:
+  // rank >= 0: an expert-parallel rank, named in the message.
+  void require(const void* p, int device, const char* what, cudaStream_t stream, int rank = -1) {
+    auto fail = [&](const std::string& why) {
+      throw std::invalid_argument(
+          fmt::format("{}{}: {}", rank < 0 ? std::string() : fmt::format("rank {} ", rank), what, why));
+    };
+    if (!p) fail("null pointer");
+    for (const void* q : seen_)
+      if (q == p) return;
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &cs) != cudaSuccess) {
+      cudaGetLastError();
+      return;  // (the legacy stream while another stream captures: the launch decides)
+    }
+    if (cs != cudaStreamCaptureStatusNone) return;
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) cudaGetLastError();
+    if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
+      fail(fmt::format("pointer {} is not device memory", p));
+    if (attr.type == cudaMemoryTypeDevice && attr.device != device)
+      fail(fmt::format("pointer is on device {}, the layer on device {}", attr.device, device));
+    seen_[next_++ % seen_.size()] = p;
+  }
+
+ private:
+  static constexpr size_t kRemember = 8;
+  std::array<const void*, kRemember> seen_{};
+  size_t next_ = 0;
+};
 
 inline void require_aligned(const void* p, size_t align, const char* what) {
   if (reinterpret_cast<uintptr_t>(p) % align != 0)

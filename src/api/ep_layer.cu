@@ -47,6 +47,7 @@ struct CudaEpMoeLayer::Impl {
     cudaStream_t stream = nullptr;
     cudaEvent_t done = nullptr;
     kernels::FusedMoePlan* plan = nullptr;
+    IoPointerCheck io_check;
   };
   std::vector<Rank> local;
   cudaEvent_t fork = nullptr;
@@ -154,14 +155,19 @@ void CudaEpMoeLayer::forward(const std::vector<const num::bf16_t*>& x, const std
   if (!num_tokens_dev.empty() && int(num_tokens_dev.size()) != n)
     throw std::invalid_argument(
         fmt::format("forward: {} device token counts for {} local ranks", num_tokens_dev.size(), n));
+  auto s = static_cast<cudaStream_t>(stream);
   for (int i = 0; i < n; ++i) {
-    m.layout.check_tokens(m.local[i].rank, tokens[i]);
+    Impl::Rank& k = m.local[i];
+    m.layout.check_tokens(k.rank, tokens[i]);
     if (tokens[i] > 0) {
       require_aligned(x[i], 16, "forward x");
       require_aligned(y[i], 16, "forward y");
+      k.io_check.require(x[i], k.device, "forward x", s, k.rank);
+      k.io_check.require(y[i], k.device, "forward y", s, k.rank);
     }
+    if (!num_tokens_dev.empty() && num_tokens_dev[i])
+      k.io_check.require(num_tokens_dev[i], k.device, "forward num_tokens_dev", s, k.rank);
   }
-  auto s = static_cast<cudaStream_t>(stream);
   MEGAMOE_CUDA_CHECK(cudaEventRecord(m.fork, s));
   for (int i = 0; i < n; ++i) {
     if (!(launch_mask >> i & 1)) continue;

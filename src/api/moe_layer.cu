@@ -21,6 +21,8 @@ struct CudaMoeLayer::Impl {
   void* workspace = nullptr;
   int* own_count = nullptr;
   kernels::FusedMoePlan* plan = nullptr;
+  int device = 0;  // where the workspace lives
+  IoPointerCheck io_check;
 
   ~Impl() {
     if (plan) kernels::fused_moe_plan_destroy(plan);
@@ -42,6 +44,7 @@ static std::unique_ptr<CudaMoeLayer::Impl> make_impl(const MoeShape& s, const Mo
   // NOTE: poison, so a region the kernels fail to write shows up as garbage, never as zeros.
   MEGAMOE_CUDA_CHECK(cudaMemset(impl->workspace, 0xFF, impl->ws.total_bytes));
   MEGAMOE_CUDA_CHECK(cudaMalloc(&impl->own_count, sizeof(int)));
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&impl->device));
   return impl;
 }
 
@@ -74,12 +77,16 @@ void CudaMoeLayer::forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint
   if (tokens_hint < 0 || tokens_hint > impl_->ws.max_tokens)
     throw std::invalid_argument(fmt::format("forward: {} tokens exceed the layer's max_tokens = {}",
                                             tokens_hint, impl_->ws.max_tokens));
+  auto s = static_cast<cudaStream_t>(stream);
   if (tokens_hint > 0) {
     require_aligned(x, 16, "forward x");
     require_aligned(y, 16, "forward y");
+    impl_->io_check.require(x, impl_->device, "forward x", s);
+    impl_->io_check.require(y, impl_->device, "forward y", s);
   }
-  auto s = static_cast<cudaStream_t>(stream);
-  if (!num_tokens_dev) {
+  if (num_tokens_dev)
+    impl_->io_check.require(num_tokens_dev, impl_->device, "forward num_tokens_dev", s);
+  else {
     kernels::set_device_int(impl_->own_count, tokens_hint, s);  // a kernel node: capturable
     num_tokens_dev = impl_->own_count;
   }
@@ -96,7 +103,10 @@ void CudaMoeLayer::route(const num::bf16_t* x, int tokens_hint, const int* num_t
     throw std::invalid_argument(fmt::format("route: {} tokens exceed the layer's max_tokens = {}",
                                             tokens_hint, impl_->ws.max_tokens));
   auto s = static_cast<cudaStream_t>(stream);
-  if (!num_tokens_dev) {
+  if (tokens_hint > 0) impl_->io_check.require(x, impl_->device, "route x", s);
+  if (num_tokens_dev)
+    impl_->io_check.require(num_tokens_dev, impl_->device, "route num_tokens_dev", s);
+  else {
     kernels::set_device_int(impl_->own_count, tokens_hint, s);
     num_tokens_dev = impl_->own_count;
   }

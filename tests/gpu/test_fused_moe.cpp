@@ -430,6 +430,42 @@ TEST_F(FusedMoe, TooManyTokensIsAnError) {
   EXPECT_THROW(layer.forward(nullptr, nullptr, 17, nullptr, nullptr), std::invalid_argument);
 }
 
+// Host or null pointers are an error before anything is launched (a kernel would fault
+// and take the context with it); the layer works afterwards.
+TEST_F(FusedMoe, HostPointersAreAnError) {
+  const MoeShape s = reduced_shape();
+  HostMoeWeights w = make_random_weights(s, 3);
+  api::MoeLayerOptions opt;
+  opt.max_tokens = 16;
+  api::CudaMoeLayer layer(w, opt);
+  const int T = 5;
+  const auto x = random_x(size_t(T) * s.hidden, 4);
+  std::vector<num::bf16_t> host_y(x.size());
+  num::bf16_t *dx = nullptr, *dy = nullptr;
+  CK(cudaMalloc(&dx, x.size() * 2));
+  CK(cudaMalloc(&dy, x.size() * 2));
+  CK(cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+  const int host_count = T;
+  auto expect_error = [&](auto&& call, const std::string& want) {
+    try {
+      call();
+      ADD_FAILURE() << "no error; want '" << want << "'";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  };
+  expect_error([&] { layer.forward(x.data(), dy, T, nullptr, nullptr); }, "forward x: pointer");
+  expect_error([&] { layer.forward(dx, host_y.data(), T, nullptr, nullptr); }, "forward y: pointer");
+  expect_error([&] { layer.forward(nullptr, dy, T, nullptr, nullptr); }, "forward x: null pointer");
+  expect_error([&] { layer.forward(dx, dy, T, &host_count, nullptr); }, "forward num_tokens_dev: pointer");
+  expect_error([&] { layer.route(x.data(), T, nullptr, nullptr); }, "route x: pointer");
+  CK(cudaGetLastError());
+  const GpuRun g = run_gpu(layer, x, T);
+  for (num::bf16_t v : g.y) ASSERT_TRUE(std::isfinite(num::bf16_decode(v)));
+  cudaFree(dx);
+  cudaFree(dy);
+}
+
 TEST_F(FusedMoe, GraphReplayWithDeviceTokenCount) {
   const MoeShape s = reduced_shape();
   HostMoeWeights w = make_random_weights(s, 31);
