@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the binaries a device call carries (the device README: build here, carry the
-# folder, run there): DIR/head gets this checkout's megamoe and megamoe_gpu_tests (from
-# build/), and each LABEL=REV gets the two binaries of commit REV, built in a temporary
+# folder, run there): DIR/head gets this checkout's megamoe, megamoe_gpu_tests and the
+# embed_layer example (from build/), and each LABEL=REV gets the two binaries of commit REV, built in a temporary
 # worktree, for the interleaved old / new rounds of scripts/device_ab.sh (BIN_DIR/LABEL).
 # .gitignore keeps /devbin*/ out of git, so a run copies DIR only when it names it in its
 # carry (64 MiB in all; a binary pair is ~11 MB).
@@ -17,6 +17,7 @@ bins=(megamoe megamoe_gpu_tests)
 copy_bins() {  # build folder, destination
   mkdir -p "$2"
   for b in "${bins[@]}"; do cp "$1/$b" "$2/"; done
+  if [ -x "$1/embed_layer" ]; then cp "$1/embed_layer" "$2/"; fi  # (the example; newer commits)
 }
 
 scripts/setup.sh

@@ -8,6 +8,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 (cd build && ctest --output-on-failure -j"$(nproc)")
+# The library as a user gets it: installed, found by find_package(megamoe) from a project
+# of its own (examples/), and that project's program run on a small synthetic checkpoint
+# (the CPU backend here; the CUDA one on a GPU: scripts/device_run.sh BIN example).
+rm -rf build/install-test build/examples
+cmake --install build --prefix "$PWD/build/install-test" >/dev/null
+cmake -S examples -B build/examples -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$PWD/build/install-test" >/dev/null
+cmake --build build/examples
+build/megamoe make-checkpoint --preset glm-5.3-flash --layers 1 --hidden 512 --inter 256 --experts 16 --topk 4 \
+  --out build/examples/ckpt >/dev/null
+build/examples/embed_layer build/examples/ckpt 24
 # The fused kernel's profile build (-DMEGAMOE_PROFILE=ON, bench/results/NOTES.md v11) must keep
 # compiling: only that object, where nvcc is installed.
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH=/usr/local/cuda/bin:$PATH; fi
