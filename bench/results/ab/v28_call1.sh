@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The next device session's first call (NOTES v28, Next), everything logged under $OUT:
-# the GPU tests and sanitizers on this commit's binaries, the three-binary racecheck of
+# the GPU tests, sanitizers (memcheck also on an out-of-range device token count) and the
+# embed_layer example's CUDA path on this commit's binaries, the three-binary racecheck of
 # v27's report, and the Hugging Face cross-check of the CPU and CUDA forwards.
 # Usage on the device machine: bash bench/results/ab/v28_call1.sh BIN_DIR
 # (BIN_DIR/head: megamoe + megamoe_gpu_tests of this commit; BIN_DIR/v27, BIN_DIR/old:
@@ -11,7 +12,7 @@ bin=$1
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib
 export PATH=/usr/local/cuda/bin:$PATH
-KEEP_GOING=1 timeout 240 scripts/device_run.sh "$bin/head" tests sanitize 2>&1 | tail -15
+KEEP_GOING=1 timeout 300 scripts/device_run.sh "$bin/head" tests sanitize example 2>&1 | tail -20
 timeout 250 bash bench/results/ab/v28_racecheck.sh "$bin" 2>&1
 py=/opt/torch/.venv/bin/python3; [ -x "$py" ] || py=python3
 timeout 100 "$py" scripts/crosscheck_hf.py --cli "$bin/head/megamoe" --workdir /tmp/hfx > "$out/crosscheck_hf.log" 2>&1
