@@ -19,6 +19,7 @@ struct CudaMoeLayer::Impl {
   void* owned_weights = nullptr;
   const void* weights = nullptr;
   void* workspace = nullptr;
+  bool owns_workspace = false;  // false: MoeLayerOptions::workspace, the caller's
   int* own_count = nullptr;
   kernels::FusedMoePlan* plan = nullptr;
   int device = 0;  // where the workspace lives
@@ -26,7 +27,7 @@ struct CudaMoeLayer::Impl {
 
   ~Impl() {
     if (plan) kernels::fused_moe_plan_destroy(plan);
-    cudaFree(workspace);
+    if (owns_workspace) cudaFree(workspace);
     cudaFree(owned_weights);
     cudaFree(own_count);
   }
@@ -40,9 +41,20 @@ static std::unique_ptr<CudaMoeLayer::Impl> make_impl(const MoeShape& s, const Mo
   impl->shape = s;
   impl->wlayout = MoeWeightLayout::compute(s);
   impl->ws = kernels::MoeWorkspaceLayout::compute(s, opt.max_tokens);
-  MEGAMOE_CUDA_CHECK(cudaMalloc(&impl->workspace, impl->ws.total_bytes));
-  // NOTE: poison, so a region the kernels fail to write shows up as garbage, never as zeros.
-  MEGAMOE_CUDA_CHECK(cudaMemset(impl->workspace, 0xFF, impl->ws.total_bytes));
+  if (opt.workspace) {
+    if (opt.workspace_bytes < impl->ws.total_bytes)
+      throw std::invalid_argument(fmt::format(
+          "CudaMoeLayer workspace: {} bytes given, {} needed for max_tokens = {} (workspace_bytes_for)",
+          opt.workspace_bytes, impl->ws.total_bytes, opt.max_tokens));
+    require_device_memory(opt.workspace, "CudaMoeLayer workspace");
+    require_aligned(opt.workspace, 256, "CudaMoeLayer workspace");
+    impl->workspace = opt.workspace;
+  } else {
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&impl->workspace, impl->ws.total_bytes));
+    impl->owns_workspace = true;
+    // NOTE: poison, so a region the kernels fail to write shows up as garbage, never as zeros.
+    MEGAMOE_CUDA_CHECK(cudaMemset(impl->workspace, 0xFF, impl->ws.total_bytes));
+  }
   MEGAMOE_CUDA_CHECK(cudaMalloc(&impl->own_count, sizeof(int)));
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&impl->device));
   return impl;
@@ -130,6 +142,10 @@ const MoeShape& CudaMoeLayer::shape() const { return impl_->shape; }
 int CudaMoeLayer::max_tokens() const { return impl_->ws.max_tokens; }
 const void* CudaMoeLayer::device_weights() const { return impl_->weights; }
 size_t CudaMoeLayer::workspace_bytes() const { return impl_->ws.total_bytes; }
+size_t CudaMoeLayer::workspace_bytes_for(const MoeShape& s, int max_tokens) {
+  if (max_tokens <= 0) throw std::invalid_argument(fmt::format("max_tokens = {} must be > 0", max_tokens));
+  return kernels::MoeWorkspaceLayout::compute(s, max_tokens).total_bytes;
+}
 std::string CudaMoeLayer::config_for(int tokens) const {
   return kernels::describe(kernels::fused_moe_config(impl_->plan, tokens));
 }

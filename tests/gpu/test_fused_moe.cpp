@@ -466,6 +466,78 @@ TEST_F(FusedMoe, HostPointersAreAnError) {
   cudaFree(dy);
 }
 
+// Two layers (different weights) on one caller-owned workspace, as every MoE layer of a
+// model would share one: interleaved eager forwards and a graph of both give each layer's
+// bytes with a workspace of its own.
+TEST_F(FusedMoe, LayersShareOneWorkspace) {
+  const MoeShape s = reduced_shape();
+  const int T = 40, Tmax = 64;
+  const auto x = random_x(size_t(T) * s.hidden, 53);
+  HostMoeWeights wa = make_random_weights(s, 51), wb = make_random_weights(s, 52);
+  api::MoeLayerOptions own;
+  own.max_tokens = Tmax;
+  std::vector<num::bf16_t> want_a, want_b;
+  {
+    api::CudaMoeLayer a(wa, own), b(wb, own);
+    want_a = run_gpu(a, x, T).y;
+    want_b = run_gpu(b, x, T).y;
+  }
+  const size_t need = api::CudaMoeLayer::workspace_bytes_for(s, Tmax);
+  void* ws = nullptr;
+  CK(cudaMalloc(&ws, need));
+  CK(cudaMemset(ws, 0xFF, need));  // poison: the layers rely on nothing in it
+  api::MoeLayerOptions shared = own;
+  shared.workspace = ws, shared.workspace_bytes = need;
+  api::CudaMoeLayer a(wa, shared), b(wb, shared);
+  EXPECT_EQ(a.workspace_bytes(), need);
+  for (int round = 0; round < 2; ++round) {
+    EXPECT_EQ(run_gpu(a, x, T).y, want_a) << "layer A, round " << round;
+    EXPECT_EQ(run_gpu(b, x, T).y, want_b) << "layer B, round " << round;
+  }
+  // Both layers in one graph, one after the other on the stream.
+  const size_t n = x.size();
+  num::bf16_t *dx = nullptr, *ya = nullptr, *yb = nullptr;
+  CK(cudaMalloc(&dx, n * 2));
+  CK(cudaMalloc(&ya, n * 2));
+  CK(cudaMalloc(&yb, n * 2));
+  CK(cudaMemcpy(dx, x.data(), n * 2, cudaMemcpyHostToDevice));
+  cudaStream_t st;
+  CK(cudaStreamCreate(&st));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  a.forward(dx, ya, T, nullptr, st);
+  b.forward(dx, yb, T, nullptr, st);
+  CK(cudaStreamEndCapture(st, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  CK(cudaMemset(ya, 0xFF, n * 2));
+  CK(cudaMemset(yb, 0xFF, n * 2));
+  CK(cudaGraphLaunch(exec, st));
+  CK(cudaStreamSynchronize(st));
+  std::vector<num::bf16_t> got(n);
+  CK(cudaMemcpy(got.data(), ya, n * 2, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(got, want_a) << "graph, layer A";
+  CK(cudaMemcpy(got.data(), yb, n * 2, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(got, want_b) << "graph, layer B";
+  ASSERT_NO_THROW(a.check());
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
+  cudaFree(dx);
+  cudaFree(ya);
+  cudaFree(yb);
+
+  // A workspace too small, or in host memory, is refused.
+  api::MoeLayerOptions small = shared;
+  small.workspace_bytes = need - 1;
+  EXPECT_THROW(api::CudaMoeLayer(wa, small), std::invalid_argument);
+  std::vector<uint8_t> host(need);
+  api::MoeLayerOptions on_host = own;
+  on_host.workspace = host.data(), on_host.workspace_bytes = need;
+  EXPECT_THROW(api::CudaMoeLayer(wa, on_host), std::invalid_argument);
+  cudaFree(ws);
+}
+
 TEST_F(FusedMoe, GraphReplayWithDeviceTokenCount) {
   const MoeShape s = reduced_shape();
   HostMoeWeights w = make_random_weights(s, 31);

@@ -18,6 +18,15 @@ using Stream = void*;  // cudaStream_t, kept opaque so CPU-only code can include
 
 struct MoeLayerOptions {
   int max_tokens = 4096;  // workspace capacity; a forward with more tokens is an error
+  // The forward's scratch memory, when the caller provides it: device memory of the
+  // current device, 256-byte aligned, at least CudaMoeLayer::workspace_bytes_for(shape,
+  // max_tokens) bytes. One buffer can serve every MoE layer of a model (a GLM-5 layer
+  // needs 0.83 GB at 4096 tokens: 62 GB for its 75 layers, each with its own). Layers
+  // that share it must run one after another (one stream, or ordered by events), and
+  // the routing outputs and check()'s record are then those of whichever ran last.
+  // Null: the layer allocates its own.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
 };
 
 class CudaMoeLayer {
@@ -61,6 +70,8 @@ class CudaMoeLayer {
   int max_tokens() const;
   const void* device_weights() const;  // base of the layout in device memory
   size_t workspace_bytes() const;
+  // The workspace a layer of shape `s` needs for max_tokens tokens (MoeLayerOptions::workspace).
+  static size_t workspace_bytes_for(const MoeShape& s, int max_tokens);
   std::string config_for(int tokens) const;  // tile configuration, for reports
 
   struct Impl;  // implementation detail (src/api/moe_layer.cu)
