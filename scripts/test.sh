@@ -8,6 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 (cd build && ctest --output-on-failure -j"$(nproc)")
+# The GPU test binary starts, and without a GPU skips every test (they run on the device
+# machine: scripts/device_run.sh); on a machine with one, this runs them.
+if [ -x build/megamoe_gpu_tests ]; then build/megamoe_gpu_tests --gtest_brief=1 | tail -3; fi
 # The library as a user gets it: installed, found by find_package(megamoe) from a project
 # of its own (examples/), and that project's program run on a small synthetic checkpoint
 # (the CPU backend here; the CUDA one on a GPU: scripts/device_run.sh BIN example).
