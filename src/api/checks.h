@@ -13,20 +13,18 @@
 #include "../kernels/cuda_check.h"
 #include "../kernels/heuristics.h"
 #include "megamoe/model/shape.h"
+#include "megamoe/weights/device_memory.h"
 
 namespace megamoe::api {
 
 inline void require_device_memory(const void* p, const char* what) {
-  cudaPointerAttributes attr{};
-  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess || attr.type != cudaMemoryTypeDevice) {
-    cudaGetLastError();
-    throw std::invalid_argument(fmt::format("{}: pointer {} is not device memory", what, p));
-  }
-  int dev = 0;
-  MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
-  if (attr.device != dev)
+  const dev::PointerInfo info = dev::pointer_info(p);
+  if (!info.device) throw std::invalid_argument(fmt::format("{}: pointer {} is not device memory", what, p));
+  int device = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
+  if (info.ordinal != device)
     throw std::invalid_argument(
-        fmt::format("{}: pointer is on device {}, the layer on device {}", what, attr.device, dev));
+        fmt::format("{}: pointer is on device {}, the layer on device {}", what, info.ordinal, device));
 }
 
 // The pointers a forward is handed (x, y, the device token count) must be device or
@@ -52,12 +50,10 @@ class IoPointerCheck {
       return;  // (the legacy stream while another stream captures: the launch decides)
     }
     if (cs != cudaStreamCaptureStatusNone) return;
-    cudaPointerAttributes attr{};
-    if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) cudaGetLastError();
-    if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
-      fail(fmt::format("pointer {} is not device memory", p));
-    if (attr.type == cudaMemoryTypeDevice && attr.device != device)
-      fail(fmt::format("pointer is on device {}, the layer on device {}", attr.device, device));
+    const dev::PointerInfo info = dev::pointer_info(p);
+    if (!info.device && !info.managed) fail(fmt::format("pointer {} is not device memory", p));
+    if (info.device && info.ordinal != device)
+      fail(fmt::format("pointer is on device {}, the layer on device {}", info.ordinal, device));
     seen_[next_++ % seen_.size()] = p;
   }
 

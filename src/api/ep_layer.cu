@@ -194,8 +194,7 @@ void CudaEpMoeLayer::check() {
   Impl& m = *impl_;
   DeviceGuard guard;
   std::string first, counts;
-  for (size_t i = 0; i < m.local.size(); ++i) {
-    const Impl::Rank& k = m.local[i];
+  for (const Impl::Rank& k : m.local) {
     MEGAMOE_CUDA_CHECK(cudaSetDevice(k.device));
     MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
     const kernels::EpStatus st = kernels::ep_status(k.plan);
@@ -205,8 +204,7 @@ void CudaEpMoeLayer::check() {
     const kernels::TokenCountStatus tc = kernels::token_count_status(k.plan);
     if (tc.bad_forwards) {
       kernels::token_count_reset(k.plan);
-      counts += fmt::format("{}rank {}: {}", counts.empty() ? "" : "; ", m.transport->local_ranks()[i],
-                            tc.message());
+      counts += fmt::format("{}rank {}: {}", counts.empty() ? "" : "; ", k.rank, tc.message());
     }
   }
   if (first.empty()) {

@@ -54,15 +54,19 @@ void device_memset(void* dst, int value, size_t bytes) {
   }
 }
 
-bool is_device_pointer(const void* p) {
+PointerInfo pointer_info(const void* p) {
   static const bool have_device = device_memory_available();
-  if (!p || !have_device) return false;
+  PointerInfo info;
   cudaPointerAttributes a{};
+  if (!p || !have_device) return info;
   if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
     cudaGetLastError();  // (not a pointer CUDA knows: host memory)
-    return false;
+    return info;
   }
-  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+  info.device = a.type == cudaMemoryTypeDevice;
+  info.managed = a.type == cudaMemoryTypeManaged;
+  if (info.device) info.ordinal = a.device;
+  return info;
 }
 
 void copy_device_to_device(void* dst, const void* src, size_t bytes) {

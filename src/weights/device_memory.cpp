@@ -27,7 +27,7 @@ void device_free(void*) noexcept {}
 void copy_to_device(void*, const void*, size_t) { no_cuda("copy_to_device"); }
 void copy_to_host(void*, const void*, size_t) { no_cuda("copy_to_host"); }
 void device_memset(void*, int, size_t) { no_cuda("device_memset"); }
-bool is_device_pointer(const void*) { return false; }
+PointerInfo pointer_info(const void*) { return {}; }
 void copy_device_to_device(void*, const void*, size_t) { no_cuda("copy_device_to_device"); }
 
 }  // namespace megamoe::dev

@@ -28,11 +28,21 @@ void copy_to_device(void* dst, const void* src, size_t bytes);
 void copy_to_host(void* dst, const void* src, size_t bytes);
 void device_memset(void* dst, int value, size_t bytes);
 
-// True when `p` is device (or managed) memory of this process, e.g. a tensor on the
-// GPU handed to WeightStore::update. False for host memory, null, and without a device.
-// (It initializes the CUDA runtime when a device is present: call it where device
-// memory is in use anyway.)
-bool is_device_pointer(const void* p);
+// What CUDA knows of a pointer: device (cudaMalloc) or managed memory, and on which
+// device. Host memory, null, and any pointer without a device (or a CUDA build) are
+// neither. (It initializes the CUDA runtime when a device is present: call it where
+// device memory is in use anyway.)
+struct PointerInfo {
+  bool device = false;   // cudaMalloc'ed (on `ordinal`)
+  bool managed = false;  // cudaMallocManaged
+  int ordinal = -1;
+};
+PointerInfo pointer_info(const void* p);
+// Device or managed memory, e.g. a tensor on the GPU handed to WeightStore::update.
+inline bool is_device_pointer(const void* p) {
+  const PointerInfo i = pointer_info(p);
+  return i.device || i.managed;
+}
 // Device -> device (any device of the process), returning with the bytes in place.
 void copy_device_to_device(void* dst, const void* src, size_t bytes);
 
