@@ -73,7 +73,8 @@ __attribute__((always_inline)) inline int acc_exp(const Acc& c) {
 __attribute__((always_inline)) inline void finish_step(Acc& c, int s, int e) {
   if (c.s != 0) {
     const int mag = (c.s < 0 ? -c.s : c.s);
-    const int term = c.e >= e ? mag << (c.e - e) : mag >> (e - c.e);  // toward zero
+    // (toward zero; a NaN product's exponent lies far above c's: e - c.e may pass 31)
+    const int term = c.e >= e ? mag << (c.e - e) : e - c.e >= 31 ? 0 : mag >> (e - c.e);
     s += c.s < 0 ? -term : term;
   }
   const unsigned mag = unsigned(s < 0 ? -s : s);

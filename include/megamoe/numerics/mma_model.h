@@ -76,8 +76,8 @@ inline float fp8_mma_step(float c, const uint8_t* a, const uint8_t* b, int n) {
     const E4M3Parts pa = e4m3_parts(a[i]), pb = e4m3_parts(b[i]);
     // |a b| / 2^(e - 13) = sig_a sig_b 2^(exp_a + exp_b - 6 - e + 13): at most 7 bits up.
     const int64_t p = int64_t(pa.sig * pb.sig) << 7;
-    const int down = e - (pa.exp + pb.exp);
-    const int64_t mag = down >= 62 ? 0 : p >> down;
+    const int down = e - (pa.exp + pb.exp);  // >= 0 but for a zero product (excluded from e)
+    const int64_t mag = p == 0 || down >= 62 ? 0 : p >> down;
     s += ((a[i] ^ b[i]) & 0x80) ? -mag : mag;
   }
   s += int64_t(std::trunc(std::ldexp(double(c), kMmaFracBits - e)));
