@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: build, then the CPU test suite (ctest), the end-to-end
-# forward check against an independent float64 implementation, and bounded
+# forward check against an independent float64 implementation, both again under
+# ASan + UBSan (scripts/sanitize.sh), and bounded
 # fuzzing runs of the two untrusted-input parsers (safetensors headers,
 # config.json). GPU tests are a separate
 # binary (build/megamoe_gpu_tests) run on a machine with an H100/H200.
@@ -33,4 +34,5 @@ if [ -x tests/tools/test_forward_float64.sh ]; then
   python3 -c "import numpy" 2>/dev/null || python3 -m pip install -q numpy
   tests/tools/test_forward_float64.sh "$PWD/build/megamoe"
 fi
+if [ -x scripts/sanitize.sh ]; then scripts/sanitize.sh; fi
 if [ -x scripts/fuzz.sh ]; then scripts/fuzz.sh; fi
