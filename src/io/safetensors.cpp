@@ -184,16 +184,32 @@ const TensorInfo* Header::find(std::string_view name) const {
   return it != tensors.end() && it->name == name ? &*it : nullptr;
 }
 
+namespace {
+
+// A file that is not safetensors at all fails the length checks with a meaningless
+// length; when it starts like JSON (a config.json or index handed where a shard goes),
+// say so.
+std::string not_safetensors_hint(const uint8_t* data, size_t size) {
+  size_t i = 0;
+  while (i < size && i < 8 && (data[i] == ' ' || data[i] == '\n' || data[i] == '\r' || data[i] == '\t')) ++i;
+  if (i < size && (data[i] == '{' || data[i] == '['))
+    return " (the file starts like JSON text, not a safetensors file: a checkpoint is the folder holding "
+           "config.json and the .safetensors shards)";
+  return {};
+}
+
+}  // namespace
+
 Header parse_header(const uint8_t* data, size_t size, std::string_view file) {
   if (size < 8)
     throw FormatError(fmt::format("{}: file is {} bytes, shorter than the 8-byte header length", file, size));
   const uint64_t n = read_le64(data);
   if (n > kMaxHeaderBytes)
-    throw FormatError(
-        fmt::format("{}: header length {} exceeds the {} byte limit", file, n, kMaxHeaderBytes));
+    throw FormatError(fmt::format("{}: header length {} exceeds the {} byte limit{}", file, n,
+                                  kMaxHeaderBytes, not_safetensors_hint(data, size)));
   if (n > size - 8)
-    throw FormatError(
-        fmt::format("{}: header length {} exceeds the {} bytes after the length field", file, n, size - 8));
+    throw FormatError(fmt::format("{}: header length {} exceeds the {} bytes after the length field{}", file,
+                                  n, size - 8, not_safetensors_hint(data, size)));
 
   Header h;
   h.data_offset = 8 + n;

@@ -149,6 +149,18 @@ TEST(SafetensorsHostile, HeaderLengthBeyondFile) {
   expect_error(file_bytes("{}", 0, ~uint64_t(0)), {"limit"});
 }
 
+// A config.json handed where a shard goes: the length check fails, and says why.
+TEST(SafetensorsHostile, JsonTextIsNamed) {
+  const std::string json = "{\n  \"model_type\": \"glm_moe_dsa\",\n  \"hidden_size\": 6144\n}\n";
+  expect_error(std::vector<uint8_t>(json.begin(), json.end()), {"header length", "starts like JSON"});
+  // (a real header's length bytes are never JSON: no hint there)
+  try {
+    parse_header(file_bytes("{}", 0, 1000).data(), 10, "bad.safetensors");
+  } catch (const FormatError& e) {
+    EXPECT_EQ(std::string(e.what()).find("JSON"), std::string::npos) << e.what();
+  }
+}
+
 TEST(SafetensorsHostile, HeaderOver100MB) {
   expect_error(file_bytes("{}", 0, kMaxHeaderBytes + 1), {"100000001", "100000000 byte limit"});
 }
