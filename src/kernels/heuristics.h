@@ -42,7 +42,7 @@ constexpr int kTileSlots = 4;
 // less, 8 about as much (bench/results/ab/v14_pool.log).
 constexpr int kTailPool = 4;
 // Tile order inside an expert: output blocks major, its token blocks minor, in chunks of
-// kTokenChunk token blocks (decode_tile in fused_moe.cu). One chunk's tokens stay in L2
+// kTokenChunk token blocks (decode_tile in fused_moe_device.cuh). One chunk's tokens stay in L2
 // while the chunk walks the output blocks; a weight block is read once a chunk. With
 // one chunk for all of an expert's blocks (the order up to v21) the shared expert at
 // 16384 tokens (128 blocks, 100 MB of GEMM1 tokens) re-read its tokens from HBM for

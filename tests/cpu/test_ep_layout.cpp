@@ -87,7 +87,7 @@ TEST(EpLayout, ReceiveBoundHoldsTheWorstRouting) {
 
 #if defined(MEGAMOE_HAVE_CUDA)
 // The owner's private ring (MoeWorkspaceLayout with ep_ranks = R) holds the segments
-// the fused kernel lays out (fused_moe.cu build_sched): the shared expert's rows of the
+// the fused kernel lays out (fused_moe_device.cuh build_sched): the shared expert's rows of the
 // own tokens first, then every local expert's received rows, each padded to 8 rows; and
 // its completion counters cover every (expert, 8-row token block), for the worst
 // routings (all slots on this owner, spread to maximize the padding) and random ones.
