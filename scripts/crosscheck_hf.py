@@ -299,7 +299,9 @@ def check_hf_config(tfm, cli, workdir, mt, preset):
     want = {"family": preset, "hidden": attr("hidden_size"), "inter": attr("moe_intermediate_size"),
             "experts": attr("n_routed_experts", "num_experts"),
             "topk": attr("num_experts_per_tok", "num_experts_per_token"),
-            "shared_experts": attr("n_shared_experts"), "num_layers": n, "moe_layers": moe}
+            "shared_experts": attr("n_shared_experts"), "num_layers": n, "moe_layers": moe,
+            # multi-token-prediction layers after the main ones, where the config has them
+            "mtp_layers": list(range(n, n + (getattr(tc, "num_nextn_predict_layers", None) or 0)))}
     problems = [f"{k}: megamoe {got[k]} vs HF {v}" for k, v in want.items() if got[k] != v]
     r = got["routing"]
     if abs(r["routed_scaling"] - attr("routed_scaling_factor")) > 1e-6:
@@ -307,7 +309,8 @@ def check_hf_config(tfm, cli, workdir, mt, preset):
     for k, hk in (("n_group", "n_group"), ("topk_group", "topk_group"), ("norm_topk_prob", "norm_topk_prob")):
         if getattr(tc, hk, None) is not None and r[k] != getattr(tc, hk):
             problems.append(f"{k}: megamoe {r[k]} vs HF {getattr(tc, hk)}")
-    return problems, f"{n} layers, {len(moe)} MoE, H {want['hidden']} E {want['experts']} K {want['topk']}"
+    mtp = f", MTP {want['mtp_layers']}" if want["mtp_layers"] else ""
+    return problems, f"{n} layers, {len(moe)} MoE{mtp}, H {want['hidden']} E {want['experts']} K {want['topk']}"
 
 
 def sorted_routing(ids, w):

@@ -100,18 +100,6 @@ class Progress {
 };
 
 // "3-44" style list of layer indices.
-std::string ranges_text(const std::vector<int>& v) {
-  std::string out;
-  for (size_t i = 0; i < v.size();) {
-    size_t j = i;
-    while (j + 1 < v.size() && v[j + 1] == v[j] + 1) ++j;
-    if (!out.empty()) out += ",";
-    out += j == i ? fmt::format("{}", v[i]) : fmt::format("{}-{}", v[i], v[j]);
-    i = j + 1;
-  }
-  return out.empty() ? "none" : out;
-}
-
 std::string human_bytes(double b) {
   const char* units[] = {"B", "KB", "MB", "GB", "TB"};
   int u = 0;
@@ -184,6 +172,7 @@ int run_inspect(const InspectArgs& a) {
                   {"shared_experts", s.shared_experts},
                   {"num_layers", desc->num_layers},
                   {"moe_layers", desc->moe_layers},
+                  {"mtp_layers", desc->mtp_layers},
                   {"routing",
                    {{"score", to_string(s.score)},
                     {"n_group", s.n_group},
@@ -201,7 +190,7 @@ int run_inspect(const InspectArgs& a) {
     fmt::format_to(out, "shape     H {}  I {}  E {}  K {}  shared {}\n", s.hidden, s.inter, s.experts, s.topk,
                    s.shared_experts);
     fmt::format_to(out, "layers    {} decoder layers, {} MoE: {}\n", desc->num_layers,
-                   desc->moe_layers.size(), ranges_text(desc->moe_layers));
+                   desc->moe_layers.size(), desc->moe_layers_text());
     fmt::format_to(
         out,
         "routing   {} scores, groups {}/{}, renormalize {}, scaling {}, router {} (config), bias {}, swiglu "
@@ -234,17 +223,26 @@ int run_inspect(const InspectArgs& a) {
     ++st.tensors;
   };
 
-  if (desc && !desc->moe_layers.empty()) {
+  // The table's layers: the main MoE layers, then the MTP layers the checkpoint holds
+  // (their router is there; a checkpoint may leave them out).
+  std::vector<int> table_layers, absent_mtp;
+  if (desc) {
+    table_layers = desc->moe_layers;
+    for (int L : desc->mtp_layers)
+      (src.find(desc->layer_prefix(L) + "gate.weight") ? table_layers : absent_mtp).push_back(L);
+  }
+  if (!table_layers.empty()) {
     fmt::format_to(out, "\n{:>6}  {:<40} {:>9} {:>10} {:>7} {:>6} {:>7}\n", "layer", "prefix", "tensors",
                    "bytes", "router", "shards", "pow2");
     j["layers"] = nlohmann::json::array();
   }
-  std::vector<ScaleStats> per_layer(desc ? desc->moe_layers.size() : 0);
+  std::vector<ScaleStats> per_layer(table_layers.size());
   size_t done_files = 0;
   std::set<std::string_view> seen_files;
   if (desc) {
-    for (size_t li = 0; li < desc->moe_layers.size(); ++li) {
-      const int L = desc->moe_layers[li];
+    for (size_t li = 0; li < table_layers.size(); ++li) {
+      const int L = table_layers[li];
+      const bool mtp = li >= desc->moe_layers.size();
       const std::string prefix = desc->layer_prefix(L);
       MoeShape s = desc->shape;
       std::string router = "missing";
@@ -278,10 +276,11 @@ int run_inspect(const InspectArgs& a) {
       total.corrupt += st.corrupt;
       const double frac = st.scales ? double(st.pow2) / double(st.scales) : 0.0;
       fmt::format_to(
-          out, "{:>6}  {:<40} {:>4}/{:<4} {:>10} {:>7} {:>6} {:>6.1f}%{}\n", L, prefix, found, slots.size(),
-          human_bytes(double(layer_bytes)), router, shards.size(), 100 * frac,
+          out, "{:>6}  {:<40} {:>4}/{:<4} {:>10} {:>7} {:>6} {:>6.1f}%{}{}\n", L, prefix, found, slots.size(),
+          human_bytes(double(layer_bytes)), router, shards.size(), 100 * frac, mtp ? "  (MTP)" : "",
           missing.empty() ? "" : fmt::format("  missing {} (first: {})", missing.size(), missing.front()));
       j["layers"].push_back({{"layer", L},
+                             {"mtp", mtp},
                              {"prefix", prefix},
                              {"tensors", found},
                              {"expected", slots.size()},
@@ -290,6 +289,11 @@ int run_inspect(const InspectArgs& a) {
                              {"router_dtype", router},
                              {"shards", shards.size()},
                              {"pow2_scale_fraction", frac}});
+    }
+    if (!absent_mtp.empty()) {
+      fmt::format_to(out, "{:>6}  MTP layer{} {} not in this checkpoint\n", "",
+                     absent_mtp.size() == 1 ? "" : "s", layer_ranges_text(absent_mtp));
+      j["mtp_layers_absent"] = absent_mtp;
     }
   } else {
     // No config: every block scale in the file, paired by name.

@@ -129,10 +129,7 @@ int run_forward(const ForwardArgs& a) {
     throw std::invalid_argument(
         fmt::format("--output {}: the folder {} does not exist", a.output, dir.string()));
   const ModelDesc desc = load_config(a.checkpoint);
-  if (!desc.is_moe_layer(a.layer)) {
-    throw std::invalid_argument(fmt::format("--layer {} is not an MoE layer of {} (MoE layers: {})", a.layer,
-                                            a.checkpoint, fmt::join(desc.moe_layers, ",")));
-  }
+  desc.require_moe_layer(a.layer, "--layer");
   const io::Checkpoint ckpt(a.checkpoint);
   HostMoeWeights w = load_layer_via_store(ckpt, desc, a.layer);  // streaming, through the WeightStore
   const MoeShape& s = w.shape;

@@ -61,11 +61,6 @@ void zero_gaps(HostMoeWeights& w) {
   if (l.total_bytes > cursor) std::memset(w.data() + cursor, 0, l.total_bytes - cursor);
 }
 
-std::string layers_text(const std::vector<int>& layers) {
-  if (layers.empty()) return "none";
-  return fmt::format("{}", fmt::join(layers, ","));
-}
-
 // Small deterministic dummy tensors; `store` owns their bytes until written.
 TensorToWrite dummy(std::deque<std::vector<uint8_t>>& store, std::string name, Dtype dt,
                     std::vector<int64_t> shape) {
@@ -107,9 +102,7 @@ std::vector<TensorSlot> moe_layer_slots(const MoeShape& s, std::string_view pref
 }
 
 HostMoeWeights load_moe_layer(const Checkpoint& ckpt, const ModelDesc& desc, int layer) {
-  if (!desc.is_moe_layer(layer))
-    throw std::invalid_argument(fmt::format("layer {} is not a MoE layer of this {} model (MoE layers: {})",
-                                            layer, desc.family, layers_text(desc.moe_layers)));
+  desc.require_moe_layer(layer);
   const std::string prefix = desc.layer_prefix(layer);
   const std::string where = fmt::format("{}: MoE layer {} ({})", ckpt.dir().string(), layer, prefix);
 

@@ -207,7 +207,32 @@ std::string ModelDesc::layer_prefix(int layer) const {
 }
 
 bool ModelDesc::is_moe_layer(int layer) const {
-  return std::binary_search(moe_layers.begin(), moe_layers.end(), layer);
+  return std::binary_search(moe_layers.begin(), moe_layers.end(), layer) ||
+         std::binary_search(mtp_layers.begin(), mtp_layers.end(), layer);
+}
+
+std::string layer_ranges_text(const std::vector<int>& layers) {
+  std::string t;
+  auto out = std::back_inserter(t);
+  for (size_t i = 0; i < layers.size();) {
+    size_t j = i;
+    while (j + 1 < layers.size() && layers[j + 1] == layers[j] + 1) ++j;
+    fmt::format_to(out, "{}{}", i ? "," : "", layers[i]);
+    if (j > i) fmt::format_to(out, "-{}", layers[j]);
+    i = j + 1;
+  }
+  return t.empty() ? "none" : t;
+}
+
+std::string ModelDesc::moe_layers_text() const {
+  if (mtp_layers.empty()) return layer_ranges_text(moe_layers);
+  return fmt::format("{}, MTP {}", layer_ranges_text(moe_layers), layer_ranges_text(mtp_layers));
+}
+
+void ModelDesc::require_moe_layer(int layer, std::string_view what) const {
+  if (!is_moe_layer(layer))
+    throw std::invalid_argument(fmt::format("{} {} is not an MoE layer of this {} model (MoE layers: {})",
+                                            what, layer, family, moe_layers_text()));
 }
 
 ModelDesc parse_config(std::string_view text, std::string_view label) {
@@ -315,6 +340,14 @@ ModelDesc parse_config(std::string_view text, std::string_view label) {
         if (l % freq == 0) d.moe_layers.push_back(l);
     }
   }
+  // MTP layers follow the main ones (their MoE block has the same shape).
+  if (const auto n = r.integer({"num_nextn_predict_layers"}, false, 0); n && *n != 0) {
+    if (*n < 0 || *n > ModelDesc::kMaxMtpLayers)
+      problems.push_back(
+          fmt::format("'num_nextn_predict_layers' = {} must be in [0, {}]", *n, ModelDesc::kMaxMtpLayers));
+    else
+      for (int i = 0; i < *n && d.num_layers > 0; ++i) d.mtp_layers.push_back(d.num_layers + i);
+  }
   for (const auto& m : r.missing_keys()) problems.push_back(fmt::format("missing key '{}'", m));
 
   const json* q = nullptr;
@@ -375,6 +408,14 @@ std::string config_json(const ModelDesc& d) {
   if (s.swiglu_limit != 0.0f) lm["swiglu_limit"] = s.swiglu_limit;
   if (s.router_dtype != fam->default_router || fam->mlp_layer_types)
     lm["moe_router_dtype"] = s.router_dtype == RouterDtype::kF32 ? "float32" : "bfloat16";
+  if (!d.mtp_layers.empty()) {
+    for (size_t i = 0; i < d.mtp_layers.size(); ++i)
+      if (d.mtp_layers[i] != d.num_layers + int(i))
+        throw ConfigError(
+            fmt::format("config_json: MTP layers {} are not {}, {}, ... after the {} main layers",
+                        fmt::join(d.mtp_layers, ","), d.num_layers, d.num_layers + 1, d.num_layers));
+    lm["num_nextn_predict_layers"] = d.mtp_layers.size();
+  }
 
   if (fam->mlp_layer_types) {
     std::vector<std::string> types(size_t(std::max(d.num_layers, 0)), "dense");

@@ -432,11 +432,7 @@ std::vector<int> held_layers(const ModelDesc& desc, const WeightStoreOptions& op
   std::sort(ids.begin(), ids.end());
   if (std::adjacent_find(ids.begin(), ids.end()) != ids.end())
     throw std::invalid_argument("WeightStore: a layer is listed twice");
-  for (int l : ids)
-    if (!desc.is_moe_layer(l))
-      throw std::invalid_argument(
-          fmt::format("WeightStore: layer {} is not a MoE layer of this {} model (MoE layers: {})", l,
-                      desc.family, fmt::join(desc.moe_layers, ",")));
+  for (int l : ids) desc.require_moe_layer(l, "WeightStore: layer");
   if (ids.empty()) throw std::invalid_argument("WeightStore: the model has no MoE layer");
   return ids;
 }
@@ -735,9 +731,7 @@ void WeightStore::zero_experts(int layer) {
 }
 
 HostMoeWeights load_layer_via_store(const io::Checkpoint& ckpt, const ModelDesc& desc, int layer) {
-  if (!desc.is_moe_layer(layer))
-    throw std::invalid_argument(fmt::format("layer {} is not a MoE layer of this {} model (MoE layers: {})",
-                                            layer, desc.family, fmt::join(desc.moe_layers, ",")));
+  desc.require_moe_layer(layer);
   WeightStoreOptions opt;
   opt.layers = {layer};
   WeightStore store = WeightStore::for_checkpoint(ckpt, desc, opt);

@@ -1,12 +1,15 @@
 // config.json parsing for the four families of SPEC §1, key-name variants,
 // errors (unknown model_type, every missing key, unsupported quantization),
 // and config_json -> parse_config round trips.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "megamoe/model/config.h"
 
@@ -59,6 +62,20 @@ TEST(Config, DeepSeekV3) {
   EXPECT_EQ(d.layer_prefix(5), "model.layers.5.mlp.");
   EXPECT_EQ(d.quant.block, (std::array<int, 2>{128, 128}));
   EXPECT_FALSE(d.quant.pow2_scales());
+  // The MTP layer (num_nextn_predict_layers: 1) is model.layers.61: an MoE layer one asks
+  // for by index, not one of the main layers.
+  EXPECT_EQ(d.mtp_layers, std::vector<int>{61});
+  EXPECT_TRUE(d.is_moe_layer(61));
+  EXPECT_FALSE(d.is_moe_layer(62));
+  EXPECT_EQ(d.layer_prefix(61), "model.layers.61.mlp.");
+  EXPECT_EQ(d.moe_layers_text(), "3-60, MTP 61");
+  try {
+    d.require_moe_layer(2, "--layer");
+    ADD_FAILURE() << "layer 2 is dense";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(),
+                 "--layer 2 is not an MoE layer of this deepseek-v3 model (MoE layers: 3-60, MTP 61)");
+  }
 }
 
 TEST(Config, Glm5WithKeyVariants) {
@@ -249,6 +266,8 @@ TEST(Config, OutOfRangeNumbers) {
   expect(with("n_shared_experts", "100000"), "shared experts S = 100000 must be in [0, 64]");
   expect(small_config(R"({"quant_method": "fp8", "weight_block_size": [4294967424, 128]})"),
          "'quantization_config.weight_block_size' must be [rows, cols], found [4294967424,128]");
+  expect(with("num_nextn_predict_layers", "-1"), "'num_nextn_predict_layers' = -1 must be in [0, 16]");
+  expect(with("num_nextn_predict_layers", "17"), "'num_nextn_predict_layers' = 17 must be in [0, 16]");
   EXPECT_EQ(error_of(with("num_hidden_layers", "65536")), "no error");
 }
 
@@ -266,7 +285,7 @@ TEST(Config, DeepNestingAndLongValues) {
   }
   std::string text = small_config(quant);
   std::string list = "[0";
-  for (int i = 1; i < 10000; ++i) list += "," + std::to_string(i);
+  for (int i = 1; i < 10000; ++i) list += fmt::format(",{}", i);
   text.replace(text.find("256"), 3, list + "]");
   const std::string msg = error_of(text);
   EXPECT_NE(msg.find("'hidden_size' must be an integer, found [0,1,2,"), std::string::npos) << msg;
@@ -288,6 +307,10 @@ TEST(Config, RoundTripEveryPreset) {
     EXPECT_EQ(back.moe_layers, d.moe_layers);
     EXPECT_EQ(back.layer_prefix_format, d.layer_prefix_format);
     EXPECT_TRUE(back.quant.pow2_scales());
+    EXPECT_TRUE(back.mtp_layers.empty());
+    // With two MTP layers after the main ones, in every family's key style.
+    d.mtp_layers = {p.num_layers, p.num_layers + 1};
+    EXPECT_EQ(parse_config(config_json(d), p.name).mtp_layers, d.mtp_layers);
   }
 }
 

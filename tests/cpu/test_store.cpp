@@ -232,6 +232,62 @@ TEST(Store, CorruptScaleOnDiskIsRefusedByEveryLoadPath) {
   }
 }
 
+// A multi-token-prediction layer (num_nextn_predict_layers; DeepSeek-V3's model.layers.61):
+// the checkpoint's last MoE layer relabelled as the MTP layer. A default store holds the
+// main layers and passes over the MTP tensors; asked for by index, the MTP layer loads with
+// the bytes it had as a main layer; inspect marks it, and an MTP layer the files lack is
+// named, not fatal.
+TEST(Store, MtpLayerLoadsWhenAskedFor) {
+  TempDir dir;
+  const ModelDesc d = io::write_synthetic_checkpoint(dir.path(), find_preset("deepseek-v3"), 2, 31, false,
+                                                     test::store_test_shape());
+  const int mtp = d.moe_layers.back();
+  ModelDesc m = d;
+  m.num_layers = mtp;
+  m.moe_layers.pop_back();
+  m.mtp_layers = {mtp};
+  io::write_config(dir.path(), m);
+  const ModelDesc desc = load_config(dir.path());
+  ASSERT_EQ(desc.mtp_layers, std::vector<int>{mtp});
+  const io::Checkpoint ck(dir.path());
+
+  WeightStore main = WeightStore::for_checkpoint(ck, desc);
+  main.load(ck);
+  EXPECT_EQ(main.layers(), desc.moe_layers);
+  EXPECT_FALSE(main.holds(mtp));
+
+  WeightStoreOptions o;
+  o.layers = {mtp};
+  WeightStore st = WeightStore::for_checkpoint(ck, desc, o);
+  st.load(ck);
+  EXPECT_TRUE(st.ready(mtp));
+  EXPECT_EQ(layer_bytes(st, mtp), host_bytes(io::load_moe_layer(ck, d, mtp)));
+  EXPECT_EQ(layer_bytes(st, mtp), host_bytes(load_layer_via_store(ck, desc, mtp)));
+
+  const auto r = test::run_cli("inspect " + dir.path().string());
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find(fmt::format("MoE: {}, MTP {}", desc.moe_layers.front(), mtp)), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("(MTP)"), std::string::npos) << r.output;
+
+  m.mtp_layers = {mtp, mtp + 1};  // a second MTP layer the files do not have
+  io::write_config(dir.path(), m);
+  const ModelDesc two = load_config(dir.path());
+  WeightStore still = WeightStore::for_checkpoint(ck, two);
+  EXPECT_NO_THROW(still.load(ck));
+  o.layers = {mtp + 1};
+  WeightStore absent = WeightStore::for_checkpoint(ck, two, o);
+  try {
+    absent.load(ck);
+    ADD_FAILURE() << "an MTP layer without tensors loaded";
+  } catch (const io::NotFoundError& e) {
+    EXPECT_NE(std::string(e.what()).find(fmt::format("layer {}: ", mtp + 1)), std::string::npos) << e.what();
+  }
+  const auto r2 = test::run_cli("inspect " + dir.path().string());
+  EXPECT_NE(r2.output.find(fmt::format("MTP layer {} not in this checkpoint", mtp + 1)), std::string::npos)
+      << r2.output;
+}
+
 TEST(Store, LayerSubsetAndBadOptions) {
   TempDir dir;
   const ModelDesc d = test::write_test_checkpoint(dir.path(), 3, 16);

@@ -62,15 +62,31 @@ struct ModelDesc {
   std::string model_type;  // config.json model_type
   std::string family;      // preset name: glm-5.3-flash, glm-5, deepseek-v3, glm-4.7-flash
   MoeShape shape;
-  int num_layers = 0;               // decoder layers
-  std::vector<int> moe_layers;      // ascending layer indices
+  int num_layers = 0;           // decoder layers
+  std::vector<int> moe_layers;  // ascending layer indices
+  // Multi-token-prediction layers (num_nextn_predict_layers; DeepSeek-V3 and GLM use them
+  // for speculative decoding): [num_layers, num_layers + n), each a full decoder layer
+  // whose MoE block has the main layers' shape, under the same prefix (DeepSeek-V3's is
+  // model.layers.61). Not in moe_layers: checkpoints may leave them out, so a store or a
+  // forward takes one only when asked for it by index.
+  std::vector<int> mtp_layers;
+  static constexpr int kMaxMtpLayers = 16;
   std::string layer_prefix_format;  // e.g. "model.layers.{}.mlp."; {} is the layer index
   QuantConfig quant;
 
   // "model.layers.7.mlp." for layer 7.
   std::string layer_prefix(int layer) const;
+  // A main MoE layer or an MTP layer: one whose MoE block can be loaded and run.
   bool is_moe_layer(int layer) const;
+  // "3-60" or "3-60, MTP 61": the layers is_moe_layer takes, for messages.
+  std::string moe_layers_text() const;
+  // Throws std::invalid_argument naming the layer, the model and its MoE layers unless
+  // is_moe_layer(layer); `what` starts the message (e.g. "--layer", "WeightStore: layer").
+  void require_moe_layer(int layer, std::string_view what = "layer") const;
 };
+
+// Ascending layer indices as runs: "0,3-60" ("none" when empty).
+std::string layer_ranges_text(const std::vector<int>& layers);
 
 // The model_type values we accept, in SPEC §1 order.
 const std::vector<std::string>& known_model_types();
