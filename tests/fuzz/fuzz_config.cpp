@@ -4,7 +4,8 @@
 // scripts/fuzz.sh with clang (-fsanitize=fuzzer,address,undefined).
 //
 // Contract checked: any input either throws ConfigError, or parses into a description
-// whose shape validates, whose MoE layers are ascending and inside [0, num_layers), and
+// whose shape validates, whose MoE layers are ascending and inside [0, num_layers) (its
+// MTP layers the next ones, at most ModelDesc::kMaxMtpLayers), and
 // whose sizes stay inside the bounds MoeShape::validate states (so the layout's size_t
 // products cannot wrap). Any other exception, an allocation past the fuzzer's limit
 // (e.g. a layer list sized by a hostile num_hidden_layers), an out-of-bounds read or
@@ -53,6 +54,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (d.moe_layers[i] < 0 || d.moe_layers[i] >= d.num_layers) fail("MoE layer outside [0, num_layers)");
     if (i > 0 && d.moe_layers[i] <= d.moe_layers[i - 1]) fail("MoE layers not ascending");
   }
+  // MTP layers: at most kMaxMtpLayers, consecutive from num_layers on.
+  if (d.mtp_layers.size() > size_t(ModelDesc::kMaxMtpLayers)) fail("too many MTP layers");
+  for (size_t i = 0; i < d.mtp_layers.size(); ++i)
+    if (d.mtp_layers[i] != d.num_layers + int(i)) fail("MTP layers not right after the main ones");
   if (d.family.empty() || d.layer_prefix(d.moe_layers.back()).empty()) fail("no family or layer prefix");
   // The layout of one layer: its size_t products must not wrap (UBSan does not see
   // unsigned wrap-around, so compare with the same sum in long double).
