@@ -6,7 +6,6 @@
 
 #include <chrono>
 #include <cstring>
-#include <regex>
 #include <string>
 #include <vector>
 
@@ -133,8 +132,13 @@ TEST(Cli, VersionNamesTheBuild) {
   // records it: seven hex digits (and "+uncommitted" for a dirty tree), or "unknown" outside git.
   const auto r = run_cli("--version");
   EXPECT_EQ(r.status, 0) << r.output;
-  EXPECT_TRUE(std::regex_search(r.output, std::regex("^megamoe ([0-9a-f]{7}(\\+uncommitted)?|unknown)\n$")))
-      << r.output;
+  // (no std::regex: GCC 12 warns inside it under the sanitizers' build)
+  std::string id = r.output;
+  const bool framed = id.starts_with("megamoe ") && id.ends_with("\n");
+  if (framed) id = id.substr(8, id.size() - 9);
+  if (id.ends_with("+uncommitted")) id.resize(id.size() - 12);
+  const bool hex7 = id.size() == 7 && id.find_first_not_of("0123456789abcdef") == std::string::npos;
+  EXPECT_TRUE(framed && (hex7 || id == "unknown")) << r.output;
 }
 
 TEST(CliDemo, CpuBackendChecksItself) {
