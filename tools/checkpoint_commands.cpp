@@ -99,7 +99,6 @@ class Progress {
   bool drawn_ = false;
 };
 
-// "3-44" style list of layer indices.
 std::string human_bytes(double b) {
   const char* units[] = {"B", "KB", "MB", "GB", "TB"};
   int u = 0;
