@@ -58,7 +58,7 @@ bool run_on_gpu(const io::Checkpoint& ckpt, const ModelDesc& desc, int layer,
   const MoeShape& s = store.shape(layer);
   api::MoeLayerOptions lo;
   lo.max_tokens = T;  // sizes the workspace once; every forward takes at most this many tokens
-  api::CudaMoeLayer moe(s, store.base(layer), lo);  // borrows the store's buffer
+  api::CudaMoeLayer moe(store, layer, lo);  // borrows the store's buffer (loaded, on the device)
 
   const size_t n = size_t(T) * s.hidden;
   num::bf16_t *dx = nullptr, *dy = nullptr;

@@ -437,8 +437,7 @@ class Forwarder {
     if (cuda_) {
       api::MoeLayerOptions o;
       o.max_tokens = T;
-      for (int L : st.layers())
-        layers_.push_back(std::make_unique<api::CudaMoeLayer>(st.shape(L), st.base(L), o));
+      for (int L : st.layers()) layers_.push_back(std::make_unique<api::CudaMoeLayer>(st, L, o));
     }
 #else
     if (cuda_) throw std::runtime_error("--backend cuda: this build has no CUDA backend");

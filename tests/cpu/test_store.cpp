@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "megamoe/api/moe_layer.h"
 #include "megamoe/io/checkpoint.h"
 #include "megamoe/numerics/quant.h"
 #include "megamoe/weights/device_memory.h"
@@ -287,6 +288,32 @@ TEST(Store, MtpLayerLoadsWhenAskedFor) {
   EXPECT_NE(r2.output.find(fmt::format("MTP layer {} not in this checkpoint", mtp + 1)), std::string::npos)
       << r2.output;
 }
+
+#if defined(MEGAMOE_HAVE_CUDA)
+// A layer object borrows a store's layer only where it can run it: held, in device memory,
+// loaded (the GPU test StoreDevice.LayerObjectBorrowsTheStore has the rest). These two
+// fail before any CUDA call, so they run here.
+TEST(Store, LayerObjectRefusesWhatItCannotRun) {
+  TempDir dir;
+  const ModelDesc d = test::write_test_checkpoint(dir.path(), 1, 17);
+  const io::Checkpoint ck(dir.path());
+  WeightStore host = WeightStore::for_checkpoint(ck, d);
+  host.load(ck);
+  const int L = d.moe_layers[0];
+  auto error_of = [&](int layer) {
+    try {
+      api::CudaMoeLayer moe(host, layer, {});
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error_of(L).find(fmt::format("holds layer {} in host memory", L)), std::string::npos)
+      << error_of(L);
+  EXPECT_NE(error_of(L + 7).find(fmt::format("layer {} is not held (held: {})", L + 7, L)), std::string::npos)
+      << error_of(L + 7);
+}
+#endif
 
 TEST(Store, LayerSubsetAndBadOptions) {
   TempDir dir;

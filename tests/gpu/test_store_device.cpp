@@ -15,6 +15,7 @@
 
 #include "../cpu/store_support.h"
 #include "gpu_test_util.h"
+#include "megamoe/api/moe_layer.h"
 #include "megamoe/io/checkpoint.h"
 #include "megamoe/weights/device_memory.h"
 #include "megamoe/weights/store.h"
@@ -117,6 +118,52 @@ TEST_F(StoreDevice, CorruptScaleInDeviceMemoryIsRefused) {
   }
   st.finish();
   EXPECT_EQ(allocation(st, L), before) << "a refused update writes nothing";
+}
+
+// CudaMoeLayer on a store's layer: the bytes of a layer object that uploaded the same
+// weights, and through a reload; a store not yet loaded is refused.
+TEST_F(StoreDevice, LayerObjectBorrowsTheStore) {
+  test::TempDir dir;
+  const ModelDesc d = test::write_test_checkpoint(dir.path(), 1, 23);
+  const io::Checkpoint ck(dir.path());
+  const int L = d.moe_layers[0];
+  WeightStoreOptions o;
+  o.memory = StoreMemory::kDevice;
+  WeightStore st = WeightStore::for_checkpoint(ck, d, o);
+  try {
+    api::CudaMoeLayer early(st, L, {});
+    ADD_FAILURE() << "a layer object on a store not yet loaded";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("is not loaded"), std::string::npos) << e.what();
+  }
+  st.load(ck);
+  api::MoeLayerOptions lo;
+  lo.max_tokens = 32;
+  api::CudaMoeLayer borrowed(st, L, lo);
+  EXPECT_EQ(borrowed.device_weights(), st.base(L));
+  api::CudaMoeLayer uploaded(io::load_moe_layer(ck, d, L), lo);
+  const int T = 19;
+  const auto x = testutil::random_x(size_t(T) * d.shape.hidden, 24);
+  const size_t n = x.size();
+  num::bf16_t *dx = nullptr, *dy = nullptr;
+  CK(cudaMalloc(&dx, n * 2));
+  CK(cudaMalloc(&dy, n * 2));
+  CK(cudaMemcpy(dx, x.data(), n * 2, cudaMemcpyHostToDevice));
+  auto run = [&](api::CudaMoeLayer& m) {
+    std::vector<num::bf16_t> y(n);
+    EXPECT_EQ(cudaMemset(dy, 0xFF, n * 2), cudaSuccess);
+    m.forward(dx, dy, T, nullptr, nullptr);
+    EXPECT_EQ(cudaMemcpy(y.data(), dy, n * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    return y;
+  };
+  const auto want = run(uploaded);
+  EXPECT_EQ(run(borrowed), want);
+  LoadOptions reload;
+  reload.mode = ReloadMode::kDirect;
+  st.load(ck, reload);
+  EXPECT_EQ(run(borrowed), want) << "after a reload in place";
+  cudaFree(dx);
+  cudaFree(dy);
 }
 
 }  // namespace

@@ -12,6 +12,10 @@
 #include "megamoe/numerics/fp8.h"
 #include "megamoe/weights/host_weights.h"
 
+namespace megamoe {
+class WeightStore;  // weights/store.h (C++20: the .cu files that include this header are C++17)
+}
+
 namespace megamoe::api {
 
 using Stream = void*;  // cudaStream_t, kept opaque so CPU-only code can include this header
@@ -37,6 +41,11 @@ class CudaMoeLayer {
   // MoeWeightLayout::compute(shape) (e.g. a WeightStore's buffer). The
   // pointer must be 256-byte aligned device memory of the current device.
   CudaMoeLayer(const MoeShape& shape, const void* device_base, const MoeLayerOptions& opt);
+  // Borrows layer `layer` of a WeightStore in device memory (the usual way: the store
+  // loads and reloads in place, the layer object and its graphs keep working). Throws
+  // std::invalid_argument if the store does not hold the layer, holds it in host memory,
+  // or has not loaded it yet (ready() false: its weights would be zeros).
+  CudaMoeLayer(const WeightStore& store, int layer, const MoeLayerOptions& opt);
   ~CudaMoeLayer();
   CudaMoeLayer(const CudaMoeLayer&) = delete;
   CudaMoeLayer& operator=(const CudaMoeLayer&) = delete;

@@ -1,0 +1,37 @@
+// CudaMoeLayer borrowing a WeightStore's layer: here, in C++20, because store.h is
+// (moe_layer.cu is CUDA C++17). Only with the CUDA backend, like the rest of the class.
+#include "megamoe/api/moe_layer.h"
+
+#if defined(MEGAMOE_HAVE_CUDA)
+
+#include <fmt/format.h>
+
+#include <stdexcept>
+
+#include "megamoe/weights/store.h"
+
+namespace megamoe::api {
+
+namespace {
+
+// The shape of a store's layer that a layer object can borrow (moe_layer.h says when).
+const MoeShape& borrowable_layer(const WeightStore& store, int layer) {
+  // (a layer the store does not hold: store.shape and store.base throw, naming the held ones)
+  if (store.memory() != StoreMemory::kDevice)
+    throw std::invalid_argument(fmt::format(
+        "CudaMoeLayer: the WeightStore holds layer {} in host memory (make it with StoreMemory::kDevice)",
+        layer));
+  if (!store.ready(layer))
+    throw std::invalid_argument(
+        fmt::format("CudaMoeLayer: layer {} of the WeightStore is not loaded (ready() is false)", layer));
+  return store.shape(layer);
+}
+
+}  // namespace
+
+CudaMoeLayer::CudaMoeLayer(const WeightStore& store, int layer, const MoeLayerOptions& opt)
+    : CudaMoeLayer(borrowable_layer(store, layer), store.base(layer), opt) {}
+
+}  // namespace megamoe::api
+
+#endif  // MEGAMOE_HAVE_CUDA
