@@ -20,8 +20,9 @@ WHAT IT DOES, per family (model_type -> megamoe preset)
   (sqrtsoftplus scores, no groups, the SwiGLU clamp at 10) and deepseek_v2 (softmax
   scores, plain top-k, no bias, no renormalization) -- the scores that are not sigmoid:
   1. `megamoe make-checkpoint` writes a small HF-layout block-FP8 checkpoint
-     (H=256, I=192 so that 2I != H and a fused [E, 2I, H] expert weight cannot
-     be mistaken for its transpose; E=16 or 32, K=4), and a random BF16 input x.
+     (H=256, I=384: multiples of 128 for the CUDA backend, and I != H, 2I != H so that no
+     expert weight can be mistaken for its transpose; E=16 or 32, K=4), and a random BF16
+     input x.
   2. The transformers MoE block (e.g. DeepseekV3MoE; class names discovered
      defensively, see FAMILIES) is built from the checkpoint's own config.json
      through AutoConfig (falling back to a config built from its values), with
@@ -93,7 +94,7 @@ VARIANTS = {
                                "norm_topk_prob": False},
                         hf={"topk_method": "greedy"}),
 }
-H, I, K = 256, 192, 4
+H, I, K = 256, 384, 4
 
 
 def run(cmd):
