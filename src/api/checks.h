@@ -35,11 +35,13 @@ inline void require_device_memory(const void* p, const char* what) {
 // same buffers, and a query is not worth an invalidated capture.
 class IoPointerCheck {
  public:
-  // rank >= 0: an expert-parallel rank, named in the message.
-  void require(const void* p, int device, const char* what, cudaStream_t stream, int rank = -1) {
+  // The message names "[rank R ]op arg" (rank >= 0: an expert-parallel rank), formed
+  // only on failure: this runs on every forward.
+  void require(const void* p, int device, const char* op, const char* arg, cudaStream_t stream,
+               int rank = -1) {
     auto fail = [&](const std::string& why) {
       throw std::invalid_argument(
-          fmt::format("{}{}: {}", rank < 0 ? std::string() : fmt::format("rank {} ", rank), what, why));
+          fmt::format("{}{} {}: {}", rank < 0 ? std::string() : fmt::format("rank {} ", rank), op, arg, why));
     };
     if (!p) fail("null pointer");
     for (const void* q : seen_)

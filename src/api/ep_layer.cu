@@ -162,11 +162,11 @@ void CudaEpMoeLayer::forward(const std::vector<const num::bf16_t*>& x, const std
     if (tokens[i] > 0) {
       require_aligned(x[i], 16, "forward x");
       require_aligned(y[i], 16, "forward y");
-      k.io_check.require(x[i], k.device, "forward x", s, k.rank);
-      k.io_check.require(y[i], k.device, "forward y", s, k.rank);
+      k.io_check.require(x[i], k.device, "forward", "x", s, k.rank);
+      k.io_check.require(y[i], k.device, "forward", "y", s, k.rank);
     }
     if (!num_tokens_dev.empty() && num_tokens_dev[i])
-      k.io_check.require(num_tokens_dev[i], k.device, "forward num_tokens_dev", s, k.rank);
+      k.io_check.require(num_tokens_dev[i], k.device, "forward", "num_tokens_dev", s, k.rank);
   }
   MEGAMOE_CUDA_CHECK(cudaEventRecord(m.fork, s));
   for (int i = 0; i < n; ++i) {
@@ -201,11 +201,9 @@ void CudaEpMoeLayer::check() {
     if (st.phase != kernels::EpStatus::kNone && first.empty()) first = st.message();
     // A rank whose device token count was out of range ran clamped (the protocol
     // stays consistent: its peers see the clamped count); reported, then cleared.
-    const kernels::TokenCountStatus tc = kernels::token_count_status(k.plan);
-    if (tc.bad_forwards) {
-      kernels::token_count_reset(k.plan);
+    const kernels::TokenCountStatus tc = kernels::token_count_take(k.plan);
+    if (tc.bad_forwards)
       counts += fmt::format("{}rank {}: {}", counts.empty() ? "" : "; ", k.rank, tc.message());
-    }
   }
   if (first.empty()) {
     if (!counts.empty()) throw std::runtime_error("CudaEpMoeLayer: " + counts);

@@ -25,6 +25,22 @@ struct CudaMoeLayer::Impl {
   int device = 0;  // where the workspace lives
   IoPointerCheck io_check;
 
+  // What forward and route check first (`op` names the call in messages): the hint
+  // against max_tokens, x and a caller's device count as device memory; returns the
+  // device count the kernels read (the layer's own, set to the hint, when none is given).
+  const int* token_count(const char* op, const num::bf16_t* x, int hint, const int* count, cudaStream_t s) {
+    if (hint < 0 || hint > ws.max_tokens)
+      throw std::invalid_argument(
+          fmt::format("{}: {} tokens exceed the layer's max_tokens = {}", op, hint, ws.max_tokens));
+    if (hint > 0) io_check.require(x, device, op, "x", s);
+    if (count) {
+      io_check.require(count, device, op, "num_tokens_dev", s);
+      return count;
+    }
+    kernels::set_device_int(own_count, hint, s);  // a kernel node: capturable
+    return own_count;
+  }
+
   ~Impl() {
     if (plan) kernels::fused_moe_plan_destroy(plan);
     if (owns_workspace) cudaFree(workspace);
@@ -86,54 +102,32 @@ CudaMoeLayer::~CudaMoeLayer() = default;
 
 void CudaMoeLayer::forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint, const int* num_tokens_dev,
                            Stream stream) {
-  if (tokens_hint < 0 || tokens_hint > impl_->ws.max_tokens)
-    throw std::invalid_argument(fmt::format("forward: {} tokens exceed the layer's max_tokens = {}",
-                                            tokens_hint, impl_->ws.max_tokens));
   auto s = static_cast<cudaStream_t>(stream);
   if (tokens_hint > 0) {
     require_aligned(x, 16, "forward x");
     require_aligned(y, 16, "forward y");
-    impl_->io_check.require(x, impl_->device, "forward x", s);
-    impl_->io_check.require(y, impl_->device, "forward y", s);
-  }
-  if (num_tokens_dev)
-    impl_->io_check.require(num_tokens_dev, impl_->device, "forward num_tokens_dev", s);
-  else {
-    kernels::set_device_int(impl_->own_count, tokens_hint, s);  // a kernel node: capturable
-    num_tokens_dev = impl_->own_count;
   }
   kernels::DeviceTensors t;
+  t.num_tokens = impl_->token_count("forward", x, tokens_hint, num_tokens_dev, s);
+  if (tokens_hint > 0) impl_->io_check.require(y, impl_->device, "forward", "y", s);
   t.x = x;
   t.y = y;
-  t.num_tokens = num_tokens_dev;
   t.workspace = impl_->workspace;
   kernels::fused_moe_forward(impl_->plan, t, tokens_hint, s);
 }
 
 void CudaMoeLayer::route(const num::bf16_t* x, int tokens_hint, const int* num_tokens_dev, Stream stream) {
-  if (tokens_hint < 0 || tokens_hint > impl_->ws.max_tokens)
-    throw std::invalid_argument(fmt::format("route: {} tokens exceed the layer's max_tokens = {}",
-                                            tokens_hint, impl_->ws.max_tokens));
   auto s = static_cast<cudaStream_t>(stream);
-  if (tokens_hint > 0) impl_->io_check.require(x, impl_->device, "route x", s);
-  if (num_tokens_dev)
-    impl_->io_check.require(num_tokens_dev, impl_->device, "route num_tokens_dev", s);
-  else {
-    kernels::set_device_int(impl_->own_count, tokens_hint, s);
-    num_tokens_dev = impl_->own_count;
-  }
   kernels::DeviceTensors t;
+  t.num_tokens = impl_->token_count("route", x, tokens_hint, num_tokens_dev, s);
   t.x = x;
-  t.num_tokens = num_tokens_dev;
   t.workspace = impl_->workspace;
   kernels::route_forward(impl_->plan, t, tokens_hint, s);
 }
 
 void CudaMoeLayer::check() {
-  const kernels::TokenCountStatus st = kernels::token_count_status(impl_->plan);
-  if (st.bad_forwards == 0) return;
-  kernels::token_count_reset(impl_->plan);
-  throw std::runtime_error("CudaMoeLayer: " + st.message());
+  const kernels::TokenCountStatus st = kernels::token_count_take(impl_->plan);
+  if (st.bad_forwards) throw std::runtime_error("CudaMoeLayer: " + st.message());
 }
 
 const int32_t* CudaMoeLayer::topk_ids() const { return kernels::routing_outputs(impl_->plan).ids; }

@@ -1586,19 +1586,16 @@ std::string TokenCountStatus::message() const {
          (last_count < 0 ? "no token was computed" : "the tokens past the hint were not computed");
 }
 
-TokenCountStatus token_count_status(const FusedMoePlan* p) {
+TokenCountStatus token_count_take(const FusedMoePlan* p) {
+  uint8_t* words = static_cast<uint8_t*>(p->workspace) + p->ws.token_status.offset;
   MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
   int w[TokenCountStatus::kWords];
-  MEGAMOE_CUDA_CHECK(cudaMemcpy(w, static_cast<const uint8_t*>(p->workspace) + p->ws.token_status.offset,
-                                sizeof(w), cudaMemcpyDeviceToHost));
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(w, words, sizeof(w), cudaMemcpyDeviceToHost));
+  if (w[0] != 0) {
+    MEGAMOE_CUDA_CHECK(cudaMemset(words, 0, p->ws.token_status.bytes));
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  }
   return {w[0], w[1], w[2]};
-}
-
-void token_count_reset(const FusedMoePlan* p) {
-  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
-  MEGAMOE_CUDA_CHECK(cudaMemset(static_cast<uint8_t*>(p->workspace) + p->ws.token_status.offset, 0,
-                                p->ws.token_status.bytes));
-  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 RoutingOutputs routing_outputs(const FusedMoePlan* p) {

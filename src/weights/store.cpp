@@ -308,8 +308,11 @@ struct WeightStore::Impl {
     }
   }
 
-  void write(uint8_t* dst, const void* src, size_t n) const {
-    if (device())
+  // src_on_device: a device store's update from device memory (update()).
+  void write(uint8_t* dst, const void* src, size_t n, bool src_on_device = false) const {
+    if (src_on_device)
+      dev::copy_device_to_device(dst, src, n);
+    else if (device())
       dev::copy_to_device(dst, src, n);
     else
       std::memcpy(dst, src, n);
@@ -506,10 +509,7 @@ bool WeightStore::update(std::string_view name, io::Dtype dtype, std::span<const
   }
   m.check_values(l, target->second, name, values);
   m.touch(l);
-  if (from_device)
-    dev::copy_device_to_device(l.base + s.at(l.layout), data, bytes);
-  else
-    m.write(l.base + s.at(l.layout), data, bytes);
+  m.write(l.base + s.at(l.layout), data, bytes, from_device);
   ++m.report.tensors, m.report.bytes += bytes;
   m.arrived(l, target->second);
   return true;

@@ -71,7 +71,7 @@ struct MoeWorkspaceLayout {
                           //   token * slots + slot, expert parallelism packed (source, token, slot)
   Region ep_state;        // u64 [2]               expert parallelism: epoch, status (EpStatus)
   Region token_status;    // i32 [TokenCountStatus::kWords]: device token counts out of range
-                          //   (sticky until token_count_reset; not zeroed per forward)
+                          //   (sticky until token_count_take; not zeroed per forward)
   size_t total_bytes = 0;
 
   int counter_count() const { return kCounterExperts + experts_total + units_cap; }
@@ -199,9 +199,9 @@ RoutingOutputs routing_outputs(const FusedMoePlan* plan);
 EpStatus ep_status(const FusedMoePlan* plan);
 void ep_reset(const FusedMoePlan* plan);
 
-// The token-count status of the forwards so far (synchronizes the device), and its reset.
-TokenCountStatus token_count_status(const FusedMoePlan* plan);
-void token_count_reset(const FusedMoePlan* plan);
+// The token-count record of the forwards so far (synchronizes the device), cleared when
+// it holds a bad count, so each one is reported once.
+TokenCountStatus token_count_take(const FusedMoePlan* plan);
 
 // *p = v on the stream (a one-thread kernel, so it can be captured in a graph).
 void set_device_int(int* p, int v, cudaStream_t stream);
