@@ -10,7 +10,7 @@ set -uo pipefail
 bin=$1 file=$2
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 while IFS='|' read -r label envs args; do
-  label=$(echo "$label" | xargs)
+  label=$(echo "$label" | sed -E 's/^[[:space:]]+|[[:space:]]+$//g')  # (not xargs: a quote in a comment line)
   [ -z "$label" ] || [ "${label:0:1}" = "#" ] && continue
   b=$bin; [ -x "$bin/$label/megamoe" ] && b=$bin/$label
   [[ $label == *@* ]] && b=$bin/${label#*@}
