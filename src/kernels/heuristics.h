@@ -169,7 +169,11 @@ constexpr int route_medium_max_tokens(int experts) {
   return experts >= kRouteLargeMinExperts ? kRouteMediumTokens : kRouteMediumTokensFewExperts;
 }
 
-// Pipeline depth for a token block: as many stages as fit the budget, at most 12.
+// Pipeline depth for a token block: as many stages as fit the budget, at most kMaxStages.
+// 8: the decode tiles' 9th-12th stages bought nothing (v31: capped at 8, interleaved
+// rounds at 128..512 tokens on three presets, level or up to 1.3 % faster; v30 level at
+// 8 and 64 tokens), and a shorter ring is less shared memory to wait on.
+constexpr int kMaxStages = 8;
 // wide: a wide tile's stage (kWideTiles), two output blocks' weight rows.
 // A stage: weight rows, token rows, the tokens' float32 scales of the K block (either GEMM).
 constexpr int stage_bytes(int block_n, bool wide = false) {
@@ -211,7 +215,7 @@ constexpr int stages_for(int block_n, bool wide = false) {
 #ifdef MEGAMOE_STAGES_CAP  // timing-only builds of bench/results/ab/v29_stage_sweep.sh
   return s > MEGAMOE_STAGES_CAP ? MEGAMOE_STAGES_CAP : s;
 #else
-  return s > 12 ? 12 : s;
+  return s > kMaxStages ? kMaxStages : s;
 #endif
 }
 constexpr int smem_bytes(int block_n, bool wide = false) {
@@ -221,9 +225,8 @@ constexpr int smem_bytes(int block_n, bool wide = false) {
 // The GEMM2 staging (v15) fits beside the six prefill stages v14 had.
 static_assert(stages_for(128) == 6, "prefill stages");
 static_assert(stages_for(128, true) == 4, "wide tile stages");
-// The decode pairs' exchange fits beside the decode rings v27 had.
-static_assert(stages_for(8) == 12 && stages_for(16) == 11 && stages_for(32) == 10 && stages_for(48) == 9 &&
-                  stages_for(64) == 8,
+// Every decode ring is the capped one (the decode pairs' exchange fits beside it).
+static_assert(stages_for(8) == kMaxStages && stages_for(48) == kMaxStages && stages_for(64) == kMaxStages,
               "decode stages");
 #endif
 
