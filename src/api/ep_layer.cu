@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <map>
 #include <stdexcept>
 #include <vector>
 
@@ -39,9 +38,10 @@ struct CudaEpMoeLayer::Impl {
   kernels::EpLayout layout;
   kernels::MoeWorkspaceLayout ws;
   std::unique_ptr<transport::Transport> transport;
-  std::map<int, void*> weights;  // by device: one copy each
   struct Rank {
     int rank = 0, device = 0;
+    void* weights = nullptr;  // the rank's own experts (rank_layout), shared expert, router
+    MoeWeightLayout rank_layout;
     void* workspace = nullptr;
     int* own_count = nullptr;
     cudaStream_t stream = nullptr;
@@ -56,16 +56,13 @@ struct CudaEpMoeLayer::Impl {
     for (Rank& r : local) {
       cudaSetDevice(r.device);
       if (r.plan) kernels::fused_moe_plan_destroy(r.plan);
+      cudaFree(r.weights);
       cudaFree(r.workspace);
       cudaFree(r.own_count);
       if (r.stream) cudaStreamDestroy(r.stream);
       if (r.done) cudaEventDestroy(r.done);
     }
     if (fork) cudaEventDestroy(fork);
-    for (auto& [dev, p] : weights) {
-      cudaSetDevice(dev);
-      cudaFree(p);
-    }
   }
 };
 
@@ -105,37 +102,38 @@ CudaEpMoeLayer::CudaEpMoeLayer(const HostMoeWeights& w, const EpLayerOptions& op
     m.transport = transport::make_nccl_transport(m.layout, no);
   }
   MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&m.fork, cudaEventDisableTiming));
-  const MoeWeightLayout wl = MoeWeightLayout::compute(w.shape);
   for (int r : m.transport->local_ranks()) {
-    Impl::Rank k;
+    m.local.emplace_back();
+    Impl::Rank& k = m.local.back();  // (owned by m from here: ~Impl frees what a throw leaves)
     k.rank = r;
     k.device = m.transport->device(r);
     MEGAMOE_CUDA_CHECK(cudaSetDevice(k.device));
-    void*& dw = m.weights[k.device];
-    if (!dw) {
-      // NOTE: every device holds all experts (each rank reads its E/R from that copy);
-      // a rank-local load would hold only its own (EpRank::view_expert0 = 0).
-      MEGAMOE_CUDA_CHECK(cudaMalloc(&dw, w.bytes()));
-      MEGAMOE_CUDA_CHECK(cudaMemcpy(dw, w.data(), w.bytes(), cudaMemcpyHostToDevice));
-    }
+    // Each rank holds only its E/R experts (plus the shared expert and the whole router),
+    // uploaded from the host layer's ranges: R ranks on R GPUs hold the layer once between
+    // them, and virtual ranks run the same rank-local views.
+    k.rank_layout =
+        MoeWeightLayout::compute(w.shape, ExpertRange{r * m.layout.local_experts, m.layout.local_experts});
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&k.weights, k.rank_layout.total_bytes));
+    for (const RegionCopy& c : region_copies(w.layout, k.rank_layout))
+      MEGAMOE_CUDA_CHECK(cudaMemcpy(static_cast<uint8_t*>(k.weights) + c.dst_offset, w.data() + c.src_offset,
+                                    c.bytes, cudaMemcpyHostToDevice));
     MEGAMOE_CUDA_CHECK(cudaMalloc(&k.workspace, m.ws.total_bytes));
     // NOTE: poison, so a region the kernels fail to write shows up as garbage, never as zeros.
     MEGAMOE_CUDA_CHECK(cudaMemset(k.workspace, 0xFF, m.ws.total_bytes));
     MEGAMOE_CUDA_CHECK(cudaMalloc(&k.own_count, sizeof(int)));
     MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&k.stream, cudaStreamNonBlocking));
     MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&k.done, cudaEventDisableTiming));
-    m.local.push_back(k);
     kernels::EpRank ep;
     ep.layout = m.layout;
     ep.rank = r;
     const transport::PeerTable t = m.transport->peers(r);
     for (int q = 0; q < opt.ranks; ++q) ep.peer_base[q] = t.base[q];
-    ep.view_expert0 = r * m.layout.local_experts;
+    ep.view_expert0 = 0;  // the view starts at the rank's first expert
     ep.timeout_s = opt.timeout_s;
     kernels::FusedMoeConfig cfg;
     cfg.num_sms = sms_share;
-    m.local.back().plan = kernels::fused_moe_plan_create(w.shape, MoeWeightsView::at(dw, wl, w.shape), m.ws,
-                                                         k.workspace, cfg, &ep);
+    k.plan = kernels::fused_moe_plan_create(w.shape, MoeWeightsView::at(k.weights, k.rank_layout, w.shape),
+                                            m.ws, k.workspace, cfg, &ep);
   }
 }
 
@@ -224,6 +222,10 @@ std::vector<int> CudaEpMoeLayer::local_ranks() const { return impl_->transport->
 int CudaEpMoeLayer::device(int i) const {
   MEGAMOE_CHECK(i >= 0 && i < int(impl_->local.size()), "device: no local rank " + std::to_string(i));
   return impl_->local[i].device;
+}
+size_t CudaEpMoeLayer::weight_bytes(int i) const {
+  MEGAMOE_CHECK(i >= 0 && i < int(impl_->local.size()), "weight_bytes: no local rank " + std::to_string(i));
+  return impl_->local[i].rank_layout.total_bytes;
 }
 int CudaEpMoeLayer::max_tokens() const { return impl_->opt.max_tokens; }
 const MoeShape& CudaEpMoeLayer::shape() const { return impl_->shape; }

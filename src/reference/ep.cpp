@@ -13,19 +13,20 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "engine.h"
 #include "megamoe/reference/moe.h"
 
 namespace megamoe::ref {
 
-EpStats moe_layer_ep(const MoeShape& s, const MoeWeightsView& w, int R, std::span<const RankBatch> ranks,
-                     std::span<float* const> y, std::span<int32_t* const> ids,
-                     std::span<float* const> weights, const LayerOptions& opt) {
-  s.validate();
-  if (R <= 0 || s.experts % R != 0)
-    throw std::invalid_argument("moe_layer_ep: R = " + std::to_string(R) +
-                                " must divide E = " + std::to_string(s.experts));
+namespace {
+
+// views[r]: rank r's weights; its routed expert e is views[r]'s expert e - first[r]
+// (0 for a view of the whole layer, r * E/R for a rank-local one).
+EpStats ep_layer(const MoeShape& s, std::span<const MoeWeightsView> views, std::span<const int> first, int R,
+                 std::span<const RankBatch> ranks, std::span<float* const> y, std::span<int32_t* const> ids,
+                 std::span<float* const> weights, const LayerOptions& opt) {
   if (int(ranks.size()) != R || int(y.size()) != R)
     throw std::invalid_argument("moe_layer_ep: need one batch and one output per rank");
   if ((!ids.empty() && int(ids.size()) != R) || (!weights.empty() && int(weights.size()) != R))
@@ -60,7 +61,7 @@ EpStats moe_layer_ep(const MoeShape& s, const MoeWeightsView& w, int R, std::spa
     L.slots.resize(size_t(T) * S * H);
     L.valid.assign(size_t(T) * S, 0);
     if (T == 0) continue;
-    route(s, w, ranks[r].x, T, L.ids.data(), L.wts.data());
+    route(s, views[r], ranks[r].x, T, L.ids.data(), L.wts.data());
     detail::quantize_acts(ranks[r].x, T, H, L.q.data(), L.sx.data());
     L.xq = detail::SplitCodes(L.q.data(), T, H);
     if (!ids.empty() && ids[r]) std::copy(L.ids.begin(), L.ids.end(), ids[r]);
@@ -158,7 +159,7 @@ EpStats moe_layer_ep(const MoeShape& s, const MoeWeightsView& w, int R, std::spa
     for (int le = 0; le < per_rank; ++le) {
       const int e = d * per_rank + le;
       detail::FaithfulTask tk;
-      tk.w = detail::routed_expert(s, w, e);
+      tk.w = detail::routed_expert(s, views[d], e - first[d]);
       tk.xq = &rv.xq;
       tk.s = rv.sx.data();
       for (int row = 0; row < rv.rows; ++row)
@@ -181,7 +182,7 @@ EpStats moe_layer_ep(const MoeShape& s, const MoeWeightsView& w, int R, std::spa
       if (ranks[r].T == 0) continue;
       Local& L = loc[r];
       detail::FaithfulTask tk;
-      tk.w = detail::shared_expert(s, w);
+      tk.w = detail::shared_expert(s, views[r]);
       tk.xq = &L.xq;
       tk.s = L.sx.data();
       for (int t = 0; t < ranks[r].T; ++t) {
@@ -212,6 +213,35 @@ EpStats moe_layer_ep(const MoeShape& s, const MoeWeightsView& w, int R, std::spa
     detail::combine_faithful(loc[r].slots.data(), loc[r].valid.data(), ranks[r].T, S, H, y[r]);
   }
   return stats;
+}
+
+void check_ranks(const MoeShape& s, int R) {
+  s.validate();
+  if (R <= 0 || s.experts % R != 0)
+    throw std::invalid_argument("moe_layer_ep: R = " + std::to_string(R) +
+                                " must divide E = " + std::to_string(s.experts));
+}
+
+}  // namespace
+
+EpStats moe_layer_ep(const MoeShape& s, const MoeWeightsView& w, int R, std::span<const RankBatch> ranks,
+                     std::span<float* const> y, std::span<int32_t* const> ids,
+                     std::span<float* const> weights, const LayerOptions& opt) {
+  check_ranks(s, R);
+  const std::vector<MoeWeightsView> views(R, w);
+  const std::vector<int> first(R, 0);
+  return ep_layer(s, views, first, R, ranks, y, ids, weights, opt);
+}
+
+EpStats moe_layer_ep(const MoeShape& s, std::span<const MoeWeightsView> rank_weights,
+                     std::span<const RankBatch> ranks, std::span<float* const> y,
+                     std::span<int32_t* const> ids, std::span<float* const> weights,
+                     const LayerOptions& opt) {
+  const int R = int(rank_weights.size());
+  check_ranks(s, R);
+  std::vector<int> first(R);
+  for (int r = 0; r < R; ++r) first[r] = r * (s.experts / R);
+  return ep_layer(s, rank_weights, first, R, ranks, y, ids, weights, opt);
 }
 
 }  // namespace megamoe::ref

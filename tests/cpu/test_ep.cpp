@@ -44,6 +44,22 @@ ref::EpStats check_ep(const MoeShape& s, const HostMoeWeights& w, const std::vec
   EXPECT_EQ(ids_ep, ids);
   EXPECT_EQ(std::memcmp(wts_ep.data(), wts.data(), wts.size() * sizeof(float)), 0);
   EXPECT_TRUE(test::same_bytes(y_ep, y, H)) << "R = " << R;
+
+  // The same ranks on rank-local weights (what CudaEpMoeLayer uploads): each rank's
+  // buffer poisoned, then filled by region_copies, so a region the copies miss shows.
+  std::vector<std::vector<uint8_t>> local(R);
+  std::vector<MoeWeightsView> views(R);
+  for (int r = 0; r < R; ++r) {
+    const MoeWeightLayout l = MoeWeightLayout::compute(s, ExpertRange{r * (s.experts / R), s.experts / R});
+    local[r].assign(l.total_bytes, 0x7E);
+    for (const RegionCopy& c : region_copies(w.layout, l))
+      std::memcpy(local[r].data() + c.dst_offset, w.data() + c.src_offset, c.bytes);
+    views[r] = MoeWeightsView::at(local[r].data(), l, s);
+  }
+  std::vector<float> y_local(y.size(), -1.0f);
+  for (int r = 0, o = 0; r < R; o += sizes[r], ++r) ys[r] = y_local.data() + size_t(o) * H;
+  ref::moe_layer_ep(s, views, batches, ys);
+  EXPECT_TRUE(test::same_bytes(y_local, y, H)) << "rank-local weights, R = " << R;
   // Every (token, expert) row is computed exactly once somewhere.
   EXPECT_EQ(std::accumulate(st.rows_received.begin(), st.rows_received.end(), int64_t(0)), int64_t(T) * K);
   const int64_t sent = std::accumulate(st.tokens_sent.begin(), st.tokens_sent.end(), int64_t(0));
@@ -90,6 +106,33 @@ TEST(Ep, AllTokensToOneRank) {
   EXPECT_EQ(st.tokens_sent, (std::vector<int64_t>{5, 8, 0, 3}));
 }
 
+TEST(Ep, RankLocalLayout) {
+  // A rank's layout holds its E/R routed experts (a quarter of their bytes here), the
+  // shared expert and the whole router; copies refuse experts the source lacks.
+  const MoeShape s = test::small_glm_shape();  // E = 16
+  const MoeWeightLayout all = MoeWeightLayout::compute(s);
+  const MoeWeightLayout r2 = MoeWeightLayout::compute(s, ExpertRange{8, 4});
+  EXPECT_EQ(r2.experts.first, 8);
+  EXPECT_EQ(r2.experts.count, 4);
+  EXPECT_EQ(r2.w13.bytes * 4, all.w13.bytes);
+  EXPECT_EQ(r2.w2_scale.bytes * 4, all.w2_scale.bytes);
+  EXPECT_EQ(r2.shared_w13.bytes, all.shared_w13.bytes);
+  EXPECT_EQ(r2.router.bytes, all.router.bytes);
+  EXPECT_EQ(r2.bias.bytes, all.bias.bytes);
+  EXPECT_LT(r2.total_bytes, all.total_bytes / 2);
+  // The w13 copy starts at expert 8 of the whole layer.
+  const std::vector<RegionCopy> c = region_copies(all, r2);
+  ASSERT_FALSE(c.empty());
+  EXPECT_EQ(c[0].src_offset, all.w13.offset + 8 * (all.w13.bytes / 16));
+  EXPECT_EQ(c[0].bytes, r2.w13.bytes);
+  // From a rank's layout, only that rank's experts (or fewer) can be filled.
+  EXPECT_NO_THROW(region_copies(r2, MoeWeightLayout::compute(s, ExpertRange{9, 2})));
+  EXPECT_THROW(region_copies(r2, MoeWeightLayout::compute(s, ExpertRange{4, 4})), std::invalid_argument);
+  EXPECT_THROW(region_copies(r2, all), std::invalid_argument);
+  for (ExpertRange bad : {ExpertRange{0, 0}, ExpertRange{-1, 4}, ExpertRange{13, 4}, ExpertRange{16, 1}})
+    EXPECT_THROW(MoeWeightLayout::compute(s, bad), std::invalid_argument) << bad.first << "+" << bad.count;
+}
+
 TEST(Ep, RejectsRNotDividingE) {
   const MoeShape s = test::small_glm_shape();
   const HostMoeWeights w = make_random_weights(s, 241);
@@ -97,6 +140,8 @@ TEST(Ep, RejectsRNotDividingE) {
   std::vector<float*> y(3, nullptr);
   EXPECT_THROW(ref::moe_layer_ep(s, w.view(), 3, b, y), std::invalid_argument);
   EXPECT_THROW(ref::moe_layer_ep(s, w.view(), 0, {}, {}), std::invalid_argument);
+  const std::vector<MoeWeightsView> three(3, w.view());
+  EXPECT_THROW(ref::moe_layer_ep(s, three, b, y), std::invalid_argument);
 }
 
 }  // namespace

@@ -4,9 +4,11 @@
 // the flow). The bytes of every rank's output equal those of the single-device
 // layer on the same tokens. Transports:
 //   - virtual: R ranks on the current GPU, each with its own symmetric buffer,
-//     workspace, stream and 1/R of the SMs, sharing one copy of the weights;
+//     workspace, stream, weights and 1/R of the SMs;
 //   - nccl: ranks on their own GPUs in NCCL symmetric windows, one process for all
-//     GPUs or one per GPU (local_ranks, rendezvous); each GPU holds the weights.
+//     GPUs or one per GPU (local_ranks, rendezvous).
+// Either way a rank's device holds only that rank's E/R routed experts, with the
+// shared expert and the whole router (weight_bytes).
 #pragma once
 
 #include <cstdint>
@@ -39,7 +41,8 @@ EpTransport parse_ep_transport(const std::string& name);  // virtual | nccl
 
 class CudaEpMoeLayer {
  public:
-  // Uploads the host weights once (all ranks read their experts from that copy).
+  // Uploads each local rank's part of the host weights to its device (w stays the
+  // caller's; it may be freed after construction).
   CudaEpMoeLayer(const HostMoeWeights& w, const EpLayerOptions& opt);
   ~CudaEpMoeLayer();
   CudaEpMoeLayer(const CudaEpMoeLayer&) = delete;
@@ -70,6 +73,9 @@ class CudaEpMoeLayer {
   int ranks() const;
   std::vector<int> local_ranks() const;
   int device(int local_index) const;
+  // Device bytes of local rank i's weights: its experts' share of the layer, the
+  // shared expert and the router.
+  size_t weight_bytes(int local_index) const;
   int max_tokens() const;
   const MoeShape& shape() const;
   // Routing outputs of local rank i's last forward (device pointers, [T][K], global ids).

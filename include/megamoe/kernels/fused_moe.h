@@ -112,8 +112,8 @@ struct DeviceTensors {
 };
 
 // One rank of an expert-parallel layer. The weights view handed to the plan holds
-// this rank's experts at [view_expert0, view_expert0 + E/R) (virtual ranks share
-// one copy of all experts; a rank-local load holds only its own: view_expert0 = 0).
+// this rank's experts at [view_expert0, view_expert0 + E/R): 0 for a rank-local
+// copy (CudaEpMoeLayer), r * E/R for a view of the whole layer.
 struct EpRank {
   EpLayout layout;  // the symmetric buffer every rank holds
   int rank = 0;

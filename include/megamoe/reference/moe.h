@@ -62,5 +62,13 @@ struct EpStats {
 EpStats moe_layer_ep(const MoeShape& s, const MoeWeightsView& w, int R, std::span<const RankBatch> ranks,
                      std::span<float* const> y, std::span<int32_t* const> ids = {},
                      std::span<float* const> weights = {}, const LayerOptions& opt = {});
+// The same with rank-local weights, as expert-parallel ranks hold them: R =
+// rank_weights.size(), and rank r's view holds experts [r*E/R, (r+1)*E/R) from its
+// expert 0 (a layout of MoeWeightLayout::compute(s, ExpertRange{r*E/R, E/R})), the
+// shared expert and the whole router. Same bytes as the whole-layer form.
+EpStats moe_layer_ep(const MoeShape& s, std::span<const MoeWeightsView> rank_weights,
+                     std::span<const RankBatch> ranks, std::span<float* const> y,
+                     std::span<int32_t* const> ids = {}, std::span<float* const> weights = {},
+                     const LayerOptions& opt = {});
 
 }  // namespace megamoe::ref

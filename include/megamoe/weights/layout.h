@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "megamoe/model/shape.h"
 
@@ -50,10 +51,19 @@ class RegionPlanner {
   size_t cursor_ = 0;
 };
 
+// The routed experts a layout holds: [first, first + count) of the layer's E. An
+// expert-parallel rank's weights hold only its own experts (plus the shared expert,
+// and the whole router: every rank routes its tokens over all E).
+struct ExpertRange {
+  int first = 0;
+  int count = 0;
+};
+
 struct MoeWeightLayout {
-  Region w13, w13_scale, w2, w2_scale;
+  Region w13, w13_scale, w2, w2_scale;  // experts.count experts, from experts.first
   Region shared_w13, shared_w13_scale, shared_w2, shared_w2_scale;
-  Region router, bias;
+  Region router, bias;  // all E experts
+  ExpertRange experts;
   size_t total_bytes = 0;
 
   // Sizes of the scale grids (in blocks) for one expert of intermediate `inter`.
@@ -61,8 +71,20 @@ struct MoeWeightLayout {
   static int hidden_blocks(int hidden) { return ceil_div(hidden, kWeightBlock); }
   static int inter_blocks(int inter) { return ceil_div(inter, kWeightBlock); }
 
-  static MoeWeightLayout compute(const MoeShape& s);
+  static MoeWeightLayout compute(const MoeShape& s);  // every expert
+  // Only the routed experts of `r` (a non-empty range inside [0, E); checked).
+  static MoeWeightLayout compute(const MoeShape& s, ExpertRange r);
 };
+
+// One contiguous byte range to copy from one layout's buffer into another's.
+struct RegionCopy {
+  size_t src_offset = 0, dst_offset = 0, bytes = 0;
+};
+// The copies that fill a layout `to` from a layout `from` of the same shape whose
+// experts include all of `to`'s (an expert-parallel rank's upload from the whole
+// layer): each routed region's sub-range, the shared expert, router and bias whole.
+// Throws std::invalid_argument when `from` lacks some of `to`'s experts.
+std::vector<RegionCopy> region_copies(const MoeWeightLayout& from, const MoeWeightLayout& to);
 
 // Typed pointers into one layer's weights (host or device). Read-only for the
 // compute paths; the loader writes through the same offsets.
@@ -79,8 +101,9 @@ struct MoeWeightsView {
   const float* bias = nullptr;
 
   static MoeWeightsView at(const void* base, const MoeWeightLayout& l, const MoeShape& s);
-  // The same view with routed expert e as its expert 0 (one expert's weights and
-  // scales; an expert-parallel rank's first local expert).
+  // The same view with the layout's routed expert e (counted from its
+  // experts.first) as its expert 0 (one expert's weights and scales; an
+  // expert-parallel rank's first local expert in a view of the whole layer).
   MoeWeightsView from_expert(const MoeShape& s, int e) const;
 };
 
