@@ -12,6 +12,7 @@
 #include "megamoe/api/ep_layer.h"
 #include "megamoe/kernels/fused_moe.h"
 #include "megamoe/transport/transport.h"
+#include "megamoe/weights/device_memory.h"
 
 namespace megamoe::api {
 
@@ -41,6 +42,7 @@ struct CudaEpMoeLayer::Impl {
   struct Rank {
     int rank = 0, device = 0;
     void* weights = nullptr;  // the rank's own experts (rank_layout), shared expert, router
+    bool borrowed = false;    // a WeightStore's buffer (not freed here)
     MoeWeightLayout rank_layout;
     void* workspace = nullptr;
     int* own_count = nullptr;
@@ -56,7 +58,7 @@ struct CudaEpMoeLayer::Impl {
     for (Rank& r : local) {
       cudaSetDevice(r.device);
       if (r.plan) kernels::fused_moe_plan_destroy(r.plan);
-      cudaFree(r.weights);
+      if (!r.borrowed) cudaFree(r.weights);
       cudaFree(r.workspace);
       cudaFree(r.own_count);
       if (r.stream) cudaStreamDestroy(r.stream);
@@ -67,17 +69,25 @@ struct CudaEpMoeLayer::Impl {
 };
 
 CudaEpMoeLayer::CudaEpMoeLayer(const HostMoeWeights& w, const EpLayerOptions& opt)
+    : CudaEpMoeLayer(std::vector<WeightSource>{{w.shape, w.layout, w.data(), false}}, opt) {}
+
+CudaEpMoeLayer::CudaEpMoeLayer(const std::vector<WeightSource>& sources, const EpLayerOptions& opt)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   DeviceGuard guard;
-  validate_shape(w.shape);
+  MEGAMOE_CHECK(!sources.empty(), "CudaEpMoeLayer: no weights");
+  const MoeShape& shape = sources[0].shape;
+  validate_shape(shape);
+  for (const WeightSource& w : sources)
+    if (w.shape.describe() != shape.describe() || w.shape.correction_bias != shape.correction_bias)
+      throw std::invalid_argument("CudaEpMoeLayer: the ranks' weights are of different layer shapes");
   if (opt.max_tokens <= 0)
     throw std::invalid_argument(fmt::format("max_tokens = {} per rank must be > 0", opt.max_tokens));
   if (!(opt.timeout_s > 0)) throw std::invalid_argument("the expert-parallel timeout must be > 0 seconds");
-  m.shape = w.shape;
+  m.shape = shape;
   m.opt = opt;
-  m.layout = kernels::EpLayout::compute(w.shape, opt.ranks, opt.max_tokens);  // checks R and E % R
-  m.ws = kernels::MoeWorkspaceLayout::compute(w.shape, opt.max_tokens, opt.ranks);
+  m.layout = kernels::EpLayout::compute(shape, opt.ranks, opt.max_tokens);  // checks R and E % R
+  m.ws = kernels::MoeWorkspaceLayout::compute(shape, opt.max_tokens, opt.ranks);
   int sms_share = 0;  // 0: every SM of the rank's device
   if (opt.transport == EpTransport::kVirtual) {
     if (!opt.local_ranks.empty() || !opt.devices.empty() || !opt.rendezvous.empty())
@@ -102,21 +112,42 @@ CudaEpMoeLayer::CudaEpMoeLayer(const HostMoeWeights& w, const EpLayerOptions& op
     m.transport = transport::make_nccl_transport(m.layout, no);
   }
   MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&m.fork, cudaEventDisableTiming));
-  for (int r : m.transport->local_ranks()) {
+  const std::vector<int> local_ranks = m.transport->local_ranks();
+  if (sources.size() != 1 && sources.size() != local_ranks.size())
+    throw std::invalid_argument(
+        fmt::format("CudaEpMoeLayer: {} weight sources for {} local ranks (give one, or one each)",
+                    sources.size(), local_ranks.size()));
+  for (int r : local_ranks) {
+    const WeightSource& src = sources[sources.size() == 1 ? 0 : m.local.size()];
+    const dev::PointerInfo src_mem = dev::pointer_info(src.base);
     m.local.emplace_back();
     Impl::Rank& k = m.local.back();  // (owned by m from here: ~Impl frees what a throw leaves)
     k.rank = r;
     k.device = m.transport->device(r);
     MEGAMOE_CUDA_CHECK(cudaSetDevice(k.device));
-    // Each rank holds only its E/R experts (plus the shared expert and the whole router),
-    // uploaded from the host layer's ranges: R ranks on R GPUs hold the layer once between
-    // them, and virtual ranks run the same rank-local views.
-    k.rank_layout =
-        MoeWeightLayout::compute(w.shape, ExpertRange{r * m.layout.local_experts, m.layout.local_experts});
-    MEGAMOE_CUDA_CHECK(cudaMalloc(&k.weights, k.rank_layout.total_bytes));
-    for (const RegionCopy& c : region_copies(w.layout, k.rank_layout))
-      MEGAMOE_CUDA_CHECK(cudaMemcpy(static_cast<uint8_t*>(k.weights) + c.dst_offset, w.data() + c.src_offset,
-                                    c.bytes, cudaMemcpyHostToDevice));
+    // Each rank holds only its E/R experts (plus the shared expert and the whole router):
+    // R ranks on R GPUs hold the layer once between them, and virtual ranks run the same
+    // rank-local views. A device store holding exactly the rank's experts on its device
+    // is borrowed (reloads land in place); otherwise the rank's part is copied.
+    const ExpertRange own{r * m.layout.local_experts, m.layout.local_experts};
+    k.rank_layout = MoeWeightLayout::compute(shape, own);
+    const ExpertRange have = src.layout.experts;
+    if (own.first < have.first || own.first + own.count > have.first + have.count)
+      throw std::invalid_argument(fmt::format(
+          "CudaEpMoeLayer: rank {} owns experts [{}, {}), but the weights hold experts [{}, {}) only", r,
+          own.first, own.first + own.count, have.first, have.first + have.count));
+    if (src.borrow && src_mem.device && src_mem.ordinal == k.device && have.first == own.first &&
+        have.count == own.count) {
+      require_aligned(src.base, 256, "CudaEpMoeLayer weights");
+      k.weights = const_cast<void*>(src.base);  // (read only: the kernels take a const view)
+      k.borrowed = true;
+    } else {
+      MEGAMOE_CUDA_CHECK(cudaMalloc(&k.weights, k.rank_layout.total_bytes));
+      for (const RegionCopy& c : region_copies(src.layout, k.rank_layout))
+        MEGAMOE_CUDA_CHECK(cudaMemcpy(static_cast<uint8_t*>(k.weights) + c.dst_offset,
+                                      static_cast<const uint8_t*>(src.base) + c.src_offset, c.bytes,
+                                      cudaMemcpyDefault));
+    }
     MEGAMOE_CUDA_CHECK(cudaMalloc(&k.workspace, m.ws.total_bytes));
     // NOTE: poison, so a region the kernels fail to write shows up as garbage, never as zeros.
     MEGAMOE_CUDA_CHECK(cudaMemset(k.workspace, 0xFF, m.ws.total_bytes));
@@ -132,8 +163,8 @@ CudaEpMoeLayer::CudaEpMoeLayer(const HostMoeWeights& w, const EpLayerOptions& op
     ep.timeout_s = opt.timeout_s;
     kernels::FusedMoeConfig cfg;
     cfg.num_sms = sms_share;
-    k.plan = kernels::fused_moe_plan_create(w.shape, MoeWeightsView::at(k.weights, k.rank_layout, w.shape),
-                                            m.ws, k.workspace, cfg, &ep);
+    k.plan = kernels::fused_moe_plan_create(shape, MoeWeightsView::at(k.weights, k.rank_layout, shape), m.ws,
+                                            k.workspace, cfg, &ep);
   }
 }
 
@@ -226,6 +257,11 @@ int CudaEpMoeLayer::device(int i) const {
 size_t CudaEpMoeLayer::weight_bytes(int i) const {
   MEGAMOE_CHECK(i >= 0 && i < int(impl_->local.size()), "weight_bytes: no local rank " + std::to_string(i));
   return impl_->local[i].rank_layout.total_bytes;
+}
+bool CudaEpMoeLayer::borrows_weights(int i) const {
+  MEGAMOE_CHECK(i >= 0 && i < int(impl_->local.size()),
+                "borrows_weights: no local rank " + std::to_string(i));
+  return impl_->local[i].borrowed;
 }
 int CudaEpMoeLayer::max_tokens() const { return impl_->opt.max_tokens; }
 const MoeShape& CudaEpMoeLayer::shape() const { return impl_->shape; }

@@ -45,7 +45,7 @@ Backend resolve(Backend b) {
 }
 
 ForwardOutput forward(Backend b, const HostMoeWeights& w, const num::bf16_t* x, int T, int ranks) {
-  const MoeShape& s = w.shape;
+  const MoeShape& s = whole_layer(w, "forward").shape;
   if (T < 0) throw std::invalid_argument(fmt::format("token count {} must be >= 0", T));
   if (ranks < 1) throw std::invalid_argument(fmt::format("ranks = {} must be >= 1", ranks));
 #if defined(MEGAMOE_HAVE_CUDA)

@@ -83,7 +83,7 @@ static void finish_plan(CudaMoeLayer::Impl& impl) {
 }
 
 CudaMoeLayer::CudaMoeLayer(const HostMoeWeights& w, const MoeLayerOptions& opt)
-    : impl_(make_impl(w.shape, opt)) {
+    : impl_(make_impl(whole_layer(w, "CudaMoeLayer").shape, opt)) {
   MEGAMOE_CUDA_CHECK(cudaMalloc(&impl_->owned_weights, w.bytes()));
   MEGAMOE_CUDA_CHECK(cudaMemcpy(impl_->owned_weights, w.data(), w.bytes(), cudaMemcpyHostToDevice));
   impl_->weights = impl_->owned_weights;

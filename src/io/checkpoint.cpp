@@ -80,11 +80,15 @@ size_t TensorSlot::bytes() const {
 }
 
 std::vector<TensorSlot> moe_layer_slots(const MoeShape& s, std::string_view prefix) {
+  return moe_layer_slots(s, prefix, ExpertRange{0, s.experts});
+}
+
+std::vector<TensorSlot> moe_layer_slots(const MoeShape& s, std::string_view prefix, ExpertRange experts) {
   const std::string p(prefix);
   std::vector<TensorSlot> out;
-  out.reserve(size_t(s.experts) * 6 + 8);
-  for (int e = 0; e < s.experts; ++e)
-    add_mlp_slots(out, fmt::format("{}experts.{}.", p, e), s.hidden, s.inter, size_t(e),
+  out.reserve(size_t(experts.count) * 6 + 8);
+  for (int e = experts.first; e < experts.first + experts.count; ++e)
+    add_mlp_slots(out, fmt::format("{}experts.{}.", p, e), s.hidden, s.inter, size_t(e - experts.first),
                   &MoeWeightLayout::w13, &MoeWeightLayout::w13_scale, &MoeWeightLayout::w2,
                   &MoeWeightLayout::w2_scale);
   if (s.has_shared())
@@ -170,7 +174,7 @@ HostMoeWeights load_moe_layer(const Checkpoint& ckpt, const ModelDesc& desc, int
 
 std::vector<TensorToWrite> layer_tensors(const HostMoeWeights& w, std::string_view prefix) {
   std::vector<TensorToWrite> out;
-  for (const TensorSlot& s : moe_layer_slots(w.shape, prefix))
+  for (const TensorSlot& s : moe_layer_slots(w.shape, prefix, w.layout.experts))
     out.push_back({s.name, s.dtype, s.shape, w.data() + s.at(w.layout), s.bytes()});
   return out;
 }

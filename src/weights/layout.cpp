@@ -65,6 +65,10 @@ MoeWeightsView MoeWeightsView::from_expert(const MoeShape& s, int e) const {
   return v;
 }
 
+std::string MoeWeightLayout::experts_text(const MoeShape& s) const {
+  return fmt::format("experts [{}, {}) of {}", experts.first, experts.first + experts.count, s.experts);
+}
+
 std::vector<RegionCopy> region_copies(const MoeWeightLayout& from, const MoeWeightLayout& to) {
   const ExpertRange f = from.experts, t = to.experts;
   if (t.first < f.first || t.first + t.count > f.first + f.count)

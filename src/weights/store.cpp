@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -113,7 +114,9 @@ ReloadMode parse_reload_mode(std::string_view s) {
   throw std::invalid_argument(fmt::format("unknown reload mode '{}' (layerwise, direct)", s));
 }
 
-Mxfp8Layout Mxfp8Layout::compute(const MoeShape& s) {
+Mxfp8Layout Mxfp8Layout::compute(const MoeShape& s) { return compute(s, s.experts); }
+
+Mxfp8Layout Mxfp8Layout::compute(const MoeShape& s, int experts) {
   s.validate();
   if (s.hidden % num::kMxGroup != 0 || s.inter % num::kMxGroup != 0)
     throw std::invalid_argument(fmt::format("MXFP8 kernel format: H = {} and I = {} must be multiples of {}",
@@ -121,8 +124,7 @@ Mxfp8Layout Mxfp8Layout::compute(const MoeShape& s) {
   Mxfp8Layout l;
   RegionPlanner plan(kAlign);
   auto place = [&](Region& r, size_t bytes) { plan.place(r, bytes); };
-  const size_t H = size_t(s.hidden), I = size_t(s.inter), E = size_t(s.experts),
-               Is = size_t(s.shared_inter());
+  const size_t H = size_t(s.hidden), I = size_t(s.inter), E = size_t(experts), Is = size_t(s.shared_inter());
   const size_t g = num::kMxGroup;
   place(l.w13, E * 2 * I * H);
   place(l.w13_sf, E * 2 * I * H / g);
@@ -160,6 +162,27 @@ uint64_t hash_bytes(const void* data, size_t bytes) {
   return h;
 }
 
+namespace {
+
+// N if `rest` (a tensor name after its layer's prefix) is one of routed expert N's six
+// checkpoint tensors ("experts.N.gate_proj.weight", ...), else -1.
+int routed_expert_tensor(std::string_view rest) {
+  constexpr std::string_view kExperts = "experts.";
+  if (!rest.starts_with(kExperts)) return -1;
+  rest.remove_prefix(kExperts.size());
+  int e = 0;
+  const auto [end, ec] = std::from_chars(rest.data(), rest.data() + rest.size(), e);
+  if (ec != std::errc() || end == rest.data() || e < 0 || (rest[0] == '0' && end - rest.data() > 1))
+    return -1;
+  rest.remove_prefix(size_t(end - rest.data()));
+  for (std::string_view t : {".gate_proj.weight", ".gate_proj.weight_scale_inv", ".up_proj.weight",
+                             ".up_proj.weight_scale_inv", ".down_proj.weight", ".down_proj.weight_scale_inv"})
+    if (rest == t) return e;
+  return -1;
+}
+
+}  // namespace
+
 // ---------------------------------------------------------------- Impl
 
 struct WeightStore::Impl {
@@ -194,11 +217,17 @@ struct WeightStore::Impl {
       l.index = layer_ids[i];
       l.prefix = desc.layer_prefix(l.index);
       l.shape = shapes[i];
-      l.layout = MoeWeightLayout::compute(l.shape);
+      const bool all = opt.experts.first == 0 && opt.experts.count == 0;  // (the default)
+      const ExpertRange held = all ? ExpertRange{0, l.shape.experts} : opt.experts;
+      try {
+        l.layout = MoeWeightLayout::compute(l.shape, held);
+      } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument(fmt::format("WeightStore: layer {}: {}", l.index, e.what()));
+      }
       l.mx_offset = round_up(l.layout.total_bytes, kAlign);
-      if (mxfp8()) l.mx = Mxfp8Layout::compute(l.shape);
+      if (mxfp8()) l.mx = Mxfp8Layout::compute(l.shape, held.count);  // the held experts only
       l.alloc_bytes = l.mx_offset + l.mx.total_bytes;
-      l.slots = io::moe_layer_slots(l.shape, l.prefix);
+      l.slots = io::moe_layer_slots(l.shape, l.prefix, held);
       l.info = slot_infos(l.slots);
       l.pair_reports.assign(l.slots.size(), {});
       l.arrived.assign(l.slots.size(), 0);
@@ -244,6 +273,11 @@ struct WeightStore::Impl {
     for (const Layer& l : layers) {
       if (!name.starts_with(l.prefix)) continue;
       const std::string_view rest = name.substr(l.prefix.size());
+      if (const int e = routed_expert_tensor(rest); e >= 0 && e < l.shape.experts) {
+        // A tensor of one of the layer's experts this store does not hold (another
+        // expert-parallel rank's): not ours, like an attention weight.
+        return std::nullopt;
+      }
       if (rest.starts_with("experts.") || rest.starts_with("shared_experts."))
         throw io::FormatError(
             fmt::format("layer {}: unexpected tensor '{}' (layout: E = {}, shared experts = {})", l.index,
@@ -682,12 +716,15 @@ bool WeightStore::ready(int layer) const {
 MoeWeightsView WeightStore::host_view(int layer) const {
   if (impl_->device()) throw std::logic_error("WeightStore::host_view: the store holds device memory");
   const Layer& l = impl_->layer(layer);
+  if (!l.layout.whole(l.shape))
+    throw std::logic_error(fmt::format("WeightStore::host_view: layer {} holds {} (no whole-layer view)",
+                                       layer, l.layout.experts_text(l.shape)));
   return MoeWeightsView::at(l.base, l.layout, l.shape);
 }
 
 HostMoeWeights WeightStore::to_host(int layer) const {
   const Layer& l = impl_->layer(layer);
-  HostMoeWeights w(l.shape);
+  HostMoeWeights w(l.shape, l.layout.experts);
   read_bytes(layer, 0, l.layout.total_bytes, w.data());
   return w;
 }

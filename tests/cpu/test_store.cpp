@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "megamoe/api/forward.h"
 #include "megamoe/api/moe_layer.h"
 #include "megamoe/io/checkpoint.h"
 #include "megamoe/numerics/quant.h"
@@ -365,7 +366,8 @@ void expect_mxfp8_exact(const WeightStore& st, int L, const io::Checkpoint& ck, 
   size_t off = 0;
   const Mxfp8Layout& mx = st.mxfp8_layout(L);
   Region q_reg{}, sf_reg{};
-  for (const auto& slot : io::moe_layer_slots(st.shape(L), name.substr(0, name.find("experts."))))
+  for (const auto& slot :
+       io::moe_layer_slots(st.shape(L), name.substr(0, name.find("experts.")), st.layout(L).experts))
     if (slot.name == name) {
       off = slot.offset;
       if (slot.region == &MoeWeightLayout::w13) q_reg = mx.w13, sf_reg = mx.w13_sf;
@@ -414,6 +416,74 @@ TEST(Store, Mxfp8CopyIsExactForPow2Scales) {
   expect_mxfp8_exact(st, L, ck, p + "experts.4.down_proj.weight");
   // The Hopper layout itself is untouched by the derived copy.
   EXPECT_EQ(layer_bytes(st, L), host_bytes(io::load_moe_layer(ck, d, L)));
+}
+
+// An expert-parallel rank's store (WeightStoreOptions::experts): only its experts'
+// tensors land, laid out from the region starts; the other experts' are not held.
+TEST(Store, ExpertRangeHoldsOneRanksExperts) {
+  TempDir dir;
+  const ModelDesc d = test::write_test_checkpoint(dir.path(), 2, 23, /*pow2_scales=*/true);
+  const io::Checkpoint ck(dir.path());
+  const ExpertRange own{2, 2};  // rank 1 of 4 (E = 8)
+  WeightStoreOptions o;
+  o.experts = own;
+  o.kernel_format = KernelFormat::kMxfp8Blackwell;  // its derived copy holds the range too
+  WeightStore st = WeightStore::for_checkpoint(ck, d, o);
+  const FinishReport r = st.load(ck);  // finish() asks for the held tensors only
+  EXPECT_EQ(r.layers_processed, 2);
+  size_t held = 0;
+  for (int L : d.moe_layers) held += io::moe_layer_slots(st.shape(L), d.layer_prefix(L), own).size();
+  EXPECT_EQ(r.tensors, held);
+  EXPECT_LT(r.tensors, moe_views(ck, d).size());
+  for (int L : d.moe_layers) {
+    const MoeShape& s = st.shape(L);
+    EXPECT_TRUE(st.ready(L));
+    EXPECT_EQ(st.layout(L).experts.first, own.first);
+    EXPECT_EQ(st.layout(L).experts.count, own.count);
+    EXPECT_FALSE(st.layout(L).whole(s));
+    EXPECT_EQ(st.mxfp8_layout(L).w13.bytes * 4, Mxfp8Layout::compute(s).w13.bytes);
+    // The bytes: the whole layer's, cut by region_copies into the rank's layout.
+    const HostMoeWeights all = io::load_moe_layer(ck, d, L);
+    std::vector<uint8_t> want(st.layout(L).total_bytes, 0);
+    for (const RegionCopy& c : region_copies(all.layout, st.layout(L)))
+      std::memcpy(want.data() + c.dst_offset, all.data() + c.src_offset, c.bytes);
+    EXPECT_EQ(layer_bytes(st, L), want) << "layer " << L;
+    const HostMoeWeights part = st.to_host(L);
+    EXPECT_EQ(part.layout.experts.first, own.first);
+    EXPECT_EQ(host_bytes(part), want);
+    // A partial layer is no whole layer: no CPU view, no CPU forward.
+    EXPECT_THROW(st.host_view(L), std::logic_error);
+    const std::vector<num::bf16_t> x(size_t(2) * s.hidden, num::bf16_t{0x3f80});
+    EXPECT_THROW(api::forward(api::Backend::kCpu, part, x.data(), 2), std::invalid_argument);
+    // Written back, it is the rank's experts' tensors under their own names.
+    const auto tensors = io::layer_tensors(part, d.layer_prefix(L));
+    EXPECT_EQ(tensors.size(), io::moe_layer_slots(s, d.layer_prefix(L), own).size());
+    for (const auto& t : tensors) {
+      const io::TensorView v = ck.lookup(t.name);
+      ASSERT_EQ(v.bytes, t.bytes) << t.name;
+      EXPECT_EQ(std::memcmp(v.data, t.data, t.bytes), 0) << t.name;
+    }
+  }
+  const int L = d.moe_layers[0];
+  const std::string p = d.layer_prefix(L);
+  expect_mxfp8_exact(st, L, ck, p + "experts.2.gate_proj.weight");
+  expect_mxfp8_exact(st, L, ck, p + "experts.3.down_proj.weight");
+  // Updates: another rank's expert is not held, an expert the layer lacks is an error.
+  st.begin(ReloadMode::kDirect);
+  EXPECT_FALSE(st.update(ck.lookup(p + "experts.5.up_proj.weight")));
+  EXPECT_TRUE(st.update(ck.lookup(p + "experts.3.up_proj.weight")));
+  EXPECT_TRUE(st.update(ck.lookup(p + "experts.3.up_proj.weight_scale_inv")));
+  const io::TensorView g = ck.lookup(p + "experts.5.gate_proj.weight");
+  EXPECT_THROW(st.update(p + "experts.8.gate_proj.weight", g.dtype, g.shape, g.data, g.bytes),
+               io::FormatError);
+  EXPECT_THROW(st.update(p + "experts.5.gate_proj.bias", g.dtype, g.shape, g.data, g.bytes), io::FormatError);
+  st.finish();
+  // Ranges outside the layer's experts are refused when the store is made.
+  for (ExpertRange bad : {ExpertRange{7, 2}, ExpertRange{-1, 2}, ExpertRange{8, 1}}) {
+    o.experts = bad;
+    EXPECT_THROW(WeightStore::for_checkpoint(ck, d, o), std::invalid_argument)
+        << bad.first << "+" << bad.count;
+  }
 }
 
 TEST(Store, Mxfp8NonPow2WarnsOnceAndReportsTheError) {

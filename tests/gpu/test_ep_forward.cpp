@@ -149,7 +149,9 @@ TEST_F(EpForward, BytesMatchSingleDeviceAndCpuReference) {
     for (int r = 0; r < R; ++r) {
       const ExpertRange own{r * (s.experts / R), s.experts / R};
       EXPECT_EQ(layer.weight_bytes(r), MoeWeightLayout::compute(s, own).total_bytes) << "rank " << r;
-      if (R > 1) EXPECT_LT(layer.weight_bytes(r), w.bytes()) << "rank " << r;
+      if (R > 1) {
+        EXPECT_LT(layer.weight_bytes(r), w.bytes()) << "rank " << r;
+      }
     }
     RankBuffers b(xs);
     for (int rep = 0; rep < 2; ++rep) {  // the second forward runs on the next epoch

@@ -15,6 +15,7 @@
 
 #include "../cpu/store_support.h"
 #include "gpu_test_util.h"
+#include "megamoe/api/ep_layer.h"
 #include "megamoe/api/moe_layer.h"
 #include "megamoe/io/checkpoint.h"
 #include "megamoe/weights/device_memory.h"
@@ -164,6 +165,109 @@ TEST_F(StoreDevice, LayerObjectBorrowsTheStore) {
   EXPECT_EQ(run(borrowed), want) << "after a reload in place";
   cudaFree(dx);
   cudaFree(dy);
+}
+
+// Expert parallelism from rank stores: R = 4 virtual ranks, each reading its own device
+// store (its two experts of 8, WeightStoreOptions::experts) in place. The output bytes
+// equal the single-device layer's; a store zeroed in place changes them, a reload in
+// place brings them back; a whole-layer store is copied from instead of borrowed.
+TEST_F(StoreDevice, EpLayerBorrowsRankStores) {
+  test::TempDir dir;
+  const ModelDesc d = test::write_test_checkpoint(dir.path(), 1, 29);
+  const io::Checkpoint ck(dir.path());
+  const int L = d.moe_layers[0], R = 4, E = d.shape.experts;
+  std::vector<WeightStore> stores;
+  std::vector<const WeightStore*> ptrs;
+  for (int r = 0; r < R; ++r) {
+    WeightStoreOptions o;
+    o.memory = StoreMemory::kDevice;
+    o.layers = {L};
+    o.experts = {r * (E / R), E / R};
+    stores.push_back(WeightStore::for_checkpoint(ck, d, o));
+  }
+  for (WeightStore& st : stores) ptrs.push_back(&st);
+  api::EpLayerOptions eo;
+  eo.ranks = R;
+  eo.max_tokens = 24;
+  try {
+    api::CudaEpMoeLayer early(ptrs, L, eo);
+    ADD_FAILURE() << "an expert-parallel layer on stores not yet loaded";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("is not loaded"), std::string::npos) << e.what();
+  }
+  for (WeightStore& st : stores) st.load(ck);
+  // One rank's store for every rank: rank 0's experts only, so rank 1 cannot run.
+  try {
+    api::CudaEpMoeLayer wrong(stores[0], L, eo);
+    ADD_FAILURE() << "rank 1 ran on rank 0's experts";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 owns experts [2, 4)"), std::string::npos) << e.what();
+  }
+  api::CudaEpMoeLayer ep(ptrs, L, eo);
+  for (int r = 0; r < R; ++r) EXPECT_TRUE(ep.borrows_weights(r)) << "rank " << r;
+  WeightStoreOptions whole_opt;
+  whole_opt.memory = StoreMemory::kDevice;
+  WeightStore whole = WeightStore::for_checkpoint(ck, d, whole_opt);
+  whole.load(ck);
+  api::CudaEpMoeLayer copied(whole, L, eo);
+  for (int r = 0; r < R; ++r) EXPECT_FALSE(copied.borrows_weights(r)) << "rank " << r;
+  // A rank's part of a whole layer is no layer of its own.
+  try {
+    api::CudaMoeLayer part(stores[1], L, {});
+    ADD_FAILURE() << "a single-device layer on a rank's experts";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("holds experts [2, 4) of 8"), std::string::npos) << e.what();
+  }
+
+  const std::vector<int> tokens = {7, 24, 0, 13};
+  std::vector<std::vector<num::bf16_t>> xs;
+  std::vector<const num::bf16_t*> dx;
+  std::vector<num::bf16_t*> dy;
+  for (int r = 0; r < R; ++r) {
+    xs.push_back(testutil::random_x(size_t(std::max(tokens[r], 1)) * d.shape.hidden, 300 + r));
+    void *px = nullptr, *py = nullptr;
+    CK(cudaMalloc(&px, xs[r].size() * 2));
+    CK(cudaMalloc(&py, xs[r].size() * 2));
+    CK(cudaMemcpy(px, xs[r].data(), xs[r].size() * 2, cudaMemcpyHostToDevice));
+    dx.push_back(static_cast<const num::bf16_t*>(px));
+    dy.push_back(static_cast<num::bf16_t*>(py));
+  }
+  auto run = [&](api::CudaEpMoeLayer& m) {
+    std::vector<std::vector<num::bf16_t>> y(R);
+    for (int r = 0; r < R; ++r) EXPECT_EQ(cudaMemset(dy[r], 0xFF, xs[r].size() * 2), cudaSuccess);
+    m.forward(dx, dy, tokens, nullptr);
+    EXPECT_NO_THROW(m.check());
+    for (int r = 0; r < R; ++r) {
+      y[r].resize(size_t(tokens[r]) * d.shape.hidden);
+      EXPECT_EQ(cudaMemcpy(y[r].data(), dy[r], y[r].size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    }
+    return y;
+  };
+  // The single-device bytes, rank by rank.
+  std::vector<std::vector<num::bf16_t>> want(R);
+  {
+    api::MoeLayerOptions lo;
+    lo.max_tokens = 24;
+    api::CudaMoeLayer one(whole, L, lo);
+    for (int r = 0; r < R; ++r) {
+      one.forward(dx[r], dy[r], tokens[r], nullptr, nullptr);
+      want[r].resize(size_t(tokens[r]) * d.shape.hidden);
+      CK(cudaMemcpy(want[r].data(), dy[r], want[r].size() * 2, cudaMemcpyDeviceToHost));
+    }
+  }
+  EXPECT_EQ(run(ep), want);
+  EXPECT_EQ(run(copied), want);
+  stores[1].zero_experts(L);  // rank 1's experts (and its shared expert copy) to zero, in place
+  EXPECT_NE(run(ep), want) << "the borrowed store's change did not reach the forward";
+  EXPECT_EQ(run(copied), want);
+  LoadOptions reload;
+  reload.mode = ReloadMode::kDirect;
+  stores[1].load(ck, reload);
+  EXPECT_EQ(run(ep), want) << "after a reload in place";
+  for (int r = 0; r < R; ++r) {
+    cudaFree(const_cast<num::bf16_t*>(dx[r]));
+    cudaFree(dy[r]);
+  }
 }
 
 }  // namespace

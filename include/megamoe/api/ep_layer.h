@@ -21,6 +21,10 @@
 #include "megamoe/numerics/fp8.h"
 #include "megamoe/weights/host_weights.h"
 
+namespace megamoe {
+class WeightStore;
+}
+
 namespace megamoe::api {
 
 enum class EpTransport { kVirtual, kNccl };
@@ -42,8 +46,17 @@ EpTransport parse_ep_transport(const std::string& name);  // virtual | nccl
 class CudaEpMoeLayer {
  public:
   // Uploads each local rank's part of the host weights to its device (w stays the
-  // caller's; it may be freed after construction).
+  // caller's; it may be freed after construction). w may hold only some experts
+  // (HostMoeWeights(shape, ExpertRange)): those of every local rank.
   CudaEpMoeLayer(const HostMoeWeights& w, const EpLayerOptions& opt);
+  // From a loaded layer of WeightStores (moe_layer_store.cpp): one store for every
+  // local rank, or one each (stores[i] for local rank i, e.g. each on its rank's GPU
+  // holding its experts: WeightStoreOptions::experts). A device store that holds
+  // exactly its rank's experts on that rank's device is borrowed, so its in-place
+  // reloads reach the next forward (keep it alive while the layer is used); any other
+  // (host memory, another device, more experts) is copied from, once.
+  CudaEpMoeLayer(const WeightStore& store, int layer, const EpLayerOptions& opt);
+  CudaEpMoeLayer(const std::vector<const WeightStore*>& stores, int layer, const EpLayerOptions& opt);
   ~CudaEpMoeLayer();
   CudaEpMoeLayer(const CudaEpMoeLayer&) = delete;
   CudaEpMoeLayer& operator=(const CudaEpMoeLayer&) = delete;
@@ -76,6 +89,8 @@ class CudaEpMoeLayer {
   // Device bytes of local rank i's weights: its experts' share of the layer, the
   // shared expert and the router.
   size_t weight_bytes(int local_index) const;
+  // Whether local rank i reads a WeightStore's buffer in place (see the constructor).
+  bool borrows_weights(int local_index) const;
   int max_tokens() const;
   const MoeShape& shape() const;
   // Routing outputs of local rank i's last forward (device pointers, [T][K], global ids).
@@ -86,6 +101,16 @@ class CudaEpMoeLayer {
   struct Impl;
 
  private:
+  // A layer's weights in host or device memory laid out by `layout`; borrow: a
+  // device buffer a rank may read in place (a WeightStore's).
+  struct WeightSource {
+    MoeShape shape;
+    MoeWeightLayout layout;
+    const void* base = nullptr;
+    bool borrow = false;
+  };
+  // One source for every local rank, or one each.
+  CudaEpMoeLayer(const std::vector<WeightSource>& src, const EpLayerOptions& opt);
   std::unique_ptr<Impl> impl_;
 };
 

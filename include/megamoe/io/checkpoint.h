@@ -48,6 +48,9 @@ struct TensorSlot {
 // s.correction_bias), named under `prefix`. Offsets are relative to each
 // region, so the table holds for any buffer laid out by MoeWeightLayout::compute(s).
 std::vector<TensorSlot> moe_layer_slots(const MoeShape& s, std::string_view prefix);
+// Only the routed experts of `experts` (named by their index in the layer, placed from
+// the region's start): the table of a layout MoeWeightLayout::compute(s, experts).
+std::vector<TensorSlot> moe_layer_slots(const MoeShape& s, std::string_view prefix, ExpertRange experts);
 
 // Loads MoE layer `layer` into the kernel layout. The router dtype is the one
 // gate.weight has in the file (BF16 or F32), whatever the config claims; the

@@ -17,6 +17,7 @@ struct HostMoeWeights {
   MoeWeightLayout layout;
 
   explicit HostMoeWeights(const MoeShape& s);
+  HostMoeWeights(const MoeShape& s, ExpertRange experts);  // only these routed experts
   HostMoeWeights(HostMoeWeights&&) noexcept = default;
   HostMoeWeights& operator=(HostMoeWeights&&) noexcept = default;
 
@@ -32,6 +33,10 @@ struct HostMoeWeights {
   };
   std::unique_ptr<uint8_t, Free> storage_;
 };
+
+// w itself if it holds every routed expert (MoeWeightLayout::whole), else
+// std::invalid_argument naming `what` and the experts w holds.
+const HostMoeWeights& whole_layer(const HostMoeWeights& w, const char* what);
 
 // Random weights shaped like a block-FP8 checkpoint: E4M3 codes distributed
 // like a quantized normal (block amax near 448), per-block float32 scales

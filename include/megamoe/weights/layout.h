@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "megamoe/model/shape.h"
@@ -70,6 +71,12 @@ struct MoeWeightLayout {
   static int w13_scale_rows(int inter) { return 2 * ceil_div(inter, kWeightBlock); }
   static int hidden_blocks(int hidden) { return ceil_div(hidden, kWeightBlock); }
   static int inter_blocks(int inter) { return ceil_div(inter, kWeightBlock); }
+
+  // Every routed expert of the layer (a whole layer: what the single-device layer,
+  // the CPU reference and the checkpoint writer take).
+  bool whole(const MoeShape& s) const { return experts.first == 0 && experts.count == s.experts; }
+  // "experts [a, b) of E" when not whole (for error messages).
+  std::string experts_text(const MoeShape& s) const;
 
   static MoeWeightLayout compute(const MoeShape& s);  // every expert
   // Only the routed experts of `r` (a non-empty range inside [0, E); checked).

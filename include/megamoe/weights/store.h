@@ -72,12 +72,19 @@ struct Mxfp8Layout {
   size_t total_bytes = 0;
 
   static Mxfp8Layout compute(const MoeShape& s);
+  static Mxfp8Layout compute(const MoeShape& s, int experts);  // that many routed experts
 };
 
 struct WeightStoreOptions {
   StoreMemory memory = StoreMemory::kHost;
   KernelFormat kernel_format = KernelFormat::kBlockFp8Hopper;
   std::vector<int> layers;  // decoder layer indices to hold; empty = every MoE layer
+  // The routed experts to hold ({0, 0}: all). An expert-parallel rank holds its own
+  // E/R (with the shared expert and the whole router): update() and load() pass over
+  // the other experts' tensors as not held, finish() asks only for these, and
+  // layout(layer).experts says which they are. Such a layer is not a whole layer:
+  // the single-device layer and the CPU forward refuse it; CudaEpMoeLayer takes it.
+  ExpertRange experts;
 };
 
 // What one session did.
@@ -119,7 +126,8 @@ class WeightStore {
   // Throws std::logic_error if a session is already open.
   void begin(ReloadMode mode);
   // One checkpoint tensor. Returns false (and copies nothing) for a name that
-  // belongs to no held MoE layer (attention, norms, dense layers, ...); a name
+  // belongs to no held MoE layer (attention, norms, dense layers, ...) or to a routed
+  // expert outside WeightStoreOptions::experts; a name
   // inside a held layer's experts./shared_experts./gate. namespace that the
   // layout does not have is an io::FormatError, as is a dtype, shape or byte
   // size that differs from the layout (message: tensor, expected vs found).
