@@ -33,32 +33,31 @@ struct DeviceGuard {
 
 }  // namespace
 
-struct CudaEpMoeLayer::Impl {
-  MoeShape shape;
+// What a model's expert-parallel layers share (EpLayerOptions::share): the transport
+// with its symmetric buffers, and each local rank's workspace, stream and events. The
+// layers of a model run one after another on a stream, so one set serves them all; the
+// epoch in the shared workspace counts every forward of every layer, on every rank alike.
+struct EpGroup {
+  MoeShape shape;  // the layers' shape (every sharing layer has it)
   EpLayerOptions opt;
   kernels::EpLayout layout;
   kernels::MoeWorkspaceLayout ws;
+  int sms_share = 0;  // 0: every SM of the rank's device
   std::unique_ptr<transport::Transport> transport;
+  cudaEvent_t fork = nullptr;
   struct Rank {
     int rank = 0, device = 0;
-    void* weights = nullptr;  // the rank's own experts (rank_layout), shared expert, router
-    bool borrowed = false;    // a WeightStore's buffer (not freed here)
-    MoeWeightLayout rank_layout;
     void* workspace = nullptr;
     int* own_count = nullptr;
     cudaStream_t stream = nullptr;
     cudaEvent_t done = nullptr;
-    kernels::FusedMoePlan* plan = nullptr;
-    IoPointerCheck io_check;
   };
   std::vector<Rank> local;
-  cudaEvent_t fork = nullptr;
 
-  ~Impl() {
+  EpGroup(const MoeShape& s, const EpLayerOptions& o);
+  ~EpGroup() {
     for (Rank& r : local) {
       cudaSetDevice(r.device);
-      if (r.plan) kernels::fused_moe_plan_destroy(r.plan);
-      if (!r.borrowed) cudaFree(r.weights);
       cudaFree(r.workspace);
       cudaFree(r.own_count);
       if (r.stream) cudaStreamDestroy(r.stream);
@@ -68,27 +67,12 @@ struct CudaEpMoeLayer::Impl {
   }
 };
 
-CudaEpMoeLayer::CudaEpMoeLayer(const HostMoeWeights& w, const EpLayerOptions& opt)
-    : CudaEpMoeLayer(std::vector<WeightSource>{{w.shape, w.layout, w.data(), false}}, opt) {}
-
-CudaEpMoeLayer::CudaEpMoeLayer(const std::vector<WeightSource>& sources, const EpLayerOptions& opt)
-    : impl_(std::make_unique<Impl>()) {
-  Impl& m = *impl_;
-  DeviceGuard guard;
-  MEGAMOE_CHECK(!sources.empty(), "CudaEpMoeLayer: no weights");
-  const MoeShape& shape = sources[0].shape;
-  validate_shape(shape);
-  for (const WeightSource& w : sources)
-    if (w.shape.describe() != shape.describe() || w.shape.correction_bias != shape.correction_bias)
-      throw std::invalid_argument("CudaEpMoeLayer: the ranks' weights are of different layer shapes");
+EpGroup::EpGroup(const MoeShape& s, const EpLayerOptions& o) : shape(s), opt(o) {
   if (opt.max_tokens <= 0)
     throw std::invalid_argument(fmt::format("max_tokens = {} per rank must be > 0", opt.max_tokens));
   if (!(opt.timeout_s > 0)) throw std::invalid_argument("the expert-parallel timeout must be > 0 seconds");
-  m.shape = shape;
-  m.opt = opt;
-  m.layout = kernels::EpLayout::compute(shape, opt.ranks, opt.max_tokens);  // checks R and E % R
-  m.ws = kernels::MoeWorkspaceLayout::compute(shape, opt.max_tokens, opt.ranks);
-  int sms_share = 0;  // 0: every SM of the rank's device
+  layout = kernels::EpLayout::compute(shape, opt.ranks, opt.max_tokens);  // checks R and E % R
+  ws = kernels::MoeWorkspaceLayout::compute(shape, opt.max_tokens, opt.ranks);
   if (opt.transport == EpTransport::kVirtual) {
     if (!opt.local_ranks.empty() || !opt.devices.empty() || !opt.rendezvous.empty())
       throw std::invalid_argument(
@@ -103,33 +87,123 @@ CudaEpMoeLayer::CudaEpMoeLayer(const std::vector<WeightSource>& sources, const E
       throw std::invalid_argument(
           fmt::format("{} virtual ranks need at least {} SMs ({} here)", opt.ranks, opt.ranks, sms));
     sms_share = sms / opt.ranks;
-    m.transport = transport::make_virtual_ranks(m.layout);
+    transport = transport::make_virtual_ranks(layout);
   } else {
     transport::NcclOptions no;
     no.local_ranks = opt.local_ranks;
     no.devices = opt.devices;
     no.rendezvous = opt.rendezvous;
-    m.transport = transport::make_nccl_transport(m.layout, no);
+    transport = transport::make_nccl_transport(layout, no);
   }
-  MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&m.fork, cudaEventDisableTiming));
-  const std::vector<int> local_ranks = m.transport->local_ranks();
-  if (sources.size() != 1 && sources.size() != local_ranks.size())
+  MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  for (int r : transport->local_ranks()) {
+    local.emplace_back();
+    Rank& k = local.back();  // (owned from here: ~EpGroup frees what a throw leaves)
+    k.rank = r;
+    k.device = transport->device(r);
+    MEGAMOE_CUDA_CHECK(cudaSetDevice(k.device));
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&k.workspace, ws.total_bytes));
+    // NOTE: poison, so a region the kernels fail to write shows up as garbage, never as zeros.
+    MEGAMOE_CUDA_CHECK(cudaMemset(k.workspace, 0xFF, ws.total_bytes));
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&k.own_count, sizeof(int)));
+    MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&k.stream, cudaStreamNonBlocking));
+    MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&k.done, cudaEventDisableTiming));
+  }
+}
+
+struct CudaEpMoeLayer::Impl {
+  MoeShape shape;
+  std::shared_ptr<EpGroup> group;
+  struct Rank {
+    int rank = 0, device = 0;
+    void* weights = nullptr;  // the rank's own experts (rank_layout), shared expert, router
+    bool borrowed = false;    // a WeightStore's buffer (not freed here)
+    MoeWeightLayout rank_layout;
+    kernels::FusedMoePlan* plan = nullptr;
+    IoPointerCheck io_check;
+  };
+  std::vector<Rank> local;  // in the order of group->local
+
+  ~Impl() {
+    for (Rank& r : local) {
+      cudaSetDevice(r.device);
+      if (r.plan) kernels::fused_moe_plan_destroy(r.plan);
+      if (!r.borrowed) cudaFree(r.weights);
+    }
+  }
+};
+
+namespace {
+
+// Options a sharing layer may give: the group's own, or defaults (every field as
+// EpLayerOptions{} has it but `share` and, if equal, the rest).
+void require_same_options(const EpLayerOptions& o, const EpLayerOptions& g) {
+  auto differs = [](auto a, auto b) { return !(a == b); };
+  std::string what;
+  if (differs(o.ranks, g.ranks)) what += fmt::format(" ranks {} vs {};", o.ranks, g.ranks);
+  if (differs(o.max_tokens, g.max_tokens))
+    what += fmt::format(" max_tokens {} vs {};", o.max_tokens, g.max_tokens);
+  if (differs(o.timeout_s, g.timeout_s))
+    what += fmt::format(" timeout_s {} vs {};", o.timeout_s, g.timeout_s);
+  if (differs(o.transport, g.transport)) what += " transport;";
+  if (differs(o.local_ranks, g.local_ranks) || differs(o.devices, g.devices) ||
+      differs(o.rendezvous, g.rendezvous))
+    what += " local_ranks, devices or rendezvous;";
+  if (!what.empty())
+    throw std::invalid_argument("CudaEpMoeLayer: options differ from the layer it shares with:" + what);
+}
+
+}  // namespace
+
+CudaEpMoeLayer::CudaEpMoeLayer(const HostMoeWeights& w, const EpLayerOptions& opt)
+    : CudaEpMoeLayer(std::vector<WeightSource>{{w.shape, w.layout, w.data(), false}}, opt) {}
+
+CudaEpMoeLayer::CudaEpMoeLayer(const std::vector<WeightSource>& sources, const EpLayerOptions& opt)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  DeviceGuard guard;
+  MEGAMOE_CHECK(!sources.empty(), "CudaEpMoeLayer: no weights");
+  const MoeShape& shape = sources[0].shape;
+  validate_shape(shape);
+  auto same_shape = [](const MoeShape& a, const MoeShape& b) {
+    return a.describe() == b.describe() && a.correction_bias == b.correction_bias;
+  };
+  for (const WeightSource& w : sources)
+    if (!same_shape(w.shape, shape))
+      throw std::invalid_argument("CudaEpMoeLayer: the ranks' weights are of different layer shapes");
+  m.shape = shape;
+  if (opt.share) {
+    EpLayerOptions own = opt;
+    own.share = nullptr;
+    m.group = opt.share->impl_->group;
+    require_same_options(own, m.group->opt);
+    // (the shared workspace's regions, the epoch's place among them, are the shape's)
+    if (!same_shape(shape, m.group->shape))
+      throw std::invalid_argument(
+          fmt::format("CudaEpMoeLayer: shape {} differs from {} of the layer it shares with",
+                      shape.describe(), m.group->shape.describe()));
+  } else {
+    m.group = std::make_shared<EpGroup>(shape, opt);
+  }
+  const EpGroup& g = *m.group;
+  if (sources.size() != 1 && sources.size() != g.local.size())
     throw std::invalid_argument(
         fmt::format("CudaEpMoeLayer: {} weight sources for {} local ranks (give one, or one each)",
-                    sources.size(), local_ranks.size()));
-  for (int r : local_ranks) {
+                    sources.size(), g.local.size()));
+  for (const EpGroup::Rank& gk : g.local) {
     const WeightSource& src = sources[sources.size() == 1 ? 0 : m.local.size()];
     const dev::PointerInfo src_mem = dev::pointer_info(src.base);
+    const int r = gk.rank;
     m.local.emplace_back();
     Impl::Rank& k = m.local.back();  // (owned by m from here: ~Impl frees what a throw leaves)
     k.rank = r;
-    k.device = m.transport->device(r);
+    k.device = gk.device;
     MEGAMOE_CUDA_CHECK(cudaSetDevice(k.device));
     // Each rank holds only its E/R experts (plus the shared expert and the whole router):
     // R ranks on R GPUs hold the layer once between them, and virtual ranks run the same
     // rank-local views. A device store holding exactly the rank's experts on its device
     // is borrowed (reloads land in place); otherwise the rank's part is copied.
-    const ExpertRange own{r * m.layout.local_experts, m.layout.local_experts};
+    const ExpertRange own{r * g.layout.local_experts, g.layout.local_experts};
     k.rank_layout = MoeWeightLayout::compute(shape, own);
     const ExpertRange have = src.layout.experts;
     if (own.first < have.first || own.first + own.count > have.first + have.count)
@@ -148,23 +222,18 @@ CudaEpMoeLayer::CudaEpMoeLayer(const std::vector<WeightSource>& sources, const E
                                       static_cast<const uint8_t*>(src.base) + c.src_offset, c.bytes,
                                       cudaMemcpyDefault));
     }
-    MEGAMOE_CUDA_CHECK(cudaMalloc(&k.workspace, m.ws.total_bytes));
-    // NOTE: poison, so a region the kernels fail to write shows up as garbage, never as zeros.
-    MEGAMOE_CUDA_CHECK(cudaMemset(k.workspace, 0xFF, m.ws.total_bytes));
-    MEGAMOE_CUDA_CHECK(cudaMalloc(&k.own_count, sizeof(int)));
-    MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&k.stream, cudaStreamNonBlocking));
-    MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&k.done, cudaEventDisableTiming));
     kernels::EpRank ep;
-    ep.layout = m.layout;
+    ep.layout = g.layout;
     ep.rank = r;
-    const transport::PeerTable t = m.transport->peers(r);
-    for (int q = 0; q < opt.ranks; ++q) ep.peer_base[q] = t.base[q];
+    const transport::PeerTable t = g.transport->peers(r);
+    for (int q = 0; q < g.opt.ranks; ++q) ep.peer_base[q] = t.base[q];
     ep.view_expert0 = 0;  // the view starts at the rank's first expert
-    ep.timeout_s = opt.timeout_s;
+    ep.timeout_s = g.opt.timeout_s;
+    ep.init_state = !opt.share;  // a shared workspace's epoch goes on counting
     kernels::FusedMoeConfig cfg;
-    cfg.num_sms = sms_share;
-    k.plan = kernels::fused_moe_plan_create(shape, MoeWeightsView::at(k.weights, k.rank_layout, shape), m.ws,
-                                            k.workspace, cfg, &ep);
+    cfg.num_sms = g.sms_share;
+    k.plan = kernels::fused_moe_plan_create(shape, MoeWeightsView::at(k.weights, k.rank_layout, shape), g.ws,
+                                            gk.workspace, cfg, &ep);
   }
 }
 
@@ -185,9 +254,10 @@ void CudaEpMoeLayer::forward(const std::vector<const num::bf16_t*>& x, const std
     throw std::invalid_argument(
         fmt::format("forward: {} device token counts for {} local ranks", num_tokens_dev.size(), n));
   auto s = static_cast<cudaStream_t>(stream);
+  EpGroup& g = *m.group;
   for (int i = 0; i < n; ++i) {
     Impl::Rank& k = m.local[i];
-    m.layout.check_tokens(k.rank, tokens[i]);
+    g.layout.check_tokens(k.rank, tokens[i]);
     if (tokens[i] > 0) {
       require_aligned(x[i], 16, "forward x");
       require_aligned(y[i], 16, "forward y");
@@ -197,25 +267,26 @@ void CudaEpMoeLayer::forward(const std::vector<const num::bf16_t*>& x, const std
     if (!num_tokens_dev.empty() && num_tokens_dev[i])
       k.io_check.require(num_tokens_dev[i], k.device, "forward", "num_tokens_dev", s, k.rank);
   }
-  MEGAMOE_CUDA_CHECK(cudaEventRecord(m.fork, s));
+  MEGAMOE_CUDA_CHECK(cudaEventRecord(g.fork, s));
   for (int i = 0; i < n; ++i) {
     if (!(launch_mask >> i & 1)) continue;
-    Impl::Rank& k = m.local[i];
+    const Impl::Rank& k = m.local[i];
+    const EpGroup::Rank& gk = g.local[i];
     MEGAMOE_CUDA_CHECK(cudaSetDevice(k.device));
-    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(k.stream, m.fork, 0));
+    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(gk.stream, g.fork, 0));
     const int* count = num_tokens_dev.empty() ? nullptr : num_tokens_dev[i];
     if (!count) {
-      kernels::set_device_int(k.own_count, tokens[i], k.stream);
-      count = k.own_count;
+      kernels::set_device_int(gk.own_count, tokens[i], gk.stream);
+      count = gk.own_count;
     }
     kernels::DeviceTensors t;
     t.x = reinterpret_cast<const uint16_t*>(x[i]);
     t.y = reinterpret_cast<uint16_t*>(y[i]);
     t.num_tokens = count;
-    t.workspace = k.workspace;
-    kernels::fused_moe_forward(k.plan, t, tokens[i], k.stream);
-    MEGAMOE_CUDA_CHECK(cudaEventRecord(k.done, k.stream));
-    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(s, k.done, 0));
+    t.workspace = gk.workspace;
+    kernels::fused_moe_forward(k.plan, t, tokens[i], gk.stream);
+    MEGAMOE_CUDA_CHECK(cudaEventRecord(gk.done, gk.stream));
+    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(s, gk.done, 0));
   }
 }
 
@@ -248,8 +319,8 @@ void CudaEpMoeLayer::check() {
   throw std::runtime_error(first);
 }
 
-int CudaEpMoeLayer::ranks() const { return impl_->opt.ranks; }
-std::vector<int> CudaEpMoeLayer::local_ranks() const { return impl_->transport->local_ranks(); }
+int CudaEpMoeLayer::ranks() const { return impl_->group->opt.ranks; }
+std::vector<int> CudaEpMoeLayer::local_ranks() const { return impl_->group->transport->local_ranks(); }
 int CudaEpMoeLayer::device(int i) const {
   MEGAMOE_CHECK(i >= 0 && i < int(impl_->local.size()), "device: no local rank " + std::to_string(i));
   return impl_->local[i].device;
@@ -263,7 +334,7 @@ bool CudaEpMoeLayer::borrows_weights(int i) const {
                 "borrows_weights: no local rank " + std::to_string(i));
   return impl_->local[i].borrowed;
 }
-int CudaEpMoeLayer::max_tokens() const { return impl_->opt.max_tokens; }
+int CudaEpMoeLayer::max_tokens() const { return impl_->group->opt.max_tokens; }
 const MoeShape& CudaEpMoeLayer::shape() const { return impl_->shape; }
 const int32_t* CudaEpMoeLayer::topk_ids(int i) const {
   MEGAMOE_CHECK(i >= 0 && i < int(impl_->local.size()), "topk_ids: no local rank " + std::to_string(i));

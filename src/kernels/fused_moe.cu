@@ -1484,7 +1484,8 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   a.row_src = reinterpret_cast<int32_t*>(base + ws.row_src.offset);
   a.w13_scale = w.w13_scale, a.w2_scale = w.w2_scale;
   a.sw13_scale = w.shared_w13_scale, a.sw2_scale = w.shared_w2_scale;
-  MEGAMOE_CUDA_CHECK(cudaMemset(base + ws.token_status.offset, 0, ws.token_status.bytes));  // (poisoned)
+  if (!ep || ep->init_state)
+    MEGAMOE_CUDA_CHECK(cudaMemset(base + ws.token_status.offset, 0, ws.token_status.bytes));  // (poisoned)
   if (ep) {
     EpArgs& e = a.ep;
     e.ranks = ep->layout.ranks;
@@ -1494,7 +1495,8 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
     e.l = ep->layout;
     for (int q = 0; q < e.ranks; ++q) e.peer[q] = ep->peer_base[q];
     e.state = reinterpret_cast<uint64_t*>(base + ws.ep_state.offset);
-    MEGAMOE_CUDA_CHECK(cudaMemset(e.state, 0, ws.ep_state.bytes));  // epoch 0, status fine
+    if (ep->init_state)
+      MEGAMOE_CUDA_CHECK(cudaMemset(e.state, 0, ws.ep_state.bytes));  // epoch 0, status fine
   }
   return plan.release();
 }

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -398,6 +399,82 @@ TEST_F(EpForward, SelfCheckVirtualRanks) {
     EXPECT_TRUE(r.bytes_equal) << "rank " << r.rank;
     EXPECT_EQ(r.tokens, 33 - r.rank % 3);
   }
+}
+
+// Two layers of a model on one group (EpLayerOptions::share): the second costs its
+// weights only. Alternating eager forwards and one captured graph of both give each
+// layer's single-device bytes (the shared epoch counts every forward); the group
+// outlives the layer that made it; other options or shapes are refused.
+TEST_F(EpForward, LayersShareOneGroup) {
+  const MoeShape s = reduced_shape();
+  const HostMoeWeights wa = make_random_weights(s, 71), wb = make_random_weights(s, 72);
+  const int R = 4, Tmax = 48;
+  api::EpLayerOptions oa;
+  oa.ranks = R;
+  oa.max_tokens = Tmax;
+  auto a = std::make_unique<api::CudaEpMoeLayer>(wa, oa);
+  api::EpLayerOptions ob = oa;
+  ob.share = a.get();
+  api::CudaEpMoeLayer b(wb, ob);
+  {
+    api::EpLayerOptions bad = ob;
+    bad.max_tokens = Tmax + 16;
+    EXPECT_THROW(api::CudaEpMoeLayer(wb, bad), std::invalid_argument);
+    MoeShape s2 = s;
+    s2.routed_scaling *= 2;
+    EXPECT_THROW(api::CudaEpMoeLayer(make_random_weights(s2, 73), ob), std::invalid_argument);
+  }
+  const std::vector<int> tokens = {13, 0, 48, 5};
+  const auto xs = rank_inputs(s, tokens, 800);
+  const auto want_a = single_device(wa, xs, tokens), want_b = single_device(wb, xs, tokens);
+  ASSERT_NE(want_a, want_b);
+  RankBuffers buf(xs);
+  auto expect_bytes = [&](const std::vector<std::vector<num::bf16_t>>& want, const std::string& what) {
+    const auto got = buf.read(tokens, s.hidden);
+    for (int r = 0; r < R; ++r)
+      EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2)) << what << " rank " << r;
+  };
+  for (int round = 0; round < 2; ++round) {
+    buf.poison();
+    a->forward(buf.x, buf.y, tokens, nullptr);
+    ASSERT_NO_THROW(a->check());
+    expect_bytes(want_a, "layer a, round " + std::to_string(round));
+    buf.poison();
+    b.forward(buf.x, buf.y, tokens, nullptr);
+    ASSERT_NO_THROW(b.check());
+    expect_bytes(want_b, "layer b, round " + std::to_string(round));
+  }
+  // One graph: layer a into y2, then layer b into y (a model's two layers in a row).
+  RankBuffers buf2(xs);
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  a->forward(buf.x, buf2.y, tokens, st);
+  b.forward(buf.x, buf.y, tokens, st);
+  CK(cudaStreamEndCapture(st, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int rep = 0; rep < 3; ++rep) {
+    buf.poison();
+    buf2.poison();
+    CK(cudaGraphLaunch(exec, st));
+    CK(cudaStreamSynchronize(st));
+    ASSERT_NO_THROW(b.check());
+    expect_bytes(want_b, "graph: layer b, replay " + std::to_string(rep));
+    const auto got_a = buf2.read(tokens, s.hidden);
+    for (int r = 0; r < R; ++r)
+      EXPECT_EQ(0, std::memcmp(got_a[r].data(), want_a[r].data(), got_a[r].size() * 2))
+          << "graph: layer a, replay " << rep << " rank " << r;
+  }
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  CK(cudaStreamDestroy(st));
+  a.reset();  // the group stays with b
+  buf.poison();
+  b.forward(buf.x, buf.y, tokens, nullptr);
+  ASSERT_NO_THROW(b.check());
+  expect_bytes(want_b, "layer b after layer a is gone");
 }
 
 }  // namespace

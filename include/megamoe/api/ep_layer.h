@@ -29,6 +29,8 @@ namespace megamoe::api {
 
 enum class EpTransport { kVirtual, kNccl };
 
+class CudaEpMoeLayer;
+
 struct EpLayerOptions {
   int ranks = 2;           // R: divides the expert count, at most 16
   int max_tokens = 1024;   // per rank (sizes the symmetric buffers); more is an error
@@ -39,6 +41,13 @@ struct EpLayerOptions {
   std::vector<int> local_ranks;
   std::vector<int> devices;
   std::string rendezvous;
+  // Another layer of the model whose transport, symmetric buffers, workspaces and
+  // streams this one uses instead of its own (the layers run one after another on a
+  // stream, as a model's do): a layer then costs its weights only. Same shape and
+  // options as that layer (else std::invalid_argument); it need only be alive while
+  // this one is made (the shared part lives while any of its layers does).
+  // Routing outputs (topk_ids) are then those of the group's last forward.
+  const CudaEpMoeLayer* share = nullptr;
 };
 
 EpTransport parse_ep_transport(const std::string& name);  // virtual | nccl

@@ -120,6 +120,9 @@ struct EpRank {
   uint8_t* peer_base[1 << EpLayout::kRankBits] = {};  // rank q's buffer as this rank addresses it
   int view_expert0 = 0;
   double timeout_s = 5.0;  // a peer that does not arrive within this is an error, not a hang
+  // false: the workspace is in use by other layers' plans (CudaEpMoeLayer's shared group):
+  // its epoch, status and token-count record stay as they are (the plan writes nothing there).
+  bool init_state = true;
 };
 
 // What a rank's kernel reports (ep_state[1]); 0 = fine.
