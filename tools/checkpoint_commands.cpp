@@ -111,6 +111,7 @@ struct InspectArgs {
   std::string path;
   bool json = false;
   int sample = 8;
+  int ranks = 1;  // the device memory an expert-parallel rank needs, R ranks
 };
 
 // The tensors of a checkpoint folder or of one file, with the file each is in.
@@ -199,6 +200,26 @@ int run_inspect(const InspectArgs& a) {
     fmt::format_to(out, "quant     {} {} blocks {}x{}, scale_fmt {}\n", desc->quant.quant_method,
                    desc->quant.fmt, desc->quant.block[0], desc->quant.block[1],
                    desc->quant.scale_fmt.value_or("float32"));
+    // Device memory of the weights in the kernel layout (the router as the config says):
+    // a whole MoE layer, and an expert-parallel rank's part (WeightStoreOptions::experts).
+    const int R = a.ranks, layers = int(desc->moe_layers.size());
+    if (R < 1 || s.experts % R != 0)
+      throw std::invalid_argument(fmt::format("--ranks {}: must be >= 1 and divide E = {}", R, s.experts));
+    const size_t whole = MoeWeightLayout::compute(s).total_bytes;
+    const size_t part = MoeWeightLayout::compute(s, ExpertRange{0, s.experts / R}).total_bytes;
+    j["memory"] = {{"layer_bytes", whole},
+                   {"ranks", R},
+                   {"rank_layer_bytes", part},
+                   {"rank_bytes", part * size_t(layers)}};
+    fmt::format_to(out, "memory    {} a MoE layer in the kernel layout, {} for the {} MoE layer{}\n",
+                   human_bytes(double(whole)), human_bytes(double(whole) * layers), layers,
+                   layers == 1 ? "" : "s");
+    if (R > 1)
+      fmt::format_to(out,
+                     "          {} ranks: {} a rank and layer ({} of {} experts, the shared expert, the "
+                     "router), {} a rank\n",
+                     R, human_bytes(double(part)), s.experts / R, s.experts,
+                     human_bytes(double(part) * layers));
   }
 
   // Per-layer table (with a config) and the scale statistics. Reading every
@@ -707,6 +728,10 @@ std::vector<Command> add_checkpoint_commands(CLI::App& app) {
   auto* c_inspect = app.add_subcommand("inspect", "Summarize a checkpoint folder or one .safetensors file");
   c_inspect->add_option("path", in->path, "checkpoint directory or .safetensors file")->required();
   c_inspect->add_flag("--json", in->json, "machine-readable output");
+  c_inspect
+      ->add_option("--ranks", in->ranks,
+                   "also the weight memory of one of R expert-parallel ranks (its E/R experts)")
+      ->check(CLI::PositiveNumber);
   c_inspect->add_option("--sample", in->sample, "weight tensors sampled for the MXFP8 error estimate")
       ->capture_default_str();
   cmds.push_back({c_inspect, [in] { return run_inspect(*in); }});

@@ -55,6 +55,31 @@ TEST(Inspect, FolderSummaryAndJson) {
   EXPECT_FALSE(j["mxfp8_estimate"]["exact"].get<bool>());
 }
 
+TEST(Inspect, RankMemory) {
+  // --ranks R: the kernel layout's bytes of a whole MoE layer and of a rank's part (E/R
+  // experts with the shared expert and the router), as the layouts compute them.
+  TempDir dir;
+  const std::string ck = make_small(dir.path() / "ck", false);  // E = 8, 2 MoE layers
+  auto r = run_cli("inspect --json --ranks 4 '" + ck + "'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  const ModelDesc d = load_config(dir.path() / "ck");
+  MoeShape s = d.shape;
+  const size_t whole = MoeWeightLayout::compute(s).total_bytes;
+  const size_t part = MoeWeightLayout::compute(s, ExpertRange{0, 2}).total_bytes;
+  EXPECT_EQ(j["memory"]["layer_bytes"].get<size_t>(), whole);
+  EXPECT_EQ(j["memory"]["rank_layer_bytes"].get<size_t>(), part);
+  EXPECT_EQ(j["memory"]["rank_bytes"].get<size_t>(), 2 * part);
+  EXPECT_LT(part, whole / 2);
+  r = run_cli("inspect --ranks 4 '" + ck + "'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("4 ranks: "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("(2 of 8 experts"), std::string::npos) << r.output;
+  r = run_cli("inspect --ranks 3 '" + ck + "'");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--ranks 3: must be >= 1 and divide E = 8"), std::string::npos) << r.output;
+}
+
 TEST(Inspect, Pow2CheckpointIsExactAndSingleFileWorks) {
   TempDir dir;
   const std::string ck = make_small(dir.path() / "ck", true, 1);
