@@ -62,6 +62,21 @@ struct Layer {
   size_t map_bytes = 0;  // host memory: length of the anonymous mapping
   std::vector<io::TensorSlot> slots;
   std::vector<SlotInfo> info;
+
+  // One of the checkpoint tensors of a routed expert of the layer outside the held range
+  // (WeightStoreOptions::experts): by the slot table of that one expert.
+  bool unheld_expert_tensor(std::string_view name) const {
+    std::string_view rest = name.substr(prefix.size());
+    if (!rest.starts_with("experts.")) return false;
+    rest.remove_prefix(8);
+    int e = -1;
+    const auto [end, ec] = std::from_chars(rest.data(), rest.data() + rest.size(), e);
+    if (ec != std::errc() || e < 0 || e >= shape.experts) return false;
+    if (e >= layout.experts.first && e < layout.experts.first + layout.experts.count) return false;
+    for (const io::TensorSlot& s : io::moe_layer_slots(shape, prefix, ExpertRange{e, 1}))
+      if (s.name == name) return true;
+    return false;
+  }
   std::vector<num::RequantReport> pair_reports;  // indexed by the weight's slot
 
   // Session state.
@@ -162,27 +177,6 @@ uint64_t hash_bytes(const void* data, size_t bytes) {
   return h;
 }
 
-namespace {
-
-// N if `rest` (a tensor name after its layer's prefix) is one of routed expert N's six
-// checkpoint tensors ("experts.N.gate_proj.weight", ...), else -1.
-int routed_expert_tensor(std::string_view rest) {
-  constexpr std::string_view kExperts = "experts.";
-  if (!rest.starts_with(kExperts)) return -1;
-  rest.remove_prefix(kExperts.size());
-  int e = 0;
-  const auto [end, ec] = std::from_chars(rest.data(), rest.data() + rest.size(), e);
-  if (ec != std::errc() || end == rest.data() || e < 0 || (rest[0] == '0' && end - rest.data() > 1))
-    return -1;
-  rest.remove_prefix(size_t(end - rest.data()));
-  for (std::string_view t : {".gate_proj.weight", ".gate_proj.weight_scale_inv", ".up_proj.weight",
-                             ".up_proj.weight_scale_inv", ".down_proj.weight", ".down_proj.weight_scale_inv"})
-    if (rest == t) return e;
-  return -1;
-}
-
-}  // namespace
-
 // ---------------------------------------------------------------- Impl
 
 struct WeightStore::Impl {
@@ -273,11 +267,7 @@ struct WeightStore::Impl {
     for (const Layer& l : layers) {
       if (!name.starts_with(l.prefix)) continue;
       const std::string_view rest = name.substr(l.prefix.size());
-      if (const int e = routed_expert_tensor(rest); e >= 0 && e < l.shape.experts) {
-        // A tensor of one of the layer's experts this store does not hold (another
-        // expert-parallel rank's): not ours, like an attention weight.
-        return std::nullopt;
-      }
+      if (l.unheld_expert_tensor(name)) return std::nullopt;  // another rank's: not ours
       if (rest.starts_with("experts.") || rest.starts_with("shared_experts."))
         throw io::FormatError(
             fmt::format("layer {}: unexpected tensor '{}' (layout: E = {}, shared experts = {})", l.index,
