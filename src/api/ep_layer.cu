@@ -54,7 +54,9 @@ struct EpGroup {
   };
   std::vector<Rank> local;
 
-  EpGroup(const MoeShape& s, const EpLayerOptions& o);
+  // Makes the transport and each local rank's resources. (Not the constructor: a throw
+  // half-way leaves what was made to ~EpGroup, which a constructor's throw would skip.)
+  void init(const MoeShape& s, const EpLayerOptions& o);
   ~EpGroup() {
     for (Rank& r : local) {
       cudaSetDevice(r.device);
@@ -67,7 +69,9 @@ struct EpGroup {
   }
 };
 
-EpGroup::EpGroup(const MoeShape& s, const EpLayerOptions& o) : shape(s), opt(o) {
+void EpGroup::init(const MoeShape& s, const EpLayerOptions& o) {
+  shape = s;
+  opt = o;
   if (opt.max_tokens <= 0)
     throw std::invalid_argument(fmt::format("max_tokens = {} per rank must be > 0", opt.max_tokens));
   if (!(opt.timeout_s > 0)) throw std::invalid_argument("the expert-parallel timeout must be > 0 seconds");
@@ -135,8 +139,7 @@ struct CudaEpMoeLayer::Impl {
 
 namespace {
 
-// Options a sharing layer may give: the group's own, or defaults (every field as
-// EpLayerOptions{} has it but `share` and, if equal, the rest).
+// A sharing layer's options (`share` aside) must be the group's own.
 void require_same_options(const EpLayerOptions& o, const EpLayerOptions& g) {
   auto differs = [](auto a, auto b) { return !(a == b); };
   std::string what;
@@ -183,7 +186,8 @@ CudaEpMoeLayer::CudaEpMoeLayer(const std::vector<WeightSource>& sources, const E
           fmt::format("CudaEpMoeLayer: shape {} differs from {} of the layer it shares with",
                       shape.describe(), m.group->shape.describe()));
   } else {
-    m.group = std::make_shared<EpGroup>(shape, opt);
+    m.group = std::make_shared<EpGroup>();
+    m.group->init(shape, opt);
   }
   const EpGroup& g = *m.group;
   if (sources.size() != 1 && sources.size() != g.local.size())
