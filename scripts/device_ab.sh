@@ -15,5 +15,5 @@ while IFS='|' read -r label envs args; do
   b=$bin; [ -x "$bin/$label/megamoe" ] && b=$bin/$label
   [[ $label == *@* ]] && b=$bin/${label#*@}
   # shellcheck disable=SC2086
-  env $envs timeout 150 "$b/megamoe" bench $args 2>&1 | grep -E " T=" | sed "s/^/$label | /"
+  env $envs timeout 150 "$b/megamoe" bench $args 2>&1 | grep -E " T=" | awk -v l="$label" '{print l " | " $0}'
 done < "$file"
