@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "megamoe/api/ep_layer.h"
 #include "megamoe/api/forward.h"
 #include "megamoe/api/moe_layer.h"
 #include "megamoe/io/checkpoint.h"
@@ -313,6 +314,35 @@ TEST(Store, LayerObjectRefusesWhatItCannotRun) {
       << error_of(L);
   EXPECT_NE(error_of(L + 7).find(fmt::format("layer {} is not held (held: {})", L + 7, L)), std::string::npos)
       << error_of(L + 7);
+}
+
+// The same for the expert-parallel layer (StoreDevice.EpLayerBorrowsRankStores has the rest):
+// its stores must be there and loaded.
+TEST(Store, EpLayerObjectRefusesWhatItCannotRun) {
+  TempDir dir;
+  const ModelDesc d = test::write_test_checkpoint(dir.path(), 1, 18);
+  const io::Checkpoint ck(dir.path());
+  const int L = d.moe_layers[0];
+  WeightStoreOptions o;
+  o.experts = {4, 4};
+  WeightStore part = WeightStore::for_checkpoint(ck, d, o), unloaded = WeightStore::for_checkpoint(ck, d, o);
+  part.load(ck);
+  auto error_of = [&](auto make) {
+    try {
+      make();
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  api::EpLayerOptions eo;
+  eo.ranks = 2;
+  const std::string unl = error_of([&] { api::CudaEpMoeLayer ep(unloaded, L, eo); });
+  EXPECT_NE(unl.find(fmt::format("layer {} of WeightStore 0 is not loaded", L)), std::string::npos) << unl;
+  const std::string nul = error_of([&] {
+    api::CudaEpMoeLayer ep(std::vector<const WeightStore*>{&part, nullptr}, L, eo);
+  });
+  EXPECT_NE(nul.find("a null WeightStore"), std::string::npos) << nul;
 }
 #endif
 
