@@ -116,8 +116,7 @@ void EpGroup::init(const MoeShape& s, const EpLayerOptions& o) {
 }
 
 struct CudaEpMoeLayer::Impl {
-  MoeShape shape;
-  std::shared_ptr<EpGroup> group;
+  std::shared_ptr<EpGroup> group;  // (its shape is this layer's)
   struct Rank {
     int rank = 0, device = 0;
     void* weights = nullptr;  // the rank's own experts (rank_layout), shared expert, router
@@ -168,20 +167,16 @@ CudaEpMoeLayer::CudaEpMoeLayer(const std::vector<WeightSource>& sources, const E
   MEGAMOE_CHECK(!sources.empty(), "CudaEpMoeLayer: no weights");
   const MoeShape& shape = sources[0].shape;
   validate_shape(shape);
-  auto same_shape = [](const MoeShape& a, const MoeShape& b) {
-    return a.describe() == b.describe() && a.correction_bias == b.correction_bias;
-  };
   for (const WeightSource& w : sources)
-    if (!same_shape(w.shape, shape))
+    if (!w.shape.same_as(shape))
       throw std::invalid_argument("CudaEpMoeLayer: the ranks' weights are of different layer shapes");
-  m.shape = shape;
   if (opt.share) {
     EpLayerOptions own = opt;
     own.share = nullptr;
     m.group = opt.share->impl_->group;
     require_same_options(own, m.group->opt);
     // (the shared workspace's regions, the epoch's place among them, are the shape's)
-    if (!same_shape(shape, m.group->shape))
+    if (!shape.same_as(m.group->shape))
       throw std::invalid_argument(
           fmt::format("CudaEpMoeLayer: shape {} differs from {} of the layer it shares with",
                       shape.describe(), m.group->shape.describe()));
@@ -210,12 +205,11 @@ CudaEpMoeLayer::CudaEpMoeLayer(const std::vector<WeightSource>& sources, const E
     const ExpertRange own{r * g.layout.local_experts, g.layout.local_experts};
     k.rank_layout = MoeWeightLayout::compute(shape, own);
     const ExpertRange have = src.layout.experts;
-    if (own.first < have.first || own.first + own.count > have.first + have.count)
-      throw std::invalid_argument(fmt::format(
-          "CudaEpMoeLayer: rank {} owns experts [{}, {}), but the weights hold experts [{}, {}) only", r,
-          own.first, own.first + own.count, have.first, have.first + have.count));
-    if (src.borrow && src_mem.device && src_mem.ordinal == k.device && have.first == own.first &&
-        have.count == own.count) {
+    if (!have.contains(own))
+      throw std::invalid_argument(
+          fmt::format("CudaEpMoeLayer: rank {} owns experts {}, but the weights hold experts {} only", r,
+                      own.text(), have.text()));
+    if (src.borrow && src_mem.device && src_mem.ordinal == k.device && have == own) {
       require_aligned(src.base, 256, "CudaEpMoeLayer weights");
       k.weights = const_cast<void*>(src.base);  // (read only: the kernels take a const view)
       k.borrowed = true;
@@ -339,7 +333,7 @@ bool CudaEpMoeLayer::borrows_weights(int i) const {
   return impl_->local[i].borrowed;
 }
 int CudaEpMoeLayer::max_tokens() const { return impl_->group->opt.max_tokens; }
-const MoeShape& CudaEpMoeLayer::shape() const { return impl_->shape; }
+const MoeShape& CudaEpMoeLayer::shape() const { return impl_->group->shape; }
 const int32_t* CudaEpMoeLayer::topk_ids(int i) const {
   MEGAMOE_CHECK(i >= 0 && i < int(impl_->local.size()), "topk_ids: no local rank " + std::to_string(i));
   return kernels::routing_outputs(impl_->local[i].plan).ids;

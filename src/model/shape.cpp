@@ -48,6 +48,14 @@ double MoeShape::flops_per_token() const {
   return per_expert * topk + 2.0 * 3.0 * double(hidden) * double(shared_inter());
 }
 
+bool MoeShape::same_as(const MoeShape& o) const {
+  return hidden == o.hidden && inter == o.inter && experts == o.experts && topk == o.topk &&
+         shared_experts == o.shared_experts && n_group == o.n_group && topk_group == o.topk_group &&
+         score == o.score && norm_topk_prob == o.norm_topk_prob && routed_scaling == o.routed_scaling &&
+         swiglu_limit == o.swiglu_limit && router_dtype == o.router_dtype &&
+         correction_bias == o.correction_bias;
+}
+
 std::string MoeShape::describe() const {
   return fmt::format(
       "H={} I={} E={} K={} shared={} groups={}/{} score={} norm={} scale={} clamp={} router={}", hidden,

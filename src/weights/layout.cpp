@@ -6,14 +6,15 @@
 
 namespace megamoe {
 
+std::string ExpertRange::text() const { return fmt::format("[{}, {})", first, int64_t(first) + count); }
+
 MoeWeightLayout MoeWeightLayout::compute(const MoeShape& s) { return compute(s, ExpertRange{0, s.experts}); }
 
 MoeWeightLayout MoeWeightLayout::compute(const MoeShape& s, ExpertRange range) {
   s.validate();
   if (range.count < 1 || range.first < 0 || range.first > s.experts - range.count)
-    throw std::invalid_argument(
-        fmt::format("expert range [{}, {}) is not a non-empty part of the layer's {} experts", range.first,
-                    int64_t(range.first) + range.count, s.experts));
+    throw std::invalid_argument(fmt::format(
+        "expert range {} is not a non-empty part of the layer's {} experts", range.text(), s.experts));
   MoeWeightLayout l;
   l.experts = range;
   RegionPlanner plan(256);
@@ -66,15 +67,14 @@ MoeWeightsView MoeWeightsView::from_expert(const MoeShape& s, int e) const {
 }
 
 std::string MoeWeightLayout::experts_text(const MoeShape& s) const {
-  return fmt::format("experts [{}, {}) of {}", experts.first, experts.first + experts.count, s.experts);
+  return fmt::format("experts {} of {}", experts.text(), s.experts);
 }
 
 std::vector<RegionCopy> region_copies(const MoeWeightLayout& from, const MoeWeightLayout& to) {
   const ExpertRange f = from.experts, t = to.experts;
-  if (t.first < f.first || t.first + t.count > f.first + f.count)
+  if (!f.contains(t))
     throw std::invalid_argument(
-        fmt::format("weights of experts [{}, {}) cannot fill a layout of experts [{}, {})", f.first,
-                    f.first + f.count, t.first, t.first + t.count));
+        fmt::format("weights of experts {} cannot fill a layout of experts {}", f.text(), t.text()));
   std::vector<RegionCopy> out;
   // A routed region is [count][per-expert bytes]: the destination's experts are one
   // contiguous run of the source's.

@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <charconv>
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -22,6 +21,7 @@
 #include <stdexcept>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "megamoe/weights/device_memory.h"
 
@@ -63,20 +63,6 @@ struct Layer {
   std::vector<io::TensorSlot> slots;
   std::vector<SlotInfo> info;
 
-  // One of the checkpoint tensors of a routed expert of the layer outside the held range
-  // (WeightStoreOptions::experts): by the slot table of that one expert.
-  bool unheld_expert_tensor(std::string_view name) const {
-    std::string_view rest = name.substr(prefix.size());
-    if (!rest.starts_with("experts.")) return false;
-    rest.remove_prefix(8);
-    int e = -1;
-    const auto [end, ec] = std::from_chars(rest.data(), rest.data() + rest.size(), e);
-    if (ec != std::errc() || e < 0 || e >= shape.experts) return false;
-    if (e >= layout.experts.first && e < layout.experts.first + layout.experts.count) return false;
-    for (const io::TensorSlot& s : io::moe_layer_slots(shape, prefix, ExpertRange{e, 1}))
-      if (s.name == name) return true;
-    return false;
-  }
   std::vector<num::RequantReport> pair_reports;  // indexed by the weight's slot
 
   // Session state.
@@ -185,6 +171,9 @@ struct WeightStore::Impl {
   std::vector<Layer> layers;
   std::unordered_map<int, size_t> by_layer;
   std::unordered_map<std::string, std::pair<uint32_t, uint32_t>, StringHash, std::equal_to<>> by_name;
+  // The tensors of the held layers' routed experts outside WeightStoreOptions::experts
+  // (other expert-parallel ranks'): not ours, like an attention weight.
+  std::unordered_set<std::string, StringHash, std::equal_to<>> not_held;
   mutable std::mutex mu;
 
   bool session = false;
@@ -228,6 +217,12 @@ struct WeightStore::Impl {
       by_layer[l.index] = i;
       for (size_t s = 0; s < l.slots.size(); ++s)
         by_name.emplace(l.slots[s].name, std::pair{uint32_t(i), uint32_t(s)});
+      for (int e = 0; e < l.shape.experts; ++e)
+        if (!held.contains(e))
+          for (const io::TensorSlot& s : io::moe_layer_slots(l.shape, l.prefix, ExpertRange{e, 1}))
+            if (s.region == &MoeWeightLayout::w13 || s.region == &MoeWeightLayout::w13_scale ||
+                s.region == &MoeWeightLayout::w2 || s.region == &MoeWeightLayout::w2_scale)
+              not_held.insert(s.name);
     }
     // Allocate (and zero: alignment gaps stay zero forever, so two loads of
     // the same checkpoint are byte-identical over the whole allocation, and
@@ -262,12 +257,12 @@ struct WeightStore::Impl {
   std::optional<std::pair<uint32_t, uint32_t>> resolve(std::string_view name) const {
     auto it = by_name.find(name);
     if (it != by_name.end()) return it->second;
+    if (not_held.find(name) != not_held.end()) return std::nullopt;
     // Inside a held layer's expert namespaces but not in the table: the file
     // and the description disagree (e.g. on E); dropping it would be silent.
     for (const Layer& l : layers) {
       if (!name.starts_with(l.prefix)) continue;
       const std::string_view rest = name.substr(l.prefix.size());
-      if (l.unheld_expert_tensor(name)) return std::nullopt;  // another rank's: not ours
       if (rest.starts_with("experts.") || rest.starts_with("shared_experts."))
         throw io::FormatError(
             fmt::format("layer {}: unexpected tensor '{}' (layout: E = {}, shared experts = {})", l.index,

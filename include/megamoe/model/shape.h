@@ -47,6 +47,8 @@ struct MoeShape {
   // Multiply-adds x2 for one token through K routed experts and the shared one.
   double flops_per_token() const;
   std::string describe() const;
+  // Every field equal (two layers of one layout and one routing).
+  bool same_as(const MoeShape& o) const;
 };
 
 struct Preset {

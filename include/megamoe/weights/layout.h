@@ -58,6 +58,11 @@ class RegionPlanner {
 struct ExpertRange {
   int first = 0;
   int count = 0;
+  int end() const { return first + count; }
+  bool contains(int e) const { return e >= first && e < end(); }
+  bool contains(ExpertRange r) const { return r.first >= first && r.end() <= end(); }
+  bool operator==(ExpertRange r) const { return first == r.first && count == r.count; }
+  std::string text() const;  // "[first, end)"
 };
 
 struct MoeWeightLayout {
@@ -74,7 +79,7 @@ struct MoeWeightLayout {
 
   // Every routed expert of the layer (a whole layer: what the single-device layer,
   // the CPU reference and the checkpoint writer take).
-  bool whole(const MoeShape& s) const { return experts.first == 0 && experts.count == s.experts; }
+  bool whole(const MoeShape& s) const { return experts == ExpertRange{0, s.experts}; }
   // "experts [a, b) of E" when not whole (for error messages).
   std::string experts_text(const MoeShape& s) const;
 
