@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 6 in one device call on a machine with R GPUs: the expert-parallel checks over
-# real ranks (one process for all GPUs, then one process per GPU) and the benchmark of
-# the GLM-5.3-Flash and DeepSeek-V4-Flash shapes at 8, 256 and 8192 tokens per rank.
+# Issue 6 in one device call on a machine with R GPUs: the expert-parallel GPU tests over
+# real ranks in one process, the self-check over real ranks (one process for all GPUs,
+# then one process per GPU) and the benchmark of the GLM-5.3-Flash and DeepSeek-V4-Flash
+# shapes at 8, 256 and 8192 tokens per rank.
 # Usage (repo root there): scripts/multi_gpu_run.sh BIN_DIR R   (logs and JSON in $OUT)
 set -uo pipefail
 bin=$1 R=$2
@@ -12,6 +13,11 @@ export NCCL_NVLS_ENABLE=0
 v4="--preset glm-5.3-flash --experts 256 --topk 6 --shared-experts 0"  # DeepSeek-V4-Flash shape
 rc=0
 nvidia-smi topo -m > "$out/topo.txt" 2>&1
+# The expert-parallel GPU tests over real ranks (rank r on GPU r, one process): R = 2, 4
+# and 8 as far as the GPUs go, each rank's bytes against one device.
+MEGAMOE_TEST_EP_TRANSPORT=nccl timeout 300 "$bin/megamoe_gpu_tests" --gtest_filter='EpForward.*' \
+  > "$out/gpu_tests_ep_nccl.log" 2>&1 || rc=1
+tail -n 3 "$out/gpu_tests_ep_nccl.log"
 for shape in "--preset glm-5.3-flash" "$v4"; do
   # shellcheck disable=SC2086
   timeout 120 "$bin/megamoe" ep-check --transport nccl --ranks "$R" $shape --tokens 256 >> "$out/ep_check_one_process.log" 2>&1 || rc=1

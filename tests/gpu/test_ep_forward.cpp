@@ -1,12 +1,15 @@
-// Expert parallelism over virtual ranks on one GPU (issue 5): every rank's output
-// bytes equal the single-device layer's on the same tokens (R = 1) and agree with
-// the CPU expert-parallel reference; capacity and missing peers are clear errors;
-// graph replays with changing token counts.
+// Expert parallelism (issue 5): every rank's output bytes equal the single-device
+// layer's on the same tokens (R = 1) and agree with the CPU expert-parallel reference;
+// capacity and missing peers are clear errors; graph replays with changing token counts.
+// The ranks are virtual ranks on one GPU, or with MEGAMOE_TEST_EP_TRANSPORT=nccl real
+// ranks in NCCL symmetric windows, rank r on GPU r, all driven by this process (issue
+// 6; a case needing more ranks than there are GPUs is skipped, and says so).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -29,30 +32,80 @@ using testutil::reduced_shape;
 
 #define CK(call) ASSERT_EQ((call), cudaSuccess) << #call
 
-// Device buffers of every rank's x and y (y poisoned: bf16 NaN).
+// The transport the EP layers of these tests run on (MEGAMOE_TEST_EP_TRANSPORT).
+api::EpTransport test_transport() {
+  const char* env = std::getenv("MEGAMOE_TEST_EP_TRANSPORT");
+  return env && *env ? api::parse_ep_transport(env) : api::EpTransport::kVirtual;
+}
+
+// Options for R ranks of at most max_tokens each on the test transport.
+api::EpLayerOptions ep_options(int R, int max_tokens) {
+  api::EpLayerOptions opt;
+  opt.ranks = R;
+  opt.max_tokens = max_tokens;
+  opt.transport = test_transport();
+  return opt;
+}
+
+// Whether R ranks fit the test transport: any R on virtual ranks; one GPU a rank on NCCL.
+bool ranks_fit(int R) {
+  if (test_transport() == api::EpTransport::kVirtual) return true;
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && R <= n;
+}
+#define REQUIRE_RANKS(R) \
+  if (!ranks_fit(R)) GTEST_SKIP() << (R) << " ranks need " << (R) << " GPUs on the nccl transport"
+
+// Sets device d for the scope (when d >= 0), restoring the caller's.
+struct OnDevice {
+  int saved = 0;
+  explicit OnDevice(int d) {
+    cudaGetDevice(&saved);
+    if (d >= 0) cudaSetDevice(d);
+  }
+  ~OnDevice() { cudaSetDevice(saved); }
+};
+
+// Device buffers of every rank's x and y (y poisoned: bf16 NaN), rank r's on devices[r]
+// (empty: all on the current device).
 struct RankBuffers {
   std::vector<const num::bf16_t*> x;
   std::vector<num::bf16_t*> y;
   std::vector<size_t> bytes;
-  RankBuffers(const std::vector<std::vector<num::bf16_t>>& xs) {
-    for (const auto& v : xs) {
+  std::vector<int> dev;
+  RankBuffers(const std::vector<std::vector<num::bf16_t>>& xs, const std::vector<int>& devices = {}) {
+    for (size_t r = 0; r < xs.size(); ++r) {
+      dev.push_back(devices.empty() ? -1 : devices[r]);
+      OnDevice on(dev.back());
       void *dx = nullptr, *dy = nullptr;
-      const size_t b = std::max<size_t>(16, v.size() * 2);
+      const size_t b = std::max<size_t>(16, xs[r].size() * 2);
       EXPECT_EQ(cudaMalloc(&dx, b), cudaSuccess);
       EXPECT_EQ(cudaMalloc(&dy, b), cudaSuccess);
-      EXPECT_EQ(cudaMemcpy(dx, v.data(), v.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(dx, xs[r].data(), xs[r].size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
       x.push_back(static_cast<const num::bf16_t*>(dx));
       y.push_back(static_cast<num::bf16_t*>(dy));
       bytes.push_back(b);
     }
     poison();
   }
+  // The buffers of a layer's local ranks, each on its rank's device.
+  RankBuffers(const std::vector<std::vector<num::bf16_t>>& xs, const api::CudaEpMoeLayer& layer)
+      : RankBuffers(xs, layer_devices(layer)) {}
+  static std::vector<int> layer_devices(const api::CudaEpMoeLayer& layer) {
+    std::vector<int> d;
+    for (size_t i = 0; i < layer.local_ranks().size(); ++i) d.push_back(layer.device(int(i)));
+    return d;
+  }
   void poison() {
-    for (size_t r = 0; r < y.size(); ++r) EXPECT_EQ(cudaMemset(y[r], 0xFF, bytes[r]), cudaSuccess);
+    for (size_t r = 0; r < y.size(); ++r) {
+      OnDevice on(dev[r]);
+      EXPECT_EQ(cudaMemset(y[r], 0xFF, bytes[r]), cudaSuccess);
+    }
   }
   std::vector<std::vector<num::bf16_t>> read(const std::vector<int>& tokens, int H) const {
     std::vector<std::vector<num::bf16_t>> out;
     for (size_t r = 0; r < y.size(); ++r) {
+      OnDevice on(dev[r]);
       out.emplace_back(size_t(tokens[r]) * H);
       EXPECT_EQ(cudaMemcpy(out.back().data(), y[r], out.back().size() * 2, cudaMemcpyDeviceToHost),
                 cudaSuccess);
@@ -60,8 +113,11 @@ struct RankBuffers {
     return out;
   }
   ~RankBuffers() {
-    for (auto p : x) cudaFree(const_cast<num::bf16_t*>(p));
-    for (auto p : y) cudaFree(p);
+    for (size_t r = 0; r < y.size(); ++r) {
+      OnDevice on(dev[r]);
+      cudaFree(const_cast<num::bf16_t*>(x[r]));
+      cudaFree(y[r]);
+    }
   }
 };
 
@@ -137,15 +193,16 @@ TEST_F(EpForward, BytesMatchSingleDeviceAndCpuReference) {
   HostMoeWeights w = make_random_weights(s, 41);
   const int Tmax = 64;
   for (int R : {1, 2, 4, 8}) {
+    if (!ranks_fit(R)) {
+      std::printf("  R=%d skipped: %d ranks need %d GPUs on the nccl transport\n", R, R, R);
+      continue;
+    }
     std::vector<int> tokens(R);
     for (int r = 0; r < R; ++r) tokens[r] = (r == 1) ? 0 : (r == R - 1 ? Tmax : 1 + (r * 37) % Tmax);
     const auto xs = rank_inputs(s, tokens, 100 + R);
     const auto want = single_device(w, xs, tokens);
     const auto ref = cpu_ep(w, R, xs, tokens);
-    api::EpLayerOptions opt;
-    opt.ranks = R;
-    opt.max_tokens = Tmax;
-    api::CudaEpMoeLayer layer(w, opt);
+    api::CudaEpMoeLayer layer(w, ep_options(R, Tmax));
     // Each rank's device holds its own experts only (plus shared expert and router).
     for (int r = 0; r < R; ++r) {
       const ExpertRange own{r * (s.experts / R), s.experts / R};
@@ -154,7 +211,7 @@ TEST_F(EpForward, BytesMatchSingleDeviceAndCpuReference) {
         EXPECT_LT(layer.weight_bytes(r), w.bytes()) << "rank " << r;
       }
     }
-    RankBuffers b(xs);
+    RankBuffers b(xs, layer);
     for (int rep = 0; rep < 2; ++rep) {  // the second forward runs on the next epoch
       b.poison();
       layer.forward(b.x, b.y, tokens, nullptr);
@@ -178,15 +235,13 @@ TEST_F(EpForward, PrefillTilesMatchSingleDevice) {
   const MoeShape s = reduced_shape();
   HostMoeWeights w = make_random_weights(s, 53);
   const int R = 2, Tmax = 600;
+  REQUIRE_RANKS(R);
   const std::vector<int> tokens = {600, 411};
   const auto xs = rank_inputs(s, tokens, 900);
   const auto want = single_device(w, xs, tokens);
-  api::EpLayerOptions opt;
-  opt.ranks = R;
-  opt.max_tokens = Tmax;
-  api::CudaEpMoeLayer layer(w, opt);
+  api::CudaEpMoeLayer layer(w, ep_options(R, Tmax));
   ASSERT_NE(layer.config_for(Tmax).find("block_n=128"), std::string::npos) << layer.config_for(Tmax);
-  RankBuffers b(xs);
+  RankBuffers b(xs, layer);
   layer.forward(b.x, b.y, tokens, nullptr);
   ASSERT_NO_THROW(layer.check());
   const auto got = b.read(tokens, s.hidden);
@@ -201,17 +256,15 @@ TEST_F(EpForward, AllTokensToOneRank) {
   s.correction_bias = true;
   HostMoeWeights w = make_random_weights(s, 43);
   const int R = 8, El = s.experts / R, Tmax = 48;
+  REQUIRE_RANKS(R);
   ASSERT_GE(El, s.topk);
   auto* bias = reinterpret_cast<float*>(w.data() + w.layout.bias.offset);
   for (int e = 0; e < s.experts; ++e) bias[e] = e < El ? 100.0f : 0.0f;
   std::vector<int> tokens(R, Tmax);
   const auto xs = rank_inputs(s, tokens, 300);
   const auto want = single_device(w, xs, tokens);
-  api::EpLayerOptions opt;
-  opt.ranks = R;
-  opt.max_tokens = Tmax;
-  api::CudaEpMoeLayer layer(w, opt);
-  RankBuffers b(xs);
+  api::CudaEpMoeLayer layer(w, ep_options(R, Tmax));
+  RankBuffers b(xs, layer);
   layer.forward(b.x, b.y, tokens, nullptr);
   ASSERT_NO_THROW(layer.check());
   std::vector<int32_t> ids(size_t(Tmax) * s.topk);
@@ -225,13 +278,12 @@ TEST_F(EpForward, AllTokensToOneRank) {
 TEST_F(EpForward, OverCapacityIsAnError) {
   const MoeShape s = reduced_shape();
   HostMoeWeights w = make_random_weights(s, 45);
-  api::EpLayerOptions opt;
-  opt.ranks = 2;
-  opt.max_tokens = 16;
+  REQUIRE_RANKS(2);
+  api::EpLayerOptions opt = ep_options(2, 16);
   api::CudaEpMoeLayer layer(w, opt);
   const std::vector<int> tokens = {16, 17};
   const auto xs = rank_inputs(s, tokens, 500);
-  RankBuffers b(xs);
+  RankBuffers b(xs, layer);
   try {
     layer.forward(b.x, b.y, tokens, nullptr);
     ADD_FAILURE() << "17 tokens over a capacity of 16 must throw";
@@ -247,14 +299,13 @@ TEST_F(EpForward, OverCapacityIsAnError) {
 TEST_F(EpForward, MissingRankTimesOutAndRecovers) {
   const MoeShape s = reduced_shape();
   HostMoeWeights w = make_random_weights(s, 47);
-  api::EpLayerOptions opt;
-  opt.ranks = 2;
-  opt.max_tokens = 32;
+  REQUIRE_RANKS(2);
+  api::EpLayerOptions opt = ep_options(2, 32);
   opt.timeout_s = 0.2;
   api::CudaEpMoeLayer layer(w, opt);
   const std::vector<int> tokens = {32, 20};
   const auto xs = rank_inputs(s, tokens, 600);
-  RankBuffers b(xs);
+  RankBuffers b(xs, layer);
   layer.forward(b.x, b.y, tokens, nullptr, {}, /*launch_mask=*/1u);
   try {
     layer.check();
@@ -279,15 +330,14 @@ TEST_F(EpForward, GraphReplaysWithChangingCounts) {
   const MoeShape s = reduced_shape();
   HostMoeWeights w = make_random_weights(s, 49);
   const int R = 4, Tmax = 96;
-  api::EpLayerOptions opt;
-  opt.ranks = R;
-  opt.max_tokens = Tmax;
-  api::CudaEpMoeLayer layer(w, opt);
+  REQUIRE_RANKS(R);
+  api::CudaEpMoeLayer layer(w, ep_options(R, Tmax));
   const std::vector<int> full(R, Tmax);
   const auto xs = rank_inputs(s, full, 700);
-  RankBuffers b(xs);
-  std::vector<const int*> counts;
+  RankBuffers b(xs, layer);
+  std::vector<const int*> counts;  // rank r's on its device
   for (int r = 0; r < R; ++r) {
+    OnDevice on(layer.device(r));
     int* p = nullptr;
     CK(cudaMalloc(&p, sizeof(int)));
     counts.push_back(p);
@@ -346,7 +396,10 @@ TEST_F(EpForward, GraphReplaysWithChangingCounts) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(st);
-  for (auto p : counts) cudaFree(const_cast<int*>(p));
+  for (int r = 0; r < R; ++r) {
+    OnDevice on(layer.device(r));
+    cudaFree(const_cast<int*>(counts[r]));
+  }
 }
 
 // api::forward (what `megamoe forward --ranks R --backend cuda` runs): the tokens split
@@ -409,9 +462,8 @@ TEST_F(EpForward, LayersShareOneGroup) {
   const MoeShape s = reduced_shape();
   const HostMoeWeights wa = make_random_weights(s, 71), wb = make_random_weights(s, 72);
   const int R = 4, Tmax = 48;
-  api::EpLayerOptions oa;
-  oa.ranks = R;
-  oa.max_tokens = Tmax;
+  REQUIRE_RANKS(R);
+  const api::EpLayerOptions oa = ep_options(R, Tmax);
   auto a = std::make_unique<api::CudaEpMoeLayer>(wa, oa);
   api::EpLayerOptions ob = oa;
   ob.share = a.get();
@@ -428,7 +480,7 @@ TEST_F(EpForward, LayersShareOneGroup) {
   const auto xs = rank_inputs(s, tokens, 800);
   const auto want_a = single_device(wa, xs, tokens), want_b = single_device(wb, xs, tokens);
   ASSERT_NE(want_a, want_b);
-  RankBuffers buf(xs);
+  RankBuffers buf(xs, b);
   auto expect_bytes = [&](const std::vector<std::vector<num::bf16_t>>& want, const std::string& what) {
     const auto got = buf.read(tokens, s.hidden);
     for (int r = 0; r < R; ++r)
@@ -445,7 +497,7 @@ TEST_F(EpForward, LayersShareOneGroup) {
     expect_bytes(want_b, "layer b, round " + std::to_string(round));
   }
   // One graph: layer a into y2, then layer b into y (a model's two layers in a row).
-  RankBuffers buf2(xs);
+  RankBuffers buf2(xs, b);
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   cudaGraph_t graph;
