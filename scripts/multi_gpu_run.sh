@@ -25,6 +25,10 @@ for shape in "--preset glm-5.3-flash" "$v4"; do
   timeout 120 scripts/ep_launch.sh "$R" "$bin/megamoe" ep-check --transport nccl --ranks "$R" $shape --tokens 256 \
     >> "$out/ep_check_per_gpu.log" 2>&1 || rc=1
 done
+# The same with the row pull beside the tiles (MEGAMOE_EP_OVERLAP=1, heuristics.h kEpPullOverlap).
+# shellcheck disable=SC2086
+MEGAMOE_EP_OVERLAP=1 timeout 120 scripts/ep_launch.sh "$R" "$bin/megamoe" ep-check --transport nccl --ranks "$R" \
+  $v4 --tokens 256 >> "$out/ep_check_per_gpu_overlap.log" 2>&1 || rc=1
 grep -h "ep-check: \(OK\|FAILED\)" "$out"/ep_check_*.log
 for name in glm53flash v4flash; do
   shape="--preset glm-5.3-flash"; [ $name = v4flash ] && shape=$v4
@@ -32,4 +36,8 @@ for name in glm53flash v4flash; do
   timeout 400 "$bin/megamoe" bench --ranks "$R" --transport nccl $shape --tokens 8 256 8192 --iters 10 \
     --json "$out/h200x${R}_$name.json" 2>&1 | tee "$out/bench_$name.log" | grep "R=" || rc=1
 done
+# The pull overlapped, V4-Flash (its A/B against the run above; v32's estimate: -0.5 ms at 8192).
+# shellcheck disable=SC2086
+MEGAMOE_EP_OVERLAP=1 timeout 400 "$bin/megamoe" bench --ranks "$R" --transport nccl $v4 --tokens 8 256 8192 \
+  --iters 10 --json "$out/h200x${R}_v4flash_overlap.json" 2>&1 | tee "$out/bench_v4flash_overlap.log" | grep "R=" || rc=1
 exit $rc

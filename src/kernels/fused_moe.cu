@@ -496,10 +496,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       cur = nxt;
     }
-  } else {
-    ep_pull(a, et);  // step 3: the rows of the local experts into the ring
+  } else if (!a.ep_overlap) {
+    // Step 3: the rows of the local experts into the ring (with a.ep_overlap the producer
+    // warpgroup's pull warps run it beside the tiles instead: ep_pull_overlapped).
+    ep_pull(a, et);
   }
-  // Grid barrier: every sorted row is written before any TMA reads one.
+  // Grid barrier: every sorted row is written before any TMA reads one. (Expert parallelism
+  // with the pull overlapped has none: each unit's done1 counts its rows, ep_pull_overlapped.)
   pf.add(kPfTasks, t_tasks);
   pf.stamp(kPfArriveNs);
   sm90::fence_proxy_async_global();
@@ -511,7 +514,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterBarrier], int(gridDim.x));
     }
     __syncthreads();
-  } else {
+  } else if (!a.ep_overlap) {
     // (the second barrier of the rank's CTAs: ep_exchange met at gridDim.x)
     const bool ok =
         tid != 0 || ep_grid_barrier(a.ep, &a.counters[MoeWorkspaceLayout::kCounterBarrier], 2 * gridDim.x);
@@ -548,9 +551,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int next = next_tile(sched);
         // GEMM2 needs every GEMM1 tile of its (expert, token block).
         // (decode pairs: each CTA publishes its half of a GEMM1 tile)
-        const int need = (tl.e == a.E ? a.Is : a.I) / 128 * (kHalfPairs ? 2 : 1);
+        // Expert parallelism with the pull overlapped: the unit's done1 counts its pulled rows
+        // first (ep_pull_overlapped), so both GEMMs of a routed unit wait for those too.
+        int need = (tl.e == a.E ? a.Is : a.I) / 128 * (kHalfPairs ? 2 : 1);
+        if constexpr (kEp) need = (tl.gemm == 1 ? 0 : need) + (a.ep_overlap && tl.e < a.E ? tl.rows : 0);
         uint32_t t0 = pf.now();
-        bool ready = tl.gemm == 1 || sm90::ld_acquire_gpu(&done1[tl.unit]) >= need;
+        bool ready = (kEp ? need == 0 : tl.gemm == 1) || sm90::ld_acquire_gpu(&done1[tl.unit]) >= need;
         if (a.no_early_loads && !ready) {
           sm90::wait_geq_acquire_gpu(&done1[tl.unit], need);
           ready = true;
@@ -561,10 +567,20 @@ __global__ void __launch_bounds__(kThreads, 1)
         auto fill = [&](auto w_tag, auto g_tag) {
           // Stage i of the tile: K block i (of this CTA's half of a decode pair's GEMM1 tile), or
           // for a GEMM1 tile on one-block stages (kHalves) one K block of one half: decode tiles
-          // half 0's K blocks, then half 1's; tokens in M the halves of a K block in turn. (Only
-          // a GEMM2 tile defers its tokens: one stage a K block.)
+          // half 0's K blocks, then half 1's; tokens in M the halves of a K block in turn. (On
+          // one device only a GEMM2 tile defers its tokens, one stage a K block; with the
+          // expert-parallel pull overlapped a routed GEMM1 tile also waits for its rows.)
           constexpr bool kHalves = decltype(g_tag)::value == 1 && !kWide && !kHalfPairs;
           const int stages = (kHalves ? 2 : 1) * tl.kblocks;
+          // Stage i's half and K block.
+          auto half_of = [&](int i) {
+            return !kHalves  ? (kHalfPairs ? int(sm90::cluster_ctarank()) : 0)
+                   : kSwapAB ? (i >= tl.kblocks)
+                             : (i & 1);
+          };
+          auto kblock_of = [&](int i) {
+            return !kHalves ? i : kSwapAB ? i - half_of(i) * tl.kblocks : (i >> 1);
+          };
           int deferred = 0;  // the last `deferred` stages filled: weights issued, tokens not yet
           for (int i = 0;; ++i) {
             // NOTE: at most kStages deferred stages: the next empty-wait must concern a stage
@@ -580,7 +596,8 @@ __global__ void __launch_bounds__(kThreads, 1)
               for (int d = 0; d < deferred; ++d) {
                 int st = rp.stage - deferred + d;
                 if (st < 0) st += kStages;
-                issue_tokens(w_tag, g_tag, tl, i - deferred + d, st);
+                // (on one device only GEMM2 tiles defer: their stage is their K block)
+                issue_tokens(w_tag, g_tag, tl, kEp ? kblock_of(i - deferred + d) : i - deferred + d, st);
               }
               deferred = 0;
             }
@@ -591,10 +608,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             pf.add(kPfProdEmpty, t0);
             if (i == 0) stage_tile[stage] = tl;  // published by the full barrier's completion
             sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx);
-            const int h = !kHalves  ? (kHalfPairs ? int(sm90::cluster_ctarank()) : 0)
-                          : kSwapAB ? (i >= tl.kblocks)
-                                    : (i & 1);
-            const int kb = !kHalves ? i : kSwapAB ? i - h * tl.kblocks : (i >> 1);
+            const int h = half_of(i), kb = kblock_of(i);
             issue_weights(w_tag, g_tag, tl, kb, h, stage);
             if (ready)
               issue_tokens(w_tag, g_tag, tl, kb, stage);
@@ -619,6 +633,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         tile = next;
       }
+    } else if (kEp && a.ep_overlap && warp >= 2) {
+      ep_pull_overlapped<BN>(a, sc, done1, warp - 2, 2);  // step 3, beside the tiles
     } else if (tid == 32) {
       // ---- Signal thread: publishes each finished tile to the other CTAs. ----
       // NOTE: the release runs here, off the consumers' path: they arrive on done_bar
@@ -1470,6 +1486,20 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   if (const char* env = std::getenv("MEGAMOE_SCHEDULE")) a.round_robin = std::string(env) == "rr";
   if (const char* env = std::getenv("MEGAMOE_EARLY_WEIGHTS")) a.no_early_loads = std::string(env) == "0";
   a.tail_pool = kTailPool;
+  // The overlapped pull keeps its tables beside the schedule's (EpPullTables): where they do
+  // not fit, the pull runs before the tiles. MEGAMOE_EP_OVERLAP=0 / 1 chooses (an A/B switch).
+  if (ep) {
+    const bool fits = s.experts + int(ws.local_experts) + a.has_shared <= kMaxExpertsTotal;
+    bool overlap = kEpPullOverlap && fits;
+    if (const char* env = std::getenv("MEGAMOE_EP_OVERLAP")) {
+      overlap = std::atoi(env) != 0;
+      MEGAMOE_CHECK(!overlap || fits, "MEGAMOE_EP_OVERLAP=1: " + std::to_string(s.experts) + " routing + " +
+                                          std::to_string(int(ws.local_experts) + a.has_shared) +
+                                          " local experts exceed the " + std::to_string(kMaxExpertsTotal) +
+                                          " table entries of the overlapped pull");
+    }
+    a.ep_overlap = overlap ? 1 : 0;
+  }
   if (const char* env = std::getenv("MEGAMOE_TAIL_POOL")) a.tail_pool = std::max(0, std::atoi(env));
   a.counters = reinterpret_cast<int*>(base + ws.counters.offset);
   a.topk_ids = reinterpret_cast<const int*>(base + ws.topk_ids.offset);

@@ -49,6 +49,7 @@ struct KernelArgs {
   int tail_pool;       // GEMM2 tiles a CTA left to claims at the end (kTailPool)
   int half_tiles;      // FusedMoeConfig::half_tiles (per forward)
   int pair_weights;    // FusedMoeConfig::pair_weights (per forward; pair tiles only)
+  int ep_overlap;      // expert parallelism: the row pull runs beside the tiles (kEpPullOverlap)
   const int* num_tokens;
   int tokens_cap;  // the forward's host hint: T = device_token_count(num_tokens, tokens_cap)
   const uint16_t* x;

@@ -80,6 +80,19 @@ struct EpTables {
 };
 static_assert(EpTables::kInts * 4 <= stage_bytes(8), "the EP tables fit one ring stage");
 
+// The pull's tables when it overlaps the GEMMs (KernelArgs::ep_overlap): the ring stage of
+// EpTables is refilled as soon as the producer starts, so the two tables the pull needs
+// live in the unused tails of the schedule's cnt and row_off arrays (SmemTail::kTables,
+// kMaxExpertsTotal + 1 ints each, of which E_total and E_total + 1 are used; the plan
+// allows the overlap only where E_route + E_total <= kMaxExpertsTotal). Pair p = el * R + src.
+struct EpPullTables {
+  int* ring_rel;  // [E_route] pair p's first row, counted from its expert's first row
+  int* send;      // [E_route] pair p's first entry in source src's send_list
+};
+__device__ __forceinline__ EpPullTables ep_pull_tables(const Sched& sc, int E_route) {
+  return {sc.row_off - E_route, sc.unit_off - E_route};
+}
+
 // Steps 1-3 up to the pull: quantize this rank's tokens into its x_q / x_scale (and
 // the shared expert's ring rows), its slots into send_list, a barrier of its CTAs,
 // counts to the owners, every source's counts, then the schedule and pair tables.
@@ -128,6 +141,9 @@ __device__ __forceinline__ bool ep_exchange(const KernelArgs& a, const Sched& sc
     }
   }
   // ---- 2. barrier of this rank's CTAs, then counts and the counts signal to every owner ----
+  // (the shared expert's rows are read by TMA, the async proxy; with the pull overlapped
+  // no later grid barrier orders them before that)
+  sm90::fence_proxy_async_global();
   __threadfence();
   __syncthreads();
   bool ok = true;
@@ -173,10 +189,13 @@ __device__ __forceinline__ bool ep_exchange(const KernelArgs& a, const Sched& sc
           [&](int el, int v) { et.pair_send[el * R + src] = cn[src * (El + 1) + El] + v; });
   }
   __syncthreads();
+  const EpPullTables pt = ep_pull_tables(sc, Er);
   for (int el = tid; el < El; el += kThreads) {
     int row = sc.row_off[el];
     for (int src = 0; src < R; ++src) {
-      et.pair_ring[el * R + src] = row;
+      const int p = el * R + src;
+      et.pair_ring[p] = row;
+      if (a.ep_overlap) pt.ring_rel[p] = row - sc.row_off[el], pt.send[p] = et.pair_send[p];
       row += cn[src * (El + 1) + el];
     }
   }
@@ -208,6 +227,50 @@ __device__ __forceinline__ void ep_pull(const KernelArgs& a, const EpTables& et)
       a.row_weight[ring] = __int_as_float(e.y);
       a.row_src[ring] = e.x;
     }
+  }
+}
+
+// Step 3 overlapped with the GEMMs (KernelArgs::ep_overlap): warps 2 and 3 of the producer
+// warpgroup pull the received rows while the producer and the consumers run the tiles.
+// They walk the ring's routed rows in order, interleaved over the grid's pull warps (the
+// GEMM1 tiles go round-robin in the same expert-major order, TileSchedule, so the rows
+// the first tiles need come first), a warp a row as ep_pull, and count each row into its
+// unit's done1 counter: a GEMM1 tile's tokens wait for rows, a GEMM2 tile's for rows plus
+// the unit's GEMM1 tiles (the producer's `need`). The writes are fenced for the TMA reads
+// (async proxy) and released at gpu scope, as the GEMM1 epilogue's act2.
+template <int BN>
+__device__ __forceinline__ void ep_pull_overlapped(const KernelArgs& a, const Sched& sc, int* done1,
+                                                   int pull_warp, int pull_warps) {
+  const EpArgs& ep = a.ep;
+  const int lane = threadIdx.x % 32, R = ep.ranks, El = a.E, H = a.H, hb = H / 128;
+  const EpPullTables pt = ep_pull_tables(sc, ep.E_route);
+  const int end = sc.row_off[El + a.has_shared];  // (the shared expert's rows are first: not pulled)
+  const int stride = gridDim.x * pull_warps;
+  for (int ring = sc.row_off[0] + blockIdx.x * pull_warps + pull_warp; ring < end; ring += stride) {
+    const int el = largest_le(sc.row_off, 0, El - 1, 1, ring);
+    const int je = ring - sc.row_off[el];  // the row's place in its expert
+    if (je >= sc.cnt[el]) continue;        // (the segment's padding to kRowAlign rows)
+    // Its source: the last whose rows start at or before je (lane 0's start is 0).
+    const uint32_t le = __ballot_sync(0xffffffffu, lane < R && pt.ring_rel[el * R + lane] <= je);
+    const int p = el * R + (31 - __clz(le));
+    uint8_t* sb = ep.peer[p % R];
+    const int2 e = __ldcg(reinterpret_cast<const int2*>(ep_region<EpLayout::SendEntry>(sb, ep.l.send_list) +
+                                                        pt.send[p] + je - pt.ring_rel[p]));
+    const int token = EpLayout::src_token(e.x);
+    const uint4* from = reinterpret_cast<const uint4*>(ep_region<uint8_t>(sb, ep.l.x_q) + size_t(token) * H);
+    uint4* to = reinterpret_cast<uint4*>(a.x_sorted + size_t(ring) * H);
+#pragma unroll 4
+    for (int c = lane; c < H / 16; c += 32) to[c] = __ldcg(from + c);
+    const float* fs = ep_region<float>(sb, ep.l.x_scale) + size_t(token) * hb;
+    for (int g = lane; g < hb; g += 32) a.x_sorted_scale[size_t(g) * a.rows_cap + ring] = __ldcg(fs + g);
+    if (lane == 0) {
+      a.row_weight[ring] = __int_as_float(e.y);
+      a.row_src[ring] = e.x;
+    }
+    sm90::fence_proxy_async_global();
+    __threadfence();
+    __syncwarp();
+    if (lane == 0) sm90::red_release_gpu_add(&done1[sc.unit_off[el] + je / BN], 1);
   }
 }
 

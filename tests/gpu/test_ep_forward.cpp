@@ -454,6 +454,84 @@ TEST_F(EpForward, SelfCheckVirtualRanks) {
   }
 }
 
+// The row pull beside the tiles (MEGAMOE_EP_OVERLAP=1, heuristics.h kEpPullOverlap): no
+// second grid barrier, each unit's rows counted into its done1 counter as they land. The
+// bytes of one device at decode and prefill sizes (an empty rank, a full one), on two
+// epochs, and in a graph replayed with other counts.
+TEST_F(EpForward, OverlappedPullMatchesSingleDevice) {
+  struct OverlapOn {
+    OverlapOn() { setenv("MEGAMOE_EP_OVERLAP", "1", 1); }
+    ~OverlapOn() { unsetenv("MEGAMOE_EP_OVERLAP"); }
+  } on;
+  const MoeShape s = reduced_shape();
+  HostMoeWeights w = make_random_weights(s, 57);
+  const std::vector<std::vector<int>> cases = {
+      {600, 411}, {13, 0, 48, 5}, {64, 1, 33, 0, 64, 17, 2, 40}, {300, 0, 129, 256}};
+  for (const auto& tokens : cases) {
+    const int R = int(tokens.size()), Tmax = *std::max_element(tokens.begin(), tokens.end());
+    if (!ranks_fit(R)) continue;
+    const auto xs = rank_inputs(s, tokens, 1000 + R);
+    const auto want = single_device(w, xs, tokens);
+    api::CudaEpMoeLayer layer(w, ep_options(R, Tmax));
+    RankBuffers b(xs, layer);
+    for (int rep = 0; rep < 2; ++rep) {
+      b.poison();
+      layer.forward(b.x, b.y, tokens, nullptr);
+      ASSERT_NO_THROW(layer.check());
+      const auto got = b.read(tokens, s.hidden);
+      for (int r = 0; r < R; ++r)
+        EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2))
+            << "R=" << R << " rank " << r << " T=" << tokens[r] << " rep " << rep << " ("
+            << layer.config_for(Tmax) << ")";
+    }
+  }
+  // A graph captured at Tmax on every rank, replayed with fewer and uneven counts.
+  const int R = 4, Tmax = 160;
+  if (!ranks_fit(R)) return;
+  api::CudaEpMoeLayer layer(w, ep_options(R, Tmax));
+  const std::vector<int> full(R, Tmax);
+  const auto xs = rank_inputs(s, full, 1100);
+  RankBuffers b(xs, layer);
+  std::vector<const int*> counts;
+  for (int r = 0; r < R; ++r) {
+    OnDevice dev(layer.device(r));
+    int* p = nullptr;
+    CK(cudaMalloc(&p, sizeof(int)));
+    counts.push_back(p);
+  }
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  layer.forward(b.x, b.y, full, st, counts);
+  CK(cudaStreamEndCapture(st, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  for (const std::vector<int>& tokens : {std::vector<int>{160, 7, 0, 99}, std::vector<int>{1, 160, 160, 2}}) {
+    for (int r = 0; r < R; ++r)
+      CK(cudaMemcpy(const_cast<int*>(counts[r]), &tokens[r], sizeof(int), cudaMemcpyHostToDevice));
+    b.poison();
+    CK(cudaGraphLaunch(exec, st));
+    CK(cudaStreamSynchronize(st));
+    ASSERT_NO_THROW(layer.check());
+    const auto got = b.read(tokens, s.hidden);
+    std::vector<std::vector<num::bf16_t>> xt;
+    for (int r = 0; r < R; ++r) xt.emplace_back(xs[r].begin(), xs[r].begin() + size_t(tokens[r]) * s.hidden);
+    const auto want = single_device(w, xt, tokens);
+    for (int r = 0; r < R; ++r)
+      EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2))
+          << "graph replay " << tokens[0] << "," << tokens[1] << "," << tokens[2] << "," << tokens[3]
+          << " rank " << r;
+  }
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  CK(cudaStreamDestroy(st));
+  for (int r = 0; r < R; ++r) {
+    OnDevice dev(layer.device(r));
+    cudaFree(const_cast<int*>(counts[r]));
+  }
+}
+
 // Two layers of a model on one group (EpLayerOptions::share): the second costs its
 // weights only. Alternating eager forwards and one captured graph of both give each
 // layer's single-device bytes (the shared epoch counts every forward); the group
