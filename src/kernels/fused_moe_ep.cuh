@@ -247,15 +247,11 @@ __device__ __forceinline__ void ep_pull_overlapped(const KernelArgs& a, const Sc
   const int end = sc.row_off[El + a.has_shared];  // (the shared expert's rows are first: not pulled)
   const int stride = gridDim.x * pull_warps;
   for (int ring = sc.row_off[0] + blockIdx.x * pull_warps + pull_warp; ring < end; ring += stride) {
-    const int el = largest_le(sc.row_off, 0, El - 1, 1, ring);
-    const int je = ring - sc.row_off[el];  // the row's place in its expert
-    if (je >= sc.cnt[el]) continue;        // (the segment's padding to kRowAlign rows)
-    // Its source: the last whose rows start at or before je (lane 0's start is 0).
-    const uint32_t le = __ballot_sync(0xffffffffu, lane < R && pt.ring_rel[el * R + lane] <= je);
-    const int p = el * R + (31 - __clz(le));
-    uint8_t* sb = ep.peer[p % R];
-    const int2 e = __ldcg(reinterpret_cast<const int2*>(ep_region<EpLayout::SendEntry>(sb, ep.l.send_list) +
-                                                        pt.send[p] + je - pt.ring_rel[p]));
+    PullRow pr;
+    if (!ep_pull_row(sc.row_off, sc.cnt, pt.ring_rel, pt.send, El, R, ring, pr)) continue;  // (padding)
+    uint8_t* sb = ep.peer[pr.src];
+    const int2 e =
+        __ldcg(reinterpret_cast<const int2*>(ep_region<EpLayout::SendEntry>(sb, ep.l.send_list) + pr.entry));
     const int token = EpLayout::src_token(e.x);
     const uint4* from = reinterpret_cast<const uint4*>(ep_region<uint8_t>(sb, ep.l.x_q) + size_t(token) * H);
     uint4* to = reinterpret_cast<uint4*>(a.x_sorted + size_t(ring) * H);
@@ -270,7 +266,7 @@ __device__ __forceinline__ void ep_pull_overlapped(const KernelArgs& a, const Sc
     sm90::fence_proxy_async_global();
     __threadfence();
     __syncwarp();
-    if (lane == 0) sm90::red_release_gpu_add(&done1[sc.unit_off[el] + je / BN], 1);
+    if (lane == 0) sm90::red_release_gpu_add(&done1[sc.unit_off[pr.el] + pr.je / BN], 1);
   }
 }
 

@@ -169,5 +169,56 @@ TEST(EpLayout, LimitsAreClearErrors) {
   }
 }
 
+// The walk of the pull beside the tiles (ep_pull_row): on random counts (empty sources
+// and experts among them, the shared expert's rows first or not), every ring row of a
+// routed segment names the (source, send_list entry) the pull before the tiles gives it
+// -- pair (el, src) in source-major order inside the expert, its j-th row at
+// row_off[el] + (rows of the earlier sources) + j and entry (the source's start for this
+// owner) + (its slots to earlier experts) + j -- and every padding row none.
+TEST(EpLayout, PullRowWalkNamesEveryReceivedRowOnce) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int R = 1 << (trial % 5 == 4 ? 0 : rng() % 4), El = 1 + int(rng() % 40);
+    const int row0 = trial % 2 ? 8 * int(rng() % 5) : 0;  // the shared expert's rows, first
+    std::vector<int> counts(size_t(R) * El), start(R);    // counts[src * El + el]
+    for (int& c : counts) c = rng() % 4 == 0 ? 0 : int(rng() % 40);
+    for (int& st : start) st = int(rng() % 1000);
+    std::vector<int> cnt(El, 0), row_off(El + 1), rel(size_t(El) * R), send(size_t(El) * R);
+    int row = row0;
+    for (int el = 0; el < El; ++el) {
+      row_off[el] = row;
+      for (int src = 0; src < R; ++src) {
+        rel[el * R + src] = cnt[el];
+        cnt[el] += counts[src * El + el];
+        int before = 0;
+        for (int e = 0; e < el; ++e) before += counts[src * El + e];
+        send[el * R + src] = start[src] + before;
+      }
+      row += (cnt[el] + 7) / 8 * 8;
+    }
+    row_off[El] = row;
+    // The pull before the tiles, pair by pair: ring row -> (source, entry).
+    std::vector<std::pair<int, int>> want(row, {-1, -1});
+    for (int el = 0; el < El; ++el)
+      for (int src = 0; src < R; ++src)
+        for (int j = 0; j < counts[src * El + el]; ++j)
+          want[row_off[el] + rel[el * R + src] + j] = {src, send[el * R + src] + j};
+    int pulled = 0;
+    for (int ring = row0; ring < row; ++ring) {
+      kernels::PullRow pr{};
+      const bool has =
+          kernels::ep_pull_row(row_off.data(), cnt.data(), rel.data(), send.data(), El, R, ring, pr);
+      ASSERT_EQ(has, want[ring].first >= 0) << "trial " << trial << " ring row " << ring;
+      if (!has) continue;
+      ++pulled;
+      EXPECT_EQ(pr.src, want[ring].first) << "trial " << trial << " ring row " << ring;
+      EXPECT_EQ(pr.entry, want[ring].second) << "trial " << trial << " ring row " << ring;
+      EXPECT_EQ(row_off[pr.el] + pr.je, ring);
+      EXPECT_LT(pr.je, cnt[pr.el]);
+    }
+    EXPECT_EQ(pulled, std::accumulate(counts.begin(), counts.end(), 0)) << "trial " << trial;
+  }
+}
+
 }  // namespace
 }  // namespace megamoe

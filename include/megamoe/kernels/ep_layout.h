@@ -19,7 +19,9 @@
 //      in q's ring and in each source's send_list) and pulls each row's FP8 data
 //      and scales from the source's x_q / x_scale into its private ring. Row order
 //      inside a segment changes no output byte: rows are independent in both GEMMs
-//      and step 5 reduces by (token, slot);
+//      and step 5 reduces by (token, slot). (Either before its tiles, after a barrier
+//      of q's CTAs, or beside them: a tile waits for its rows, ep_pull_row below;
+//      every pull still ends before q's last GEMM2 tile, so before step 4's signal);
 //   4. q runs its experts (and the shared expert on its own tokens); each GEMM2
 //      epilogue stores its BF16 rows straight into the source's
 //      `combine[token][slot]` (overlapped with the other tiles); when all of q's
@@ -38,6 +40,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "megamoe/kernels/tile_schedule.h"  // largest_le
 #include "megamoe/model/shape.h"
 #include "megamoe/numerics/fp8.h"  // MEGAMOE_HD
 #include "megamoe/weights/layout.h"
@@ -134,5 +137,32 @@ struct EpLayout {
                                   std::to_string(max_tokens) + " tokens per rank");
   }
 };
+
+// Where row `ring` of an owner's receive ring comes from, for a pull that walks the ring
+// row by row (the fused kernel's pull beside the tiles; step 3 above). The owner's
+// schedule: its routed experts el < El hold cnt[el] rows from row_off[el] on (non-
+// decreasing; each segment padded to a multiple of 8 rows), source-major inside an
+// expert. Pair p = el * R + src: ring_rel[p] its first row counted from the expert's
+// first row, send[p] its first entry in source src's send_list. False for a padding row.
+struct PullRow {
+  int el;     // local expert
+  int je;     // the row's place in the expert's segment (its token block: je / block_n)
+  int src;    // source rank
+  int entry;  // index in the source's send_list
+};
+MEGAMOE_HD bool ep_pull_row(const int* row_off, const int* cnt, const int* ring_rel, const int* send,
+                                   int El, int R, int ring, PullRow& r) {
+  r.el = largest_le(row_off, 0, El - 1, 1, ring);
+  r.je = ring - row_off[r.el];
+  if (r.je >= cnt[r.el]) return false;
+  // The last source whose rows start at or before je (an empty source starts where the
+  // next one does, so it is never the last such; source 0 starts at 0).
+  const int* rel = ring_rel + r.el * R;
+  r.src = 0;
+  for (int s = 1; s < R; ++s)
+    if (rel[s] <= r.je) r.src = s;
+  r.entry = send[r.el * R + r.src] + r.je - rel[r.src];
+  return true;
+}
 
 }  // namespace megamoe::kernels
