@@ -36,8 +36,12 @@ for name in glm53flash v4flash; do
   timeout 400 "$bin/megamoe" bench --ranks "$R" --transport nccl $shape --tokens 8 256 8192 --iters 10 \
     --json "$out/h200x${R}_$name.json" 2>&1 | tee "$out/bench_$name.log" | grep "R=" || rc=1
 done
-# The pull overlapped, V4-Flash (its A/B against the run above; v32's estimate: -0.5 ms at 8192).
+# The pull overlapped, then with wide tiles too, V4-Flash (their A/B against the run above;
+# v32's estimate for the pull: -0.5 ms at 8192).
 # shellcheck disable=SC2086
 MEGAMOE_EP_OVERLAP=1 timeout 400 "$bin/megamoe" bench --ranks "$R" --transport nccl $v4 --tokens 8 256 8192 \
   --iters 10 --json "$out/h200x${R}_v4flash_overlap.json" 2>&1 | tee "$out/bench_v4flash_overlap.log" | grep "R=" || rc=1
+# shellcheck disable=SC2086
+MEGAMOE_EP_OVERLAP=1 MEGAMOE_EP_WIDE=1 timeout 300 "$bin/megamoe" bench --ranks "$R" --transport nccl $v4 \
+  --tokens 8192 --iters 10 --json "$out/h200x${R}_v4flash_overlap_wide.json" 2>&1 | grep "R=" || rc=1
 exit $rc

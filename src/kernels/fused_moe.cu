@@ -228,7 +228,7 @@ struct CombinePlan {
 // NOTE: its consumers hold 128 accumulators through the epilogues, and ptxas spills 4 bytes
 // there (nvcc 13.0, v27; 28 in v25): a value of the consumers' start, reloaded at each tile,
 // never in the K loops (checked in the SASS). Chosen: the K loops are what the wide tiles
-// are for.
+// are for. (The expert-parallel wide kernel, kEpWideTiles, allocates without a spill, v32.)
 template <int BN, bool kEp, bool kPairs = false, bool kWide = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
@@ -337,7 +337,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Pair tiles: the schedule's ids count pairs of tiles (TileIds), and a cluster takes the
   // place of a CTA in TileSchedule.
   static_assert(!kPairs || (!kEp && (BN == 128 || BN <= kDecodePairsMaxBlockN)), "pair tiles: one device");
-  static_assert(!kWide || (BN == 128 && !kEp && !kPairs), "wide tiles: 128-token tiles on one device");
+  static_assert(!kWide || (BN == 128 && !kPairs), "wide tiles: 128-token tiles, no cluster");
   constexpr int sh1 = kPairRing ? 1 : 0;        // GEMM1 ids count pairs of tiles
   constexpr int sh2 = kPairs || kWide ? 1 : 0;  // GEMM2 ids count pairs of tiles
   constexpr int csh = kPairs ? 1 : 0;           // the schedule's unit is a cluster of two CTAs
@@ -1280,6 +1280,9 @@ void set_smem_attr() {
     MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<128, false, false, true>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             smem_bytes(128, true)));
+    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<128, true, false, true>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            smem_bytes(128, true)));
   }
 }
 
@@ -1301,8 +1304,12 @@ void launch_fused(const KernelArgs& args, const TensorMaps& maps, int grid, cons
                   cudaStream_t stream) {
   if constexpr (BN == 128) {
     if (cfg.wide_tiles) {
-      fused_moe_kernel<128, false, false, true>
-          <<<grid, kThreads, smem_bytes(128, true), stream>>>(args, maps);
+      if (args.ep.ranks)
+        fused_moe_kernel<128, true, false, true>
+            <<<grid, kThreads, smem_bytes(128, true), stream>>>(args, maps);
+      else
+        fused_moe_kernel<128, false, false, true>
+            <<<grid, kThreads, smem_bytes(128, true), stream>>>(args, maps);
       MEGAMOE_CUDA_CHECK_LAUNCH();
       return;
     }
@@ -1456,7 +1463,10 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
   // barrier waits for every CTA). Wide tiles pair GEMM2's output blocks only (H / 128 even).
   const bool even_h = (s.hidden / 128) % 2 == 0;
   const bool even_blocks = even_h && (s.inter / 128) % 2 == 0 && (s.shared_inter() / 128) % 2 == 0;
-  plan->wide_ok = !ep && even_h;
+  // Expert parallelism: wide tiles where kEpWideTiles or MEGAMOE_EP_WIDE=1 says so (unmeasured).
+  bool ep_wide = kEpWideTiles;
+  if (const char* env = std::getenv("MEGAMOE_EP_WIDE")) ep_wide = std::atoi(env) != 0;
+  plan->wide_ok = even_h && (!ep || ep_wide);
   // Decode pairs (BN <= kDecodePairsMaxBlockN) pair GEMM2's output blocks only (H / 128 even).
   auto resident = [&](int bn, auto kernel) {
     PairLaunch l(plan->num_sms, bn, nullptr);

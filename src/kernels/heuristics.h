@@ -154,6 +154,12 @@ constexpr bool kWideTiles = true;
 // ~0.5 ms before the first tile at ~350 GB/s, of a ~3.1 ms layer. Not measured yet (no
 // device since it was written), so off; MEGAMOE_EP_OVERLAP=1 turns it on for the A/B.
 constexpr bool kEpPullOverlap = false;
+// Expert parallelism with wide tiles (kWideTiles; the EP kernels had only the plain 128-token
+// tiles): where one device gains from them (avg rows > kHalfTileMaxAvgRows), so does a rank's
+// share of the work at prefill sizes (one device at 4096 and 16384 tokens: -2..-5 %, v25).
+// The instantiation allocates without spills (v32); not run yet, so off; MEGAMOE_EP_WIDE=1
+// turns it on for the A/B.
+constexpr bool kEpWideTiles = false;
 
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
 // tiles (decode: 64+ blocks stream the router weight at once), up to

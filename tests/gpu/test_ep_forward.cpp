@@ -56,6 +56,18 @@ bool ranks_fit(int R) {
 #define REQUIRE_RANKS(R) \
   if (!ranks_fit(R)) GTEST_SKIP() << (R) << " ranks need " << (R) << " GPUs on the nccl transport"
 
+// Sets a measurement switch of the kernels (read when a layer is made) for the scope.
+struct ScopedEnv {
+  const char* name;
+  std::string old;
+  bool had;
+  ScopedEnv(const char* n, const char* v) : name(n), had(std::getenv(n) != nullptr) {
+    if (had) old = std::getenv(n);
+    setenv(n, v, 1);
+  }
+  ~ScopedEnv() { had ? setenv(name, old.c_str(), 1) : unsetenv(name); }
+};
+
 // Sets device d for the scope (when d >= 0), restoring the caller's.
 struct OnDevice {
   int saved = 0;
@@ -459,10 +471,7 @@ TEST_F(EpForward, SelfCheckVirtualRanks) {
 // bytes of one device at decode and prefill sizes (an empty rank, a full one), on two
 // epochs, and in a graph replayed with other counts.
 TEST_F(EpForward, OverlappedPullMatchesSingleDevice) {
-  struct OverlapOn {
-    OverlapOn() { setenv("MEGAMOE_EP_OVERLAP", "1", 1); }
-    ~OverlapOn() { unsetenv("MEGAMOE_EP_OVERLAP"); }
-  } on;
+  const ScopedEnv overlap("MEGAMOE_EP_OVERLAP", "1");
   const MoeShape s = reduced_shape();
   HostMoeWeights w = make_random_weights(s, 57);
   const std::vector<std::vector<int>> cases = {
@@ -529,6 +538,36 @@ TEST_F(EpForward, OverlappedPullMatchesSingleDevice) {
   for (int r = 0; r < R; ++r) {
     OnDevice dev(layer.device(r));
     cudaFree(const_cast<int*>(counts[r]));
+  }
+}
+
+// Wide tiles on the ranks (MEGAMOE_EP_WIDE=1, heuristics.h kEpWideTiles): prefill-sized
+// batches (over kHalfTileMaxAvgRows rows an expert), alone and with the pull beside the
+// tiles; the bytes of one device.
+TEST_F(EpForward, WideTilesMatchSingleDevice) {
+  const ScopedEnv wide("MEGAMOE_EP_WIDE", "1");
+  const MoeShape s = reduced_shape();
+  HostMoeWeights w = make_random_weights(s, 59);
+  for (const char* overlap : {"0", "1"}) {
+    const ScopedEnv ov("MEGAMOE_EP_OVERLAP", overlap);
+    for (const std::vector<int>& tokens : {std::vector<int>{600, 517}, std::vector<int>{900, 0, 777, 900}}) {
+      const int R = int(tokens.size()), Tmax = *std::max_element(tokens.begin(), tokens.end());
+      if (!ranks_fit(R)) continue;
+      const auto xs = rank_inputs(s, tokens, 1200 + R);
+      const auto want = single_device(w, xs, tokens);
+      api::CudaEpMoeLayer layer(w, ep_options(R, Tmax));
+      ASSERT_NE(layer.config_for(Tmax).find("wide_tiles"), std::string::npos) << layer.config_for(Tmax);
+      RankBuffers b(xs, layer);
+      for (int rep = 0; rep < 2; ++rep) {
+        b.poison();
+        layer.forward(b.x, b.y, tokens, nullptr);
+        ASSERT_NO_THROW(layer.check());
+        const auto got = b.read(tokens, s.hidden);
+        for (int r = 0; r < R; ++r)
+          EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2))
+              << "overlap " << overlap << " R=" << R << " rank " << r << " rep " << rep;
+      }
+    }
   }
 }
 

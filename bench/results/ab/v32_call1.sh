@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# v32's first device call (one GPU, under 10 minutes): HEAD's GPU tests (the overlapped pull's
-# test, the rank stores and the shared group among them: written in v31 / v32, not yet run),
-# memcheck and racecheck of the new expert-parallel tests, the EP tests through the NCCL
-# transport (one GPU: R = 1 only, a dry run of issue 6's mode). Call 2 is the A/Bs:
-#   scripts/device_ab.sh devbinV bench/results/ab/v32_ep_overlap.txt    (~3 min)
+# v32's first device call (one GPU, under 10 minutes): HEAD's GPU tests (among them the
+# expert-parallel tests written in v31 / v32 and not yet run: the rank stores, the shared
+# group, the pull beside the tiles, wide tiles on the ranks), memcheck of those, racecheck of
+# the overlapped pull, and the EP tests through the NCCL transport (one GPU: R = 1 only, a
+# dry run of issue 6's mode). Call 2 is the A/Bs:
+#   scripts/device_ab.sh devbinV bench/results/ab/v32_ep_overlap.txt    (~4 min)
 #   scripts/device_ab.sh devbinV bench/results/ab/v32_v4flash_share.txt (~3 min)
 #   scripts/device_ab.sh devbinV bench/results/ab/v31_t1024_knobs.txt   (~2 min)
 # Here: scripts/build_devbin.sh devbinV
@@ -12,7 +13,7 @@ set -uo pipefail
 bin=$1
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib:${LD_LIBRARY_PATH:-}
-new='EpForward.OverlappedPullMatchesSingleDevice:EpForward.LayersShareOneGroup:StoreDevice.EpLayerBorrowsRankStores'
+new='EpForward.OverlappedPullMatchesSingleDevice:EpForward.WideTilesMatchSingleDevice:EpForward.LayersShareOneGroup:StoreDevice.EpLayerBorrowsRankStores'
 OUT=$out KEEP_GOING=1 TEST_TIMEOUT=240 scripts/device_run.sh "$bin/head" tests
 timeout 150 compute-sanitizer --tool memcheck "$bin/head/megamoe_gpu_tests" --gtest_filter="$new" \
   > "$out/memcheck_v32.log" 2>&1; tail -3 "$out/memcheck_v32.log"
