@@ -134,8 +134,12 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
   const bool same = a == b;
   // Rows that cross ranks: a slot whose expert another rank owns moves its FP8 row
   // and scales there and its BF16 result back.
+  // Per owner rank: the experts its rows hit and the rows it receives (on R GPUs the
+  // busiest rank sets the time; issue 6 reports per-rank figures).
   const int El = s.experts / R;
   std::set<int> hit;
+  std::vector<std::set<int>> hit_by(R);
+  std::vector<int64_t> rows_by(R, 0);
   int64_t remote = 0;
   for (int r = 0; r < R; ++r) {
     std::vector<int32_t> ids(size_t(T) * s.topk);
@@ -143,6 +147,8 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
     for (int32_t id : ids) {
       if (id < 0) continue;
       hit.insert(id);
+      hit_by[id / El].insert(id);
+      ++rows_by[id / El];
       remote += id / El != r;
     }
   }
@@ -152,6 +158,20 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
                         (s.has_shared() && T > 0 ? expert_bytes(s, s.shared_inter()) : 0.0);
   const double floor_us =
       std::max(wbytes / read_bw, double(Tall) * s.flops_per_token() / (opt.tc_peak_tflops * 1e12)) * 1e6;
+  // One rank's own floor (its experts' bytes, its rows' and its shared-expert tokens' flops):
+  // the floor of the layer on R GPUs is the busiest rank's.
+  const double row_flops = 2.0 * 3.0 * s.hidden * s.inter,
+               shared_flops = 2.0 * 3.0 * s.hidden * s.shared_inter();
+  double rank_floor_us = 0;
+  for (int r = 0; r < R; ++r) {
+    const double bytes = hit_by[r].size() * expert_bytes(s, s.inter) +
+                         (s.has_shared() && T > 0 ? expert_bytes(s, s.shared_inter()) : 0.0);
+    const double flops = double(rows_by[r]) * row_flops + double(T) * shared_flops;
+    rank_floor_us =
+        std::max(rank_floor_us, std::max(bytes / read_bw, flops / (opt.tc_peak_tflops * 1e12)) * 1e6);
+  }
+  const double tflops = double(Tall) * s.flops_per_token() / (t_ep.median_us * 1e-6) * 1e-12;
+  const double link_gbps = moved / (t_ep.median_us * 1e-6) * 1e-9;
   nlohmann::json c;
   c["preset"] = name;
   c["shape"] = s.describe();
@@ -164,11 +184,14 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
   c["us_p90"] = t_ep.p90_us;
   c["one_device_us"] = t_one.median_us;
   c["virtual_rank_overhead"] = t_ep.median_us / t_one.median_us;
-  c["floor_us"] = floor_us;
-  c["tflops"] = double(Tall) * s.flops_per_token() / (t_ep.median_us * 1e-6) * 1e-12;
+  c["floor_us"] = floor_us;  // one device running every rank's work
+  c["rank_floor_us"] = rank_floor_us;
+  c["tflops"] = tflops;  // every rank's together
+  c["tflops_per_rank"] = tflops / R;
   c["rows_crossing_ranks"] = remote;
   c["bytes_moved"] = moved;
-  c["exchange_GBps"] = moved / (t_ep.median_us * 1e-6) * 1e-9;
+  c["exchange_GBps"] = link_gbps;  // every rank's together
+  c["exchange_GBps_per_rank"] = link_gbps / R;
   c["transport"] = opt.ep_transport;
   c["link"] = eo.transport == EpTransport::kNccl ? "NVLink (NCCL windows)"
                                                  : "virtual ranks: one GPU's memory, not NVLink";
@@ -176,10 +199,11 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
   c["config"] = ep.config_for(T);
   out["cases"].push_back(c);
   log(fmt::format(
-      "{:14s} R={} ({}) T={:5d}/rank: {:9.1f} us (p10 {:.1f}, p90 {:.1f}) | one device, {} tokens: "
-      "{:9.1f} us (x{:.2f}) | {:.1f} MB across ranks, {:.1f} GB/s | bytes {} | {}",
-      name, R, opt.ep_transport, T, t_ep.median_us, t_ep.p10_us, t_ep.p90_us, Tall, t_one.median_us,
-      t_ep.median_us / t_one.median_us, moved * 1e-6, moved / (t_ep.median_us * 1e-6) * 1e-9,
+      "{:14s} R={} ({}) T={:5d}/rank: {:9.1f} us (p10 {:.1f}, p90 {:.1f}; a rank's floor {:.1f}) "
+      "{:.1f} TFLOP/s a rank | one device, {} tokens: {:9.1f} us (x{:.2f}) | {:.1f} MB across ranks, "
+      "{:.1f} GB/s a rank | bytes {} | {}",
+      name, R, opt.ep_transport, T, t_ep.median_us, t_ep.p10_us, t_ep.p90_us, rank_floor_us, tflops / R, Tall,
+      t_one.median_us, t_ep.median_us / t_one.median_us, moved * 1e-6, link_gbps / R,
       same ? "equal" : "DIFFER", ep.config_for(T)));
 }
 
