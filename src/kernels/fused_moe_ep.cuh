@@ -203,30 +203,38 @@ __device__ __forceinline__ bool ep_exchange(const KernelArgs& a, const Sched& sc
   return true;
 }
 
-// Step 3, the pull: a warp copies one received row (FP8 data, scales, weight, source)
-// from its source's buffer into this rank's ring.
+// A warp copies one received row into this rank's ring row `ring`: entry `entry` of source
+// `src`'s send_list names the token, whose FP8 data and scales come from the source's x_q and
+// x_scale; the entry's weight and packed source go to row_weight and row_src.
+__device__ __forceinline__ void ep_copy_row(const KernelArgs& a, int src, int entry, int ring) {
+  const EpArgs& ep = a.ep;
+  const int lane = threadIdx.x % 32, H = a.H, hb = H / 128;
+  uint8_t* sb = ep.peer[src];
+  const int2 e =
+      __ldcg(reinterpret_cast<const int2*>(ep_region<EpLayout::SendEntry>(sb, ep.l.send_list) + entry));
+  const int token = EpLayout::src_token(e.x);
+  const uint4* from = reinterpret_cast<const uint4*>(ep_region<uint8_t>(sb, ep.l.x_q) + size_t(token) * H);
+  uint4* to = reinterpret_cast<uint4*>(a.x_sorted + size_t(ring) * H);
+#pragma unroll 4
+  for (int c = lane; c < H / 16; c += 32) to[c] = __ldcg(from + c);
+  const float* fs = ep_region<float>(sb, ep.l.x_scale) + size_t(token) * hb;
+  for (int g = lane; g < hb; g += 32) a.x_sorted_scale[size_t(g) * a.rows_cap + ring] = __ldcg(fs + g);
+  if (lane == 0) {
+    a.row_weight[ring] = __int_as_float(e.y);
+    a.row_src[ring] = e.x;
+  }
+}
+
+// Step 3, the pull before the tiles: every warp of the grid copies received rows, pair by pair.
 __device__ __forceinline__ void ep_pull(const KernelArgs& a, const EpTables& et) {
   const EpArgs& ep = a.ep;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int R = ep.ranks, Er = ep.E_route, H = a.H, hb = H / 128;
+  const int warp = threadIdx.x / 32;
+  const int R = ep.ranks, Er = ep.E_route;
   const int n = et.pair_prefix[Er], warps_total = gridDim.x * (kThreads / 32);
   for (int i = blockIdx.x * (kThreads / 32) + warp; i < n; i += warps_total) {
     const int p = largest_le(et.pair_prefix, 0, Er - 1, 1, i);
-    const int src = p % R, j = i - et.pair_prefix[p], ring = et.pair_ring[p] + j;
-    uint8_t* sb = ep.peer[src];
-    const int2 e = __ldcg(reinterpret_cast<const int2*>(ep_region<EpLayout::SendEntry>(sb, ep.l.send_list) +
-                                                        et.pair_send[p] + j));
-    const int token = EpLayout::src_token(e.x);
-    const uint4* from = reinterpret_cast<const uint4*>(ep_region<uint8_t>(sb, ep.l.x_q) + size_t(token) * H);
-    uint4* to = reinterpret_cast<uint4*>(a.x_sorted + size_t(ring) * H);
-#pragma unroll 4
-    for (int c = lane; c < H / 16; c += 32) to[c] = __ldcg(from + c);
-    const float* fs = ep_region<float>(sb, ep.l.x_scale) + size_t(token) * hb;
-    for (int g = lane; g < hb; g += 32) a.x_sorted_scale[size_t(g) * a.rows_cap + ring] = __ldcg(fs + g);
-    if (lane == 0) {
-      a.row_weight[ring] = __int_as_float(e.y);
-      a.row_src[ring] = e.x;
-    }
+    const int j = i - et.pair_prefix[p];
+    ep_copy_row(a, p % R, et.pair_send[p] + j, et.pair_ring[p] + j);
   }
 }
 
@@ -242,27 +250,14 @@ template <int BN>
 __device__ __forceinline__ void ep_pull_overlapped(const KernelArgs& a, const Sched& sc, int* done1,
                                                    int pull_warp, int pull_warps) {
   const EpArgs& ep = a.ep;
-  const int lane = threadIdx.x % 32, R = ep.ranks, El = a.E, H = a.H, hb = H / 128;
+  const int lane = threadIdx.x % 32, R = ep.ranks, El = a.E;
   const EpPullTables pt = ep_pull_tables(sc, ep.E_route);
   const int end = sc.row_off[El + a.has_shared];  // (the shared expert's rows are first: not pulled)
   const int stride = gridDim.x * pull_warps;
   for (int ring = sc.row_off[0] + blockIdx.x * pull_warps + pull_warp; ring < end; ring += stride) {
     PullRow pr;
     if (!ep_pull_row(sc.row_off, sc.cnt, pt.ring_rel, pt.send, El, R, ring, pr)) continue;  // (padding)
-    uint8_t* sb = ep.peer[pr.src];
-    const int2 e =
-        __ldcg(reinterpret_cast<const int2*>(ep_region<EpLayout::SendEntry>(sb, ep.l.send_list) + pr.entry));
-    const int token = EpLayout::src_token(e.x);
-    const uint4* from = reinterpret_cast<const uint4*>(ep_region<uint8_t>(sb, ep.l.x_q) + size_t(token) * H);
-    uint4* to = reinterpret_cast<uint4*>(a.x_sorted + size_t(ring) * H);
-#pragma unroll 4
-    for (int c = lane; c < H / 16; c += 32) to[c] = __ldcg(from + c);
-    const float* fs = ep_region<float>(sb, ep.l.x_scale) + size_t(token) * hb;
-    for (int g = lane; g < hb; g += 32) a.x_sorted_scale[size_t(g) * a.rows_cap + ring] = __ldcg(fs + g);
-    if (lane == 0) {
-      a.row_weight[ring] = __int_as_float(e.y);
-      a.row_src[ring] = e.x;
-    }
+    ep_copy_row(a, pr.src, pr.entry, ring);
     sm90::fence_proxy_async_global();
     __threadfence();
     __syncwarp();

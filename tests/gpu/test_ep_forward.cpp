@@ -133,6 +133,86 @@ struct RankBuffers {
   }
 };
 
+// One forward of every rank captured at `full` tokens a rank, with the counts in device
+// memory (rank r's on its device), replayed with other counts.
+class CountedGraph {
+ public:
+  CountedGraph(api::CudaEpMoeLayer& layer, RankBuffers& b, const std::vector<int>& full)
+      : layer_(layer), b_(b) {
+    for (size_t r = 0; r < full.size(); ++r) {
+      OnDevice on(layer.device(int(r)));
+      int* p = nullptr;
+      EXPECT_EQ(cudaMalloc(&p, sizeof(int)), cudaSuccess);
+      counts_.push_back(p);
+    }
+    EXPECT_EQ(cudaStreamCreateWithFlags(&st_, cudaStreamNonBlocking), cudaSuccess);
+    cudaGraph_t graph = nullptr;
+    EXPECT_EQ(cudaStreamBeginCapture(st_, cudaStreamCaptureModeGlobal), cudaSuccess);
+    layer.forward(b.x, b.y, full, st_, std::vector<const int*>(counts_.begin(), counts_.end()));
+    EXPECT_EQ(cudaStreamEndCapture(st_, &graph), cudaSuccess);
+    EXPECT_EQ(cudaGraphInstantiate(&exec_, graph, 0), cudaSuccess);
+    cudaGraphDestroy(graph);
+  }
+  ~CountedGraph() {
+    cudaGraphExecDestroy(exec_);
+    cudaStreamDestroy(st_);
+    for (size_t r = 0; r < counts_.size(); ++r) {
+      OnDevice on(layer_.device(int(r)));
+      cudaFree(counts_[r]);
+    }
+  }
+  // Poisons the outputs, sets the counts and replays once (synchronized).
+  void replay(const std::vector<int>& tokens) {
+    for (size_t r = 0; r < counts_.size(); ++r)
+      EXPECT_EQ(cudaMemcpy(counts_[r], &tokens[r], sizeof(int), cudaMemcpyHostToDevice), cudaSuccess);
+    b_.poison();
+    EXPECT_EQ(cudaGraphLaunch(exec_, st_), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(st_), cudaSuccess);
+  }
+
+ private:
+  api::CudaEpMoeLayer& layer_;
+  RankBuffers& b_;
+  std::vector<int*> counts_;
+  cudaStream_t st_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
+// The first tokens[r] rows of each rank's input.
+std::vector<std::vector<num::bf16_t>> first_rows(const std::vector<std::vector<num::bf16_t>>& xs,
+                                                 const std::vector<int>& tokens, int H) {
+  std::vector<std::vector<num::bf16_t>> out;
+  for (size_t r = 0; r < xs.size(); ++r)
+    out.emplace_back(xs[r].begin(), xs[r].begin() + size_t(tokens[r]) * H);
+  return out;
+}
+
+// Every rank's tokens through the single-device layer (the R = 1 bytes).
+std::vector<std::vector<num::bf16_t>> single_device(const HostMoeWeights& w,
+                                                    const std::vector<std::vector<num::bf16_t>>& xs,
+                                                    const std::vector<int>& tokens);
+
+// Replays `graph` with each case's counts: each rank's bytes against one device's on its
+// first tokens.
+void expect_replays_match(api::CudaEpMoeLayer& layer, CountedGraph& graph, const RankBuffers& b,
+                          const HostMoeWeights& w, const std::vector<std::vector<num::bf16_t>>& xs,
+                          const std::vector<std::vector<int>>& cases) {
+  for (const auto& tokens : cases) {
+    graph.replay(tokens);
+    ASSERT_NO_THROW(layer.check());
+    const auto got = b.read(tokens, w.shape.hidden);
+    const auto want = single_device(w, first_rows(xs, tokens, w.shape.hidden), tokens);
+    std::string counts;
+    for (int t : tokens) {
+      if (!counts.empty()) counts += ',';
+      counts += std::to_string(t);
+    }
+    for (size_t r = 0; r < tokens.size(); ++r)
+      EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2))
+          << "replay " << counts << " rank " << r;
+  }
+}
+
 // Every rank's tokens through the single-device layer (the R = 1 bytes).
 std::vector<std::vector<num::bf16_t>> single_device(const HostMoeWeights& w,
                                                     const std::vector<std::vector<num::bf16_t>>& xs,
@@ -347,47 +427,14 @@ TEST_F(EpForward, GraphReplaysWithChangingCounts) {
   const std::vector<int> full(R, Tmax);
   const auto xs = rank_inputs(s, full, 700);
   RankBuffers b(xs, layer);
-  std::vector<const int*> counts;  // rank r's on its device
-  for (int r = 0; r < R; ++r) {
-    OnDevice on(layer.device(r));
-    int* p = nullptr;
-    CK(cudaMalloc(&p, sizeof(int)));
-    counts.push_back(p);
-  }
-  cudaStream_t st;
-  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-  layer.forward(b.x, b.y, full, st, counts);
-  CK(cudaStreamEndCapture(st, &graph));
-  CK(cudaGraphInstantiate(&exec, graph, 0));
-  const std::vector<std::vector<int>> cases = {{96, 0, 13, 50}, {1, 1, 1, 1}, {0, 96, 96, 7}, {40, 3, 0, 96}};
-  for (const auto& tokens : cases) {
-    for (int r = 0; r < R; ++r)
-      CK(cudaMemcpy(const_cast<int*>(counts[r]), &tokens[r], sizeof(int), cudaMemcpyHostToDevice));
-    b.poison();
-    CK(cudaGraphLaunch(exec, st));
-    CK(cudaStreamSynchronize(st));
-    ASSERT_NO_THROW(layer.check());
-    const auto got = b.read(tokens, s.hidden);
-    std::vector<std::vector<num::bf16_t>> xt;
-    for (int r = 0; r < R; ++r) xt.emplace_back(xs[r].begin(), xs[r].begin() + size_t(tokens[r]) * s.hidden);
-    const auto want = single_device(w, xt, tokens);
-    for (int r = 0; r < R; ++r)
-      EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2))
-          << "replay " << tokens[0] << "," << tokens[1] << "," << tokens[2] << "," << tokens[3] << " rank "
-          << r;
-  }
+  CountedGraph graph(layer, b, full);
+  expect_replays_match(layer, graph, b, w, xs,
+                       {{96, 0, 13, 50}, {1, 1, 1, 1}, {0, 96, 96, 7}, {40, 3, 0, 96}});
   // Counts outside [0, Tmax] (a caller's bug) run clamped to {96, 0, 13, 50}, and
   // check() names the ranks.
   {
     const std::vector<int> bad = {500, -3, 13, 50}, clamped = {96, 0, 13, 50};
-    for (int r = 0; r < R; ++r)
-      CK(cudaMemcpy(const_cast<int*>(counts[r]), &bad[r], sizeof(int), cudaMemcpyHostToDevice));
-    b.poison();
-    CK(cudaGraphLaunch(exec, st));
-    CK(cudaStreamSynchronize(st));
+    graph.replay(bad);
     try {
       layer.check();
       ADD_FAILURE() << "check() did not report the counts";
@@ -399,18 +446,9 @@ TEST_F(EpForward, GraphReplaysWithChangingCounts) {
     }
     ASSERT_NO_THROW(layer.check());
     const auto got = b.read(clamped, s.hidden);
-    std::vector<std::vector<num::bf16_t>> xt;
-    for (int r = 0; r < R; ++r) xt.emplace_back(xs[r].begin(), xs[r].begin() + size_t(clamped[r]) * s.hidden);
-    const auto want = single_device(w, xt, clamped);
+    const auto want = single_device(w, first_rows(xs, clamped, s.hidden), clamped);
     for (int r = 0; r < R; ++r)
       EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2)) << "clamped rank " << r;
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(st);
-  for (int r = 0; r < R; ++r) {
-    OnDevice on(layer.device(r));
-    cudaFree(const_cast<int*>(counts[r]));
   }
 }
 
@@ -466,6 +504,30 @@ TEST_F(EpForward, SelfCheckVirtualRanks) {
   }
 }
 
+// Every rank's fresh tokens (seed + R) through a layer on the test transport, twice (two
+// epochs), each rank's bytes against one device's; `config` names a part of the layer's
+// configuration the case is for (empty: any). Skipped where the ranks do not fit.
+void expect_matches_one_device(const HostMoeWeights& w, const std::vector<int>& tokens, uint64_t seed,
+                               const std::string& config, const std::string& what) {
+  const int R = int(tokens.size()), Tmax = *std::max_element(tokens.begin(), tokens.end());
+  if (!ranks_fit(R)) return;
+  const auto xs = rank_inputs(w.shape, tokens, seed + R);
+  const auto want = single_device(w, xs, tokens);
+  api::CudaEpMoeLayer layer(w, ep_options(R, Tmax));
+  ASSERT_NE(layer.config_for(Tmax).find(config), std::string::npos) << what << ": " << layer.config_for(Tmax);
+  RankBuffers b(xs, layer);
+  for (int rep = 0; rep < 2; ++rep) {
+    b.poison();
+    layer.forward(b.x, b.y, tokens, nullptr);
+    ASSERT_NO_THROW(layer.check()) << what;
+    const auto got = b.read(tokens, w.shape.hidden);
+    for (int r = 0; r < R; ++r)
+      EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2))
+          << what << ": R=" << R << " rank " << r << " T=" << tokens[r] << " rep " << rep << " ("
+          << layer.config_for(Tmax) << ")";
+  }
+}
+
 // The row pull beside the tiles (MEGAMOE_EP_OVERLAP=1, heuristics.h kEpPullOverlap): no
 // second grid barrier, each unit's rows counted into its done1 counter as they land. The
 // bytes of one device at decode and prefill sizes (an empty rank, a full one), on two
@@ -476,24 +538,7 @@ TEST_F(EpForward, OverlappedPullMatchesSingleDevice) {
   HostMoeWeights w = make_random_weights(s, 57);
   const std::vector<std::vector<int>> cases = {
       {600, 411}, {13, 0, 48, 5}, {64, 1, 33, 0, 64, 17, 2, 40}, {300, 0, 129, 256}};
-  for (const auto& tokens : cases) {
-    const int R = int(tokens.size()), Tmax = *std::max_element(tokens.begin(), tokens.end());
-    if (!ranks_fit(R)) continue;
-    const auto xs = rank_inputs(s, tokens, 1000 + R);
-    const auto want = single_device(w, xs, tokens);
-    api::CudaEpMoeLayer layer(w, ep_options(R, Tmax));
-    RankBuffers b(xs, layer);
-    for (int rep = 0; rep < 2; ++rep) {
-      b.poison();
-      layer.forward(b.x, b.y, tokens, nullptr);
-      ASSERT_NO_THROW(layer.check());
-      const auto got = b.read(tokens, s.hidden);
-      for (int r = 0; r < R; ++r)
-        EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2))
-            << "R=" << R << " rank " << r << " T=" << tokens[r] << " rep " << rep << " ("
-            << layer.config_for(Tmax) << ")";
-    }
-  }
+  for (const auto& tokens : cases) expect_matches_one_device(w, tokens, 1000, "", "overlapped pull");
   // A graph captured at Tmax on every rank, replayed with fewer and uneven counts.
   const int R = 4, Tmax = 160;
   if (!ranks_fit(R)) return;
@@ -501,44 +546,8 @@ TEST_F(EpForward, OverlappedPullMatchesSingleDevice) {
   const std::vector<int> full(R, Tmax);
   const auto xs = rank_inputs(s, full, 1100);
   RankBuffers b(xs, layer);
-  std::vector<const int*> counts;
-  for (int r = 0; r < R; ++r) {
-    OnDevice dev(layer.device(r));
-    int* p = nullptr;
-    CK(cudaMalloc(&p, sizeof(int)));
-    counts.push_back(p);
-  }
-  cudaStream_t st;
-  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-  layer.forward(b.x, b.y, full, st, counts);
-  CK(cudaStreamEndCapture(st, &graph));
-  CK(cudaGraphInstantiate(&exec, graph, 0));
-  for (const std::vector<int>& tokens : {std::vector<int>{160, 7, 0, 99}, std::vector<int>{1, 160, 160, 2}}) {
-    for (int r = 0; r < R; ++r)
-      CK(cudaMemcpy(const_cast<int*>(counts[r]), &tokens[r], sizeof(int), cudaMemcpyHostToDevice));
-    b.poison();
-    CK(cudaGraphLaunch(exec, st));
-    CK(cudaStreamSynchronize(st));
-    ASSERT_NO_THROW(layer.check());
-    const auto got = b.read(tokens, s.hidden);
-    std::vector<std::vector<num::bf16_t>> xt;
-    for (int r = 0; r < R; ++r) xt.emplace_back(xs[r].begin(), xs[r].begin() + size_t(tokens[r]) * s.hidden);
-    const auto want = single_device(w, xt, tokens);
-    for (int r = 0; r < R; ++r)
-      EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2))
-          << "graph replay " << tokens[0] << "," << tokens[1] << "," << tokens[2] << "," << tokens[3]
-          << " rank " << r;
-  }
-  CK(cudaGraphExecDestroy(exec));
-  CK(cudaGraphDestroy(graph));
-  CK(cudaStreamDestroy(st));
-  for (int r = 0; r < R; ++r) {
-    OnDevice dev(layer.device(r));
-    cudaFree(const_cast<int*>(counts[r]));
-  }
+  CountedGraph graph(layer, b, full);
+  expect_replays_match(layer, graph, b, w, xs, {{160, 7, 0, 99}, {1, 160, 160, 2}});
 }
 
 // Wide tiles on the ranks (MEGAMOE_EP_WIDE=1, heuristics.h kEpWideTiles): prefill-sized
@@ -550,24 +559,8 @@ TEST_F(EpForward, WideTilesMatchSingleDevice) {
   HostMoeWeights w = make_random_weights(s, 59);
   for (const char* overlap : {"0", "1"}) {
     const ScopedEnv ov("MEGAMOE_EP_OVERLAP", overlap);
-    for (const std::vector<int>& tokens : {std::vector<int>{600, 517}, std::vector<int>{900, 0, 777, 900}}) {
-      const int R = int(tokens.size()), Tmax = *std::max_element(tokens.begin(), tokens.end());
-      if (!ranks_fit(R)) continue;
-      const auto xs = rank_inputs(s, tokens, 1200 + R);
-      const auto want = single_device(w, xs, tokens);
-      api::CudaEpMoeLayer layer(w, ep_options(R, Tmax));
-      ASSERT_NE(layer.config_for(Tmax).find("wide_tiles"), std::string::npos) << layer.config_for(Tmax);
-      RankBuffers b(xs, layer);
-      for (int rep = 0; rep < 2; ++rep) {
-        b.poison();
-        layer.forward(b.x, b.y, tokens, nullptr);
-        ASSERT_NO_THROW(layer.check());
-        const auto got = b.read(tokens, s.hidden);
-        for (int r = 0; r < R; ++r)
-          EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2))
-              << "overlap " << overlap << " R=" << R << " rank " << r << " rep " << rep;
-      }
-    }
+    for (const std::vector<int>& tokens : {std::vector<int>{600, 517}, std::vector<int>{900, 0, 777, 900}})
+      expect_matches_one_device(w, tokens, 1200, "wide_tiles", std::string("wide tiles, overlap ") + overlap);
   }
 }
 
