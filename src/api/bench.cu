@@ -66,11 +66,13 @@ class CapturedGraph {
   cudaGraphExec_t exec_ = nullptr;
 };
 
-// Graph replays of `body`, timed (median, p10, p90 of device time).
+// Graph replays of `body`, timed (median, p10, p90 of device time); each after an L2
+// flush of this device and of `devices` (expert-parallel ranks on their own GPUs).
 bench::Timing time_graph(cudaStream_t stream, const BenchOptions& opt,
-                         const std::function<void(cudaStream_t)>& body) {
+                         const std::function<void(cudaStream_t)>& body,
+                         const std::vector<int>& devices = {}) {
   const CapturedGraph g(stream, body);
-  return bench::time_device(std::cref(g), stream, opt.warmup, opt.iters, true);
+  return bench::time_device(std::cref(g), stream, opt.warmup, opt.iters, true, devices);
 }
 
 // Board energy of graph replays of `body` (opt.energy_seconds of them, each after an L2
@@ -116,8 +118,10 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
   }
   MEGAMOE_CUDA_CHECK(cudaSetDevice(dev0));
   const std::vector<int> tokens(R, T);
-  const bench::Timing t_ep =
-      time_graph(stream, opt, [&](cudaStream_t st) { ep.forward(xs, ys, tokens, st); });
+  std::vector<int> devices;  // every rank starts with a cold L2, as one device does
+  for (int i = 0; i < R; ++i) devices.push_back(ep.device(i));
+  const bench::Timing t_ep = time_graph(
+      stream, opt, [&](cudaStream_t st) { ep.forward(xs, ys, tokens, st); }, devices);
   ep.check();
   MoeLayerOptions lo;
   lo.max_tokens = std::max(1, Tall);

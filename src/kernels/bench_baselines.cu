@@ -116,31 +116,54 @@ double measure_read_bandwidth(size_t bytes, int iters, cudaStream_t stream, bool
   return result;
 }
 
-void flush_l2(cudaStream_t stream) {
+void flush_l2(cudaStream_t stream, const std::vector<int>& others) {
   // NOTE: kept for the life of the process (one per device, never freed): a
   // static destructor would run after the CUDA context may be gone.
-  static std::map<int, std::pair<void*, size_t>> buffers;
+  struct Flush {
+    void* p = nullptr;
+    size_t bytes = 0;
+    cudaStream_t s = nullptr;  // (another device's flush)
+    cudaEvent_t done = nullptr;
+  };
+  static std::map<int, Flush> buffers;
   int dev = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
-  auto it = buffers.find(dev);
-  if (it == buffers.end()) {
-    int l2 = 0;
-    MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
-    const size_t bytes = 2 * size_t(std::max(l2, 1 << 20));
-    void* p = nullptr;
-    MEGAMOE_CUDA_CHECK(cudaMalloc(&p, bytes));
-    it = buffers.emplace(dev, std::make_pair(p, bytes)).first;
+  auto buffer = [&](int d) -> Flush& {
+    auto it = buffers.find(d);
+    if (it == buffers.end()) {
+      Flush f;
+      int l2 = 0;
+      MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, d));
+      f.bytes = 2 * size_t(std::max(l2, 1 << 20));
+      MEGAMOE_CUDA_CHECK(cudaMalloc(&f.p, f.bytes));
+      it = buffers.emplace(d, f).first;
+    }
+    return it->second;
+  };
+  const Flush& own = buffer(dev);
+  MEGAMOE_CUDA_CHECK(cudaMemsetAsync(own.p, 0, own.bytes, stream));
+  for (int d : others) {
+    if (d == dev) continue;
+    MEGAMOE_CUDA_CHECK(cudaSetDevice(d));  // (d current: its buffer, stream and event are made there)
+    Flush& f = buffer(d);
+    if (!f.s) {
+      MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&f.s, cudaStreamNonBlocking));
+      MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&f.done, cudaEventDisableTiming));
+    }
+    MEGAMOE_CUDA_CHECK(cudaMemsetAsync(f.p, 0, f.bytes, f.s));
+    MEGAMOE_CUDA_CHECK(cudaEventRecord(f.done, f.s));
+    MEGAMOE_CUDA_CHECK(cudaSetDevice(dev));
+    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, f.done, 0));
   }
-  MEGAMOE_CUDA_CHECK(cudaMemsetAsync(it->second.first, 0, it->second.second, stream));
 }
 
 Timing time_device(const std::function<void(cudaStream_t)>& fn, cudaStream_t stream, int warmup, int iters,
-                   bool flush_l2_each) {
+                   bool flush_l2_each, const std::vector<int>& flush_others) {
   if (iters < 1) throw std::invalid_argument("time_device: iters >= 1");
   for (int i = 0; i < warmup; ++i) fn(stream);
   std::vector<EventPair> ev(iters);
   for (int i = 0; i < iters; ++i) {
-    if (flush_l2_each) flush_l2(stream);
+    if (flush_l2_each) flush_l2(stream, flush_others);
     MEGAMOE_CUDA_CHECK(cudaEventRecord(ev[i].start, stream));
     fn(stream);
     MEGAMOE_CUDA_CHECK(cudaEventRecord(ev[i].stop, stream));

@@ -59,7 +59,9 @@ double measure_read_bandwidth(size_t bytes = size_t(4) << 30, int iters = 20, cu
 
 // Writes a buffer of twice the current device's L2 so the next kernel starts
 // cold. The buffer is allocated once per device and kept for the process.
-void flush_l2(cudaStream_t stream);
+// `others`: devices whose L2 is flushed too (expert-parallel ranks on their own GPUs),
+// each on a stream of its own that `stream` then waits for.
+void flush_l2(cudaStream_t stream, const std::vector<int>& others = {});
 
 struct Timing {
   double median_us = 0, min_us = 0, max_us = 0, p10_us = 0, p90_us = 0;
@@ -67,9 +69,9 @@ struct Timing {
 
 // Runs fn(stream) `warmup` times untimed, then `iters` times each between two
 // device events; with flush_l2_each the L2 is flushed before every timed call
-// (outside the events). Synchronizes the stream.
+// (outside the events; flush_l2's `others` too). Synchronizes the stream.
 Timing time_device(const std::function<void(cudaStream_t)>& fn, cudaStream_t stream, int warmup, int iters,
-                   bool flush_l2_each);
+                   bool flush_l2_each, const std::vector<int>& flush_others = {});
 
 // Board energy of repeated calls: fn(stream) (after an L2 flush when flush_l2_each, as
 // the timed cases run) replayed back to back for at least `seconds`, NVML's energy
