@@ -22,3 +22,10 @@ timeout 120 compute-sanitizer --tool racecheck "$bin/head/megamoe_gpu_tests" \
 tail -3 "$out/racecheck_v32.log"
 MEGAMOE_TEST_EP_TRANSPORT=nccl timeout 60 "$bin/head/megamoe_gpu_tests" --gtest_filter='EpForward.*' \
   > "$out/gpu_tests_ep_nccl_1gpu.log" 2>&1; tail -3 "$out/gpu_tests_ep_nccl_1gpu.log"
+# Where the 8-way share's time goes at ~50-60 rows an expert (1.55x its floor at 256 tokens,
+# against 1.25x for the whole layer at 1024; NOTES v32 item 1): the profile build
+# (`cmake -B build-prof -DMEGAMOE_PROFILE=ON`, copied to devbinV/prof) prints each case's roles.
+if [ -x "$bin/prof/megamoe" ]; then
+  timeout 120 "$bin/prof/megamoe" bench --preset glm-5.3-flash --tokens 256 1024 --no-baseline --iters 5 \
+    > "$out/prof_share_v32.log" 2>&1; grep -E "T=|profile" "$out/prof_share_v32.log" | head -40
+fi
