@@ -1657,6 +1657,7 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
   // (wide tiles take the pair tiles' place: one CTA computes both tiles of a token pair)
   cfg.pair_tiles = cfg.pair_tiles && p->pairs_ok[block_n_index(cfg.block_n)] && !cfg.wide_tiles;
   cfg.stages = stages_for(cfg.block_n, cfg.wide_tiles);
+  cfg.ep_overlap = p->args.ep_overlap != 0;
   return cfg;
 }
 

@@ -52,11 +52,11 @@ FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms) {
 }
 
 std::string describe(const FusedMoeConfig& c) {
-  return fmt::format("block_m={} block_n={} block_k={} stages={} smem={}B sms={} router_ksplit={}{}{}{}{}",
+  return fmt::format("block_m={} block_n={} block_k={} stages={} smem={}B sms={} router_ksplit={}{}{}{}{}{}",
                      kBlockM, c.block_n, kBlockK, c.stages, smem_bytes(c.block_n, c.wide_tiles), c.num_sms,
                      c.router_ksplit, c.half_tiles ? " half_tiles" : "", c.wide_tiles ? " wide_tiles" : "",
-                     c.pair_tiles ? " pair_tiles" : "",
-                     c.pair_tiles && c.pair_weights ? " pair_weights" : "");
+                     c.pair_tiles ? " pair_tiles" : "", c.pair_tiles && c.pair_weights ? " pair_weights" : "",
+                     c.ep_overlap ? " ep_overlap" : "");
 }
 
 void maybe_print_config(const MoeShape& s, int tokens, const FusedMoeConfig& c) {

@@ -538,7 +538,8 @@ TEST_F(EpForward, OverlappedPullMatchesSingleDevice) {
   HostMoeWeights w = make_random_weights(s, 57);
   const std::vector<std::vector<int>> cases = {
       {600, 411}, {13, 0, 48, 5}, {64, 1, 33, 0, 64, 17, 2, 40}, {300, 0, 129, 256}};
-  for (const auto& tokens : cases) expect_matches_one_device(w, tokens, 1000, "", "overlapped pull");
+  for (const auto& tokens : cases)
+    expect_matches_one_device(w, tokens, 1000, "ep_overlap", "overlapped pull");
   // A graph captured at Tmax on every rank, replayed with fewer and uneven counts.
   const int R = 4, Tmax = 160;
   if (!ranks_fit(R)) return;
@@ -560,7 +561,8 @@ TEST_F(EpForward, WideTilesMatchSingleDevice) {
   for (const char* overlap : {"0", "1"}) {
     const ScopedEnv ov("MEGAMOE_EP_OVERLAP", overlap);
     for (const std::vector<int>& tokens : {std::vector<int>{600, 517}, std::vector<int>{900, 0, 777, 900}})
-      expect_matches_one_device(w, tokens, 1200, "wide_tiles", std::string("wide tiles, overlap ") + overlap);
+      expect_matches_one_device(w, tokens, 1200, overlap[0] == '1' ? "wide_tiles ep_overlap" : "wide_tiles",
+                                std::string("wide tiles, overlap ") + overlap);
   }
 }
 

@@ -102,6 +102,9 @@ struct FusedMoeConfig {
   // tile's two halves or two neighbouring GEMM2 output blocks, the token rows once
   // (kWideTiles). Replaces the pair tiles where the shape allows it (fused_moe_config).
   bool wide_tiles = false;
+  // Expert parallelism: the rank's row pull runs beside its tiles (kEpPullOverlap; a
+  // property of the plan, reported here with the rest).
+  bool ep_overlap = false;
 };
 
 struct DeviceTensors {
