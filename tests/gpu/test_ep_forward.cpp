@@ -544,6 +544,7 @@ TEST_F(EpForward, OverlappedPullMatchesSingleDevice) {
   const int R = 4, Tmax = 160;
   if (!ranks_fit(R)) return;
   api::CudaEpMoeLayer layer(w, ep_options(R, Tmax));
+  ASSERT_NE(layer.config_for(Tmax).find("ep_overlap"), std::string::npos) << layer.config_for(Tmax);
   const std::vector<int> full(R, Tmax);
   const auto xs = rank_inputs(s, full, 1100);
   RankBuffers b(xs, layer);
