@@ -351,6 +351,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool no_loads = a.debug_skip & kSkipLoads;
   // A stage's bytes: weights, tokens and the tokens' scales of its K block (either GEMM).
   const uint32_t stage_tx = no_loads ? 0 : kWBytes + kXBytes + BN * 4;
+  // Of them the weights' (from stage_tx: one value less live in the producer's loop)
+  auto weight_tx = [&] { return stage_tx ? uint32_t(kWBytes) : 0u; };
   // w_tag (std::bool_constant): the tile's pair shares its weights (Tile::wpair); g_tag
   // (std::integral_constant): the tile's GEMM; both decided once a tile (the producer's fill
   // below) so a stage's path has no branch on them. h: a GEMM1 tile's half (one-block stages).
@@ -501,8 +503,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // warpgroup's pull warps run it beside the tiles instead: ep_pull_overlapped).
     ep_pull(a, et);
   }
-  // Grid barrier: every sorted row is written before any TMA reads one. (Expert parallelism
-  // with the pull overlapped has none: each unit's done1 counts its rows, ep_pull_overlapped.)
+  // Grid barrier: every sorted row is written before any TMA reads one. (With the expert-
+  // parallel pull overlapped, each unit's done1 counts its rows instead: ep_pull_overlapped.)
   pf.add(kPfTasks, t_tasks);
   pf.stamp(kPfArriveNs);
   sm90::fence_proxy_async_global();
@@ -514,8 +516,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterBarrier], int(gridDim.x));
     }
     __syncthreads();
-  } else if (!a.ep_overlap) {
-    // (the second barrier of the rank's CTAs: ep_exchange met at gridDim.x)
+  } else {
+    // (the second barrier of the rank's CTAs: ep_exchange met at gridDim.x). With the pull
+    // overlapped it guards no rows, but it keeps a peer's timeout all-or-nothing: a CTA
+    // that gave up in ep_exchange never arrives, so every CTA leaves here instead of one
+    // starting tiles whose rows that CTA's pull warps would have brought.
     const bool ok =
         tid != 0 || ep_grid_barrier(a.ep, &a.counters[MoeWorkspaceLayout::kCounterBarrier], 2 * gridDim.x);
     if (__syncthreads_or(!ok)) return;  // (nothing is in flight: no load went out yet)
@@ -596,6 +601,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               for (int d = 0; d < deferred; ++d) {
                 int st = rp.stage - deferred + d;
                 if (st < 0) st += kStages;
+                if constexpr (kEp) sm90::mbar_arrive_expect_tx(&full_bar[st], stage_tx - weight_tx());
                 // (on one device only GEMM2 tiles defer: their stage is their K block)
                 issue_tokens(w_tag, g_tag, tl, kEp ? kblock_of(i - deferred + d) : i - deferred + d, st);
               }
@@ -607,13 +613,23 @@ __global__ void __launch_bounds__(kThreads, 1)
             sm90::mbar_wait(&empty_bar[stage], rp.phase ^ 1);
             pf.add(kPfProdEmpty, t0);
             if (i == 0) stage_tile[stage] = tl;  // published by the full barrier's completion
-            sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx);
+            // Expert parallelism: a stage arrives with its tokens (below, or when deferred ones
+            // go out), so the arrival follows the acquire of their unit's count and the
+            // consumers' generic reads of what the pull wrote beside the TMA data (row weights,
+            // sources) are ordered after it. (One device defers only GEMM2 tiles, whose generic
+            // reads phase 0 wrote before its grid barrier: one arrival with every byte.)
+            if constexpr (kEp)
+              sm90::mbar_expect_tx(&full_bar[stage], weight_tx());
+            else
+              sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx);
             const int h = half_of(i), kb = kblock_of(i);
             issue_weights(w_tag, g_tag, tl, kb, h, stage);
-            if (ready)
+            if (ready) {
+              if constexpr (kEp) sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx - weight_tx());
               issue_tokens(w_tag, g_tag, tl, kb, stage);
-            else
+            } else {
               ++deferred;
+            }
             rp.advance();
           }
         };

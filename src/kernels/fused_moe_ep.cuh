@@ -245,7 +245,8 @@ __device__ __forceinline__ void ep_pull(const KernelArgs& a, const EpTables& et)
 // the first tiles need come first), a warp a row as ep_pull, and count each row into its
 // unit's done1 counter: a GEMM1 tile's tokens wait for rows, a GEMM2 tile's for rows plus
 // the unit's GEMM1 tiles (the producer's `need`). The writes are fenced for the TMA reads
-// (async proxy) and released at gpu scope, as the GEMM1 epilogue's act2.
+// (async proxy) and released at gpu scope, as the GEMM1 epilogue's act2. (The rank's
+// second grid barrier stays, fused_moe.cu: it now guards only a peer's timeout.)
 template <int BN>
 __device__ __forceinline__ void ep_pull_overlapped(const KernelArgs& a, const Sched& sc, int* done1,
                                                    int pull_warp, int pull_warps) {
@@ -258,8 +259,9 @@ __device__ __forceinline__ void ep_pull_overlapped(const KernelArgs& a, const Sc
     PullRow pr;
     if (!ep_pull_row(sc.row_off, sc.cnt, pt.ring_rel, pt.send, El, R, ring, pr)) continue;  // (padding)
     ep_copy_row(a, pr.src, pr.entry, ring);
+    // (the warp barrier orders every lane's stores before lane 0's release, as for the
+    // consumers' tile_written; each lane fences its own stores for the async proxy)
     sm90::fence_proxy_async_global();
-    __threadfence();
     __syncwarp();
     if (lane == 0) sm90::red_release_gpu_add(&done1[sc.unit_off[pr.el] + pr.je / BN], 1);
   }
