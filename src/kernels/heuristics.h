@@ -149,10 +149,11 @@ constexpr bool kWideTiles = true;
 // Expert parallelism: the row pull (phase 0's step 3) beside the tiles instead of before
 // them (KernelArgs::ep_overlap, ep_pull_overlapped): warps 2-3 of the producer warpgroup
 // pull the rows in the GEMM1 tiles' order and count them into the units' done1 counters,
-// and the rank's second grid barrier goes. On paper (NOTES v32, bench/results/ab/v32_ep_model.py):
-// 8192 tokens a rank of the DeepSeek-V4-Flash shape over 8 H200s pull ~180 MB over NVLink,
-// ~0.5 ms before the first tile at ~350 GB/s, of a ~3.1 ms layer. Not measured yet (no
-// device since it was written), so off; MEGAMOE_EP_OVERLAP=1 turns it on for the A/B.
+// which a tile's token loads wait for. On paper (NOTES v32, bench/results/ab/v32_ep_model.py,
+// v32_overlap_sim.py): 8192 tokens a rank of the DeepSeek-V4-Flash shape over 8 H200s pull
+// ~180 MB over NVLink, ~0.5 ms before the first tile at ~350 GB/s, of a ~3.1 ms layer. Not
+// measured yet (no device since it was written), so off; MEGAMOE_EP_OVERLAP=1 turns it on
+// for the A/B.
 constexpr bool kEpPullOverlap = false;
 // Expert parallelism with wide tiles (kWideTiles; the EP kernels had only the plain 128-token
 // tiles): where one device gains from them (avg rows > kHalfTileMaxAvgRows), so does a rank's
