@@ -7,7 +7,7 @@ costs its flops at the 8-way share's measured rate (v31: ~975 TFLOP/s over 132 S
 tile starts once its unit's rows are pulled, a GEMM2 tile once its unit's GEMM1 tiles are done.
 The pull: 264 warps (2 a CTA) walking the ring's rows in order, a row each `row_us` (the slower
 of a latency-bound warp, ~3 NVLink round trips, and its share of the link's bandwidth); before
-the tiles, 12 warps a CTA do the same walk and a grid barrier follows. Not a test: the model's
+the tiles, 12 warps a CTA do the same walk; a grid barrier (~2 us) precedes the tiles either way. Not a test: the model's
 blind spots are the rate inside a tile and the link's behaviour under load.
 Usage: python3 bench/results/ab/v32_overlap_sim.py"""
 
@@ -45,7 +45,7 @@ def simulate(rows_per_expert, link_gbps, latency_us, overlap):
             last = row_base[e] + min(rows_per_expert[e], (b + 1) * BN) - 1
             ready.append((last // warps + 1) * row_us)
     pull_end = max(ready)
-    start = 0.0 if overlap else pull_end + 2.0  # (+ the second grid barrier)
+    start = 2.0 + (0.0 if overlap else pull_end)  # (the second grid barrier: after the pull, or at once)
     t = tiles_of(units)
     t1 = sum(1 for x in t if x[0] == 1)
     gemm1_cost = 2 * BN * 2 * 128 * H / RATE * 1e6   # 128 rows x 256 w13 rows (a 128-column tile) x H
