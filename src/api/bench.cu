@@ -33,6 +33,11 @@ double expert_bytes(const MoeShape& s, int inter) {
   return 3.0 * H * I + scales;
 }
 
+// The shared expert's weight bytes a forward of T tokens streams (once, if any token).
+double shared_bytes(const MoeShape& s, int T) {
+  return s.has_shared() && T > 0 ? expert_bytes(s, s.shared_inter()) : 0.0;
+}
+
 // x for T tokens: N(0,1)-ish via the sum of two uniforms; fresh per T.
 std::vector<num::bf16_t> bench_input(int T, int H) {
   std::vector<num::bf16_t> x(size_t(T) * H);
@@ -141,7 +146,6 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
   // Per owner rank: the experts its rows hit and the rows it receives (on R GPUs the
   // busiest rank sets the time; issue 6 reports per-rank figures).
   const int El = s.experts / R;
-  std::set<int> hit;
   std::vector<std::set<int>> hit_by(R);
   std::vector<int64_t> rows_by(R, 0);
   int64_t remote = 0;
@@ -150,7 +154,6 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
     MEGAMOE_CUDA_CHECK(cudaMemcpy(ids.data(), ep.topk_ids(r), ids.size() * 4, cudaMemcpyDeviceToHost));
     for (int32_t id : ids) {
       if (id < 0) continue;
-      hit.insert(id);
       hit_by[id / El].insert(id);
       ++rows_by[id / El];
       remote += id / El != r;
@@ -158,19 +161,18 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
   }
   const double row_bytes = s.hidden + s.hidden / 128 * 4.0 + 8 + s.hidden * 2.0;
   const double moved = remote * row_bytes;
-  const double wbytes = hit.size() * expert_bytes(s, s.inter) +
-                        (s.has_shared() && T > 0 ? expert_bytes(s, s.shared_inter()) : 0.0);
+  size_t hit = 0;  // experts hit, every rank's
+  for (const std::set<int>& h : hit_by) hit += h.size();
+  const double wbytes = hit * expert_bytes(s, s.inter) + shared_bytes(s, T);
   const double floor_us =
       std::max(wbytes / read_bw, double(Tall) * s.flops_per_token() / (opt.tc_peak_tflops * 1e12)) * 1e6;
   // One rank's own floor (its experts' bytes, its rows' and its shared-expert tokens' flops):
   // the floor of the layer on R GPUs is the busiest rank's.
-  const double row_flops = 2.0 * 3.0 * s.hidden * s.inter,
-               shared_flops = 2.0 * 3.0 * s.hidden * s.shared_inter();
   double rank_floor_us = 0;
   for (int r = 0; r < R; ++r) {
-    const double bytes = hit_by[r].size() * expert_bytes(s, s.inter) +
-                         (s.has_shared() && T > 0 ? expert_bytes(s, s.shared_inter()) : 0.0);
-    const double flops = double(rows_by[r]) * row_flops + double(T) * shared_flops;
+    const double bytes = hit_by[r].size() * expert_bytes(s, s.inter) + shared_bytes(s, T);
+    const double flops =
+        double(rows_by[r]) * s.expert_flops(s.inter) + double(T) * s.expert_flops(s.shared_inter());
     rank_floor_us =
         std::max(rank_floor_us, std::max(bytes / read_bw, flops / (opt.tc_peak_tflops * 1e12)) * 1e6);
   }
@@ -305,8 +307,7 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
 
         std::set<int> hit(ids.begin(), ids.end());
         hit.erase(-1);
-        const double bytes = hit.size() * expert_bytes(s, s.inter) +
-                             (s.has_shared() && T > 0 ? expert_bytes(s, s.shared_inter()) : 0.0);
+        const double bytes = hit.size() * expert_bytes(s, s.inter) + shared_bytes(s, T);
         const double flops = double(T) * s.flops_per_token();
         const double hbm_floor_us = bytes / read_bw * 1e6;
         const double tc_floor_us = flops / (opt.tc_peak_tflops * 1e12) * 1e6;

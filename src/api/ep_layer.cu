@@ -118,9 +118,9 @@ void EpGroup::init(const MoeShape& s, const EpLayerOptions& o) {
 struct CudaEpMoeLayer::Impl {
   std::shared_ptr<EpGroup> group;  // (its shape is this layer's)
   struct Rank {
-    int rank = 0, device = 0;
-    void* weights = nullptr;  // the rank's own experts (rank_layout), shared expert, router
-    bool borrowed = false;    // a WeightStore's buffer (not freed here)
+    const EpGroup::Rank* at = nullptr;  // its rank and device (the group's, in the same order)
+    void* weights = nullptr;            // the rank's own experts (rank_layout), shared expert, router
+    bool borrowed = false;              // a WeightStore's buffer (not freed here)
     MoeWeightLayout rank_layout;
     kernels::FusedMoePlan* plan = nullptr;
     IoPointerCheck io_check;
@@ -129,7 +129,7 @@ struct CudaEpMoeLayer::Impl {
 
   ~Impl() {
     for (Rank& r : local) {
-      cudaSetDevice(r.device);
+      cudaSetDevice(r.at->device);
       if (r.plan) kernels::fused_moe_plan_destroy(r.plan);
       if (!r.borrowed) cudaFree(r.weights);
     }
@@ -195,9 +195,8 @@ CudaEpMoeLayer::CudaEpMoeLayer(const std::vector<WeightSource>& sources, const E
     const int r = gk.rank;
     m.local.emplace_back();
     Impl::Rank& k = m.local.back();  // (owned by m from here: ~Impl frees what a throw leaves)
-    k.rank = r;
-    k.device = gk.device;
-    MEGAMOE_CUDA_CHECK(cudaSetDevice(k.device));
+    k.at = &gk;
+    MEGAMOE_CUDA_CHECK(cudaSetDevice(gk.device));
     // Each rank holds only its E/R experts (plus the shared expert and the whole router):
     // R ranks on R GPUs hold the layer once between them, and virtual ranks run the same
     // rank-local views. A device store holding exactly the rank's experts on its device
@@ -209,7 +208,7 @@ CudaEpMoeLayer::CudaEpMoeLayer(const std::vector<WeightSource>& sources, const E
       throw std::invalid_argument(
           fmt::format("CudaEpMoeLayer: rank {} owns experts {}, but the weights hold experts {} only", r,
                       own.text(), have.text()));
-    if (src.borrow && src_mem.device && src_mem.ordinal == k.device && have == own) {
+    if (src.borrow && src_mem.device && src_mem.ordinal == gk.device && have == own) {
       require_aligned(src.base, 256, "CudaEpMoeLayer weights");
       k.weights = const_cast<void*>(src.base);  // (read only: the kernels take a const view)
       k.borrowed = true;
@@ -225,7 +224,6 @@ CudaEpMoeLayer::CudaEpMoeLayer(const std::vector<WeightSource>& sources, const E
     ep.rank = r;
     const transport::PeerTable t = g.transport->peers(r);
     for (int q = 0; q < g.opt.ranks; ++q) ep.peer_base[q] = t.base[q];
-    ep.view_expert0 = 0;  // the view starts at the rank's first expert
     ep.timeout_s = g.opt.timeout_s;
     ep.init_state = !opt.share;  // a shared workspace's epoch goes on counting
     kernels::FusedMoeConfig cfg;
@@ -255,22 +253,23 @@ void CudaEpMoeLayer::forward(const std::vector<const num::bf16_t*>& x, const std
   EpGroup& g = *m.group;
   for (int i = 0; i < n; ++i) {
     Impl::Rank& k = m.local[i];
-    g.layout.check_tokens(k.rank, tokens[i]);
+    const int rank = k.at->rank, device = k.at->device;
+    g.layout.check_tokens(rank, tokens[i]);
     if (tokens[i] > 0) {
       require_aligned(x[i], 16, "forward x");
       require_aligned(y[i], 16, "forward y");
-      k.io_check.require(x[i], k.device, "forward", "x", s, k.rank);
-      k.io_check.require(y[i], k.device, "forward", "y", s, k.rank);
+      k.io_check.require(x[i], device, "forward", "x", s, rank);
+      k.io_check.require(y[i], device, "forward", "y", s, rank);
     }
     if (!num_tokens_dev.empty() && num_tokens_dev[i])
-      k.io_check.require(num_tokens_dev[i], k.device, "forward", "num_tokens_dev", s, k.rank);
+      k.io_check.require(num_tokens_dev[i], device, "forward", "num_tokens_dev", s, rank);
   }
   MEGAMOE_CUDA_CHECK(cudaEventRecord(g.fork, s));
   for (int i = 0; i < n; ++i) {
     if (!(launch_mask >> i & 1)) continue;
     const Impl::Rank& k = m.local[i];
-    const EpGroup::Rank& gk = g.local[i];
-    MEGAMOE_CUDA_CHECK(cudaSetDevice(k.device));
+    const EpGroup::Rank& gk = *k.at;
+    MEGAMOE_CUDA_CHECK(cudaSetDevice(gk.device));
     MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(gk.stream, g.fork, 0));
     const int* count = num_tokens_dev.empty() ? nullptr : num_tokens_dev[i];
     if (!count) {
@@ -293,7 +292,7 @@ void CudaEpMoeLayer::check() {
   DeviceGuard guard;
   std::string first, counts;
   for (const Impl::Rank& k : m.local) {
-    MEGAMOE_CUDA_CHECK(cudaSetDevice(k.device));
+    MEGAMOE_CUDA_CHECK(cudaSetDevice(k.at->device));
     MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
     const kernels::EpStatus st = kernels::ep_status(k.plan);
     if (st.phase != kernels::EpStatus::kNone && first.empty()) first = st.message();
@@ -301,7 +300,7 @@ void CudaEpMoeLayer::check() {
     // stays consistent: its peers see the clamped count); reported, then cleared.
     const kernels::TokenCountStatus tc = kernels::token_count_take(k.plan);
     if (tc.bad_forwards)
-      counts += fmt::format("{}rank {}: {}", counts.empty() ? "" : "; ", k.rank, tc.message());
+      counts += fmt::format("{}rank {}: {}", counts.empty() ? "" : "; ", k.at->rank, tc.message());
   }
   if (first.empty()) {
     if (!counts.empty()) throw std::runtime_error("CudaEpMoeLayer: " + counts);
@@ -311,7 +310,7 @@ void CudaEpMoeLayer::check() {
   // NOTE: with one process per GPU every process sees its own ranks' status; each resets
   // its own (a peer that timed out elsewhere reports there).
   for (const Impl::Rank& k : m.local) {
-    MEGAMOE_CUDA_CHECK(cudaSetDevice(k.device));
+    MEGAMOE_CUDA_CHECK(cudaSetDevice(k.at->device));
     kernels::ep_reset(k.plan);
   }
   throw std::runtime_error(first);
@@ -321,7 +320,7 @@ int CudaEpMoeLayer::ranks() const { return impl_->group->opt.ranks; }
 std::vector<int> CudaEpMoeLayer::local_ranks() const { return impl_->group->transport->local_ranks(); }
 int CudaEpMoeLayer::device(int i) const {
   MEGAMOE_CHECK(i >= 0 && i < int(impl_->local.size()), "device: no local rank " + std::to_string(i));
-  return impl_->local[i].device;
+  return impl_->local[i].at->device;
 }
 size_t CudaEpMoeLayer::weight_bytes(int i) const {
   MEGAMOE_CHECK(i >= 0 && i < int(impl_->local.size()), "weight_bytes: no local rank " + std::to_string(i));

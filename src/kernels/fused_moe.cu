@@ -1358,9 +1358,8 @@ struct FusedMoePlan {
   KernelArgs args{};
 };
 
-FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_all,
-                                    const MoeWorkspaceLayout& ws, void* workspace, const FusedMoeConfig& cfg,
-                                    const EpRank* ep) {
+FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, const MoeWorkspaceLayout& ws,
+                                    void* workspace, const FusedMoeConfig& cfg, const EpRank* ep) {
   s.validate();
   MEGAMOE_CHECK(s.hidden % 128 == 0, "fused_moe needs H % 128 == 0");
   MEGAMOE_CHECK(s.inter % 128 == 0, "fused_moe needs I % 128 == 0");
@@ -1377,18 +1376,14 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w_a
                       l.hidden == s.hidden && l.max_tokens == ws.max_tokens,
                   "fused_moe: the expert-parallel layout does not match the shape and workspace");
     MEGAMOE_CHECK(ep->rank >= 0 && ep->rank < l.ranks, "fused_moe: rank out of range");
-    MEGAMOE_CHECK(ep->view_expert0 >= 0, "fused_moe: negative view_expert0");
     MEGAMOE_CHECK(ep->timeout_s > 0, "fused_moe: the expert-parallel timeout must be > 0");
     for (int q = 0; q < l.ranks; ++q)
       MEGAMOE_CHECK(ep->peer_base[q] != nullptr, "fused_moe: no buffer for peer rank " + std::to_string(q));
   }
-  // The experts this plan computes: all, or under expert parallelism the rank's E/R,
-  // found at view_expert0 in the view (the tensor maps and scales start there).
-  const MoeWeightsView w = ep ? w_all.from_expert(s, ep->view_expert0) : w_all;
   auto plan = std::make_unique<FusedMoePlan>();
   plan->shape = s;
   plan->ws = ws;
-  plan->w = w_all;  // routing reads the router of every expert
+  plan->w = w;  // (under expert parallelism the rank's experts, and every expert's router)
   plan->workspace = workspace;
   int dev = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));

@@ -43,10 +43,7 @@ void MoeShape::validate() const {
     bad(fmt::format("swiglu_limit = {} must be finite and >= 0 (0: no clamp)", swiglu_limit));
 }
 
-double MoeShape::flops_per_token() const {
-  const double per_expert = 2.0 * 3.0 * double(hidden) * double(inter);
-  return per_expert * topk + 2.0 * 3.0 * double(hidden) * double(shared_inter());
-}
+double MoeShape::flops_per_token() const { return expert_flops(inter) * topk + expert_flops(shared_inter()); }
 
 bool MoeShape::same_as(const MoeShape& o) const {
   return hidden == o.hidden && inter == o.inter && experts == o.experts && topk == o.topk &&

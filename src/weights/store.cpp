@@ -62,7 +62,6 @@ struct Layer {
   size_t map_bytes = 0;  // host memory: length of the anonymous mapping
   std::vector<io::TensorSlot> slots;
   std::vector<SlotInfo> info;
-
   std::vector<num::RequantReport> pair_reports;  // indexed by the weight's slot
 
   // Session state.
@@ -217,9 +216,11 @@ struct WeightStore::Impl {
       by_layer[l.index] = i;
       for (size_t s = 0; s < l.slots.size(); ++s)
         by_name.emplace(l.slots[s].name, std::pair{uint32_t(i), uint32_t(s)});
-      for (int e = 0; e < l.shape.experts; ++e)
-        if (!held.contains(e))
-          for (const io::TensorSlot& s : io::moe_layer_slots(l.shape, l.prefix, ExpertRange{e, 1}))
+      // (the experts before the held ones and after them: one slot table each)
+      for (const ExpertRange other :
+           {ExpertRange{0, held.first}, ExpertRange{held.end(), l.shape.experts - held.end()}})
+        if (other.count > 0)
+          for (const io::TensorSlot& s : io::moe_layer_slots(l.shape, l.prefix, other))
             if (s.region == &MoeWeightLayout::w13 || s.region == &MoeWeightLayout::w13_scale ||
                 s.region == &MoeWeightLayout::w2 || s.region == &MoeWeightLayout::w2_scale)
               not_held.insert(s.name);

@@ -115,13 +115,12 @@ struct DeviceTensors {
 };
 
 // One rank of an expert-parallel layer. The weights view handed to the plan holds
-// this rank's experts at [view_expert0, view_expert0 + E/R): 0 for a rank-local
-// copy (CudaEpMoeLayer), r * E/R for a view of the whole layer.
+// only this rank's E/R routed experts (from its expert 0: MoeWeightLayout::compute(s,
+// ExpertRange{rank * E/R, E/R})), the shared expert and the whole router.
 struct EpRank {
   EpLayout layout;  // the symmetric buffer every rank holds
   int rank = 0;
   uint8_t* peer_base[1 << EpLayout::kRankBits] = {};  // rank q's buffer as this rank addresses it
-  int view_expert0 = 0;
   double timeout_s = 5.0;  // a peer that does not arrive within this is an error, not a hang
   // false: the workspace is in use by other layers' plans (CudaEpMoeLayer's shared group):
   // its epoch, status and token-count record stay as they are (the plan writes nothing there).

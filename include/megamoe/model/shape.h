@@ -46,6 +46,8 @@ struct MoeShape {
   void validate() const;
   // Multiply-adds x2 for one token through K routed experts and the shared one.
   double flops_per_token() const;
+  // ... and for one token row through one expert of intermediate `inter_size`.
+  double expert_flops(int inter_size) const { return 2.0 * 3.0 * double(hidden) * double(inter_size); }
   std::string describe() const;
   // Every field equal (two layers of one layout and one routing).
   bool same_as(const MoeShape& o) const;
