@@ -528,10 +528,10 @@ void expect_matches_one_device(const HostMoeWeights& w, const std::vector<int>& 
   }
 }
 
-// The row pull beside the tiles (MEGAMOE_EP_OVERLAP=1, heuristics.h kEpPullOverlap): no
-// second grid barrier, each unit's rows counted into its done1 counter as they land. The
-// bytes of one device at decode and prefill sizes (an empty rank, a full one), on two
-// epochs, and in a graph replayed with other counts.
+// The row pull beside the tiles (MEGAMOE_EP_OVERLAP=1, heuristics.h kEpPullOverlap): each
+// unit's rows counted into its done1 counter as they land (the rank's second grid barrier
+// stays, for a peer's timeout only). The bytes of one device at decode and prefill sizes
+// (an empty rank, a full one), on two epochs, and in a graph replayed with other counts.
 TEST_F(EpForward, OverlappedPullMatchesSingleDevice) {
   const ScopedEnv overlap("MEGAMOE_EP_OVERLAP", "1");
   const MoeShape s = reduced_shape();
