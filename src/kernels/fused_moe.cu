@@ -519,8 +519,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     // (the second barrier of the rank's CTAs: ep_exchange met at gridDim.x). With the pull
     // overlapped it guards no rows, but it keeps a peer's timeout all-or-nothing: a CTA
-    // that gave up in ep_exchange never arrives, so every CTA leaves here instead of one
-    // starting tiles whose rows that CTA's pull warps would have brought.
+    // that gave up in ep_exchange never arrives, so every CTA leaves here (the barrier
+    // itself is all or nothing: ep_grid_barrier) instead of one starting tiles whose rows
+    // that CTA's pull warps would have brought.
     const bool ok =
         tid != 0 || ep_grid_barrier(a.ep, &a.counters[MoeWorkspaceLayout::kCounterBarrier], 2 * gridDim.x);
     if (__syncthreads_or(!ok)) return;  // (nothing is in flight: no load went out yet)

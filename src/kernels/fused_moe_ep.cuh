@@ -49,15 +49,30 @@ __device__ __forceinline__ bool ep_wait_signal(const EpArgs& ep, int kind, int f
   (void)sm90::ld_acquire_sys(sig);
   return true;
 }
-// Grid barrier of this rank's CTAs (the caller fenced and synchronized its CTA).
+// Grid barrier of this rank's CTAs (the caller fenced and synchronized its CTA), all or
+// nothing: every CTA passes or every CTA leaves (false). A CTA that arrived and then gives
+// up (the timeout, or the status word set by another CTA or by an earlier forward that was
+// not reset) leaves only while the count is short of the target, and then adds
+// kBarrierAbort to it, so the waiting CTAs and the late ones see the abort and leave too.
+// (Had it only left, the last CTA to arrive would pass alone into the tiles, whose waits for
+// the departed CTAs' rows and tiles have no timeout: a hang, where the protocol promises an
+// error.) Once the count is met no abort can land: a CTA that timed out then passes, and
+// its status word reports the timeout to the host. The counter is zeroed every forward;
+// both barriers use it (targets gridDim.x and 2 gridDim.x), so an abort at the first one
+// also fails the second.
+constexpr int kBarrierAbort = 1 << 30;
 __device__ __forceinline__ bool ep_grid_barrier(const EpArgs& ep, int* ctr, int target) {
   atomicAdd(ctr, 1);
   if (!ep_wait(
           ep, [&] { return uint64_t(sm90::ld_relaxed_gpu(ctr)); }, uint64_t(target), EpStatus::kBarrier,
-          ep.rank))
-    return false;
-  (void)sm90::ld_acquire_gpu(ctr);
-  return true;
+          ep.rank)) {
+    for (int v = sm90::ld_relaxed_gpu(ctr); v < target;) {
+      const int seen = atomicCAS(ctr, v, v + kBarrierAbort);
+      if (seen == v) return false;
+      v = seen;
+    }
+  }
+  return sm90::ld_acquire_gpu(ctr) < kBarrierAbort;
 }
 
 // Phase-0 scratch tables under expert parallelism, in the last ring stage (no TMA

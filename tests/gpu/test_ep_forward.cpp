@@ -417,6 +417,44 @@ TEST_F(EpForward, MissingRankTimesOutAndRecovers) {
         << "after recovery, rank " << r;
 }
 
+// After a timeout the status word stays set until check(): the forwards enqueued before
+// it may end early (their outputs are undefined) but must end, with the pull before or
+// beside the tiles; check() then reports the first error and resets every rank, and the
+// next forward is right. Here the ranks' CTAs give up at their grid barriers at different
+// times: one that gave up after arriving had let the last CTA pass alone into the tiles'
+// waits, which have no timeout (ep_grid_barrier now aborts the barrier for all of them).
+TEST_F(EpForward, ForwardsAfterATimeoutEndUntilCheck) {
+  const MoeShape s = reduced_shape();
+  HostMoeWeights w = make_random_weights(s, 61);
+  const int R = 4;
+  REQUIRE_RANKS(R);
+  const std::vector<int> tokens = {160, 7, 96, 130};
+  const auto xs = rank_inputs(s, tokens, 1300);
+  const auto want = single_device(w, xs, tokens);
+  for (const char* overlap : {"0", "1"}) {
+    const ScopedEnv ov("MEGAMOE_EP_OVERLAP", overlap);
+    api::EpLayerOptions opt = ep_options(R, 160);
+    opt.timeout_s = 0.1;
+    api::CudaEpMoeLayer layer(w, opt);
+    RankBuffers b(xs, layer);
+    layer.forward(b.x, b.y, tokens, nullptr, {}, /*launch_mask=*/0b1011u);  // rank 2 does not run
+    for (int i = 0; i < 8; ++i) layer.forward(b.x, b.y, tokens, nullptr);
+    try {
+      layer.check();
+      ADD_FAILURE() << "overlap " << overlap << ": the missing rank must time out";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("rank 2"), std::string::npos) << e.what();
+    }
+    b.poison();
+    layer.forward(b.x, b.y, tokens, nullptr);
+    ASSERT_NO_THROW(layer.check()) << "overlap " << overlap;
+    const auto got = b.read(tokens, s.hidden);
+    for (int r = 0; r < R; ++r)
+      EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2))
+          << "overlap " << overlap << ", after recovery, rank " << r;
+  }
+}
+
 // One captured graph (device token counts), replayed with changing counts per rank.
 TEST_F(EpForward, GraphReplaysWithChangingCounts) {
   const MoeShape s = reduced_shape();

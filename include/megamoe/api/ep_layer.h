@@ -89,7 +89,7 @@ class CudaEpMoeLayer {
   // after resetting every rank, so the layer stays usable. Call it after every forward
   // (or graph replay) whose output you use: after a timeout the ranks' epochs disagree
   // and outputs are undefined until check() has reported the error and reset them
-  // (the status is sticky until then).
+  // (the status is sticky until then: the forwards in between may end early, never hang).
   void check();
 
   int ranks() const;
