@@ -58,6 +58,9 @@ struct EpGroup {
   // half-way leaves what was made to ~EpGroup, which a constructor's throw would skip.)
   void init(const MoeShape& s, const EpLayerOptions& o);
   ~EpGroup() {
+    // (the caller's current device back at the end: not DeviceGuard, whose constructor throws)
+    int saved = -1;
+    cudaGetDevice(&saved);
     for (Rank& r : local) {
       cudaSetDevice(r.device);
       cudaFree(r.workspace);
@@ -66,6 +69,7 @@ struct EpGroup {
       if (r.done) cudaEventDestroy(r.done);
     }
     if (fork) cudaEventDestroy(fork);
+    if (saved >= 0) cudaSetDevice(saved);
   }
 };
 
@@ -128,11 +132,14 @@ struct CudaEpMoeLayer::Impl {
   std::vector<Rank> local;  // in the order of group->local
 
   ~Impl() {
+    int saved = -1;  // (as ~EpGroup: the caller's device stays current)
+    cudaGetDevice(&saved);
     for (Rank& r : local) {
       cudaSetDevice(r.at->device);
       if (r.plan) kernels::fused_moe_plan_destroy(r.plan);
       if (!r.borrowed) cudaFree(r.weights);
     }
+    if (saved >= 0) cudaSetDevice(saved);
   }
 };
 
@@ -230,6 +237,10 @@ CudaEpMoeLayer::CudaEpMoeLayer(const std::vector<WeightSource>& sources, const E
     cfg.num_sms = g.sms_share;
     k.plan = kernels::fused_moe_plan_create(shape, MoeWeightsView::at(k.weights, k.rank_layout, shape), g.ws,
                                             gk.workspace, cfg, &ep);
+    // NOTE: the workspace's poison and the plan's zeroed epoch and records (memsets), and
+    // the weight copies, went to the legacy default stream, which neither the ranks'
+    // streams nor a caller's non-blocking stream wait for: done before the first forward.
+    MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
   }
 }
 

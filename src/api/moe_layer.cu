@@ -80,6 +80,10 @@ static void finish_plan(CudaMoeLayer::Impl& impl) {
   const MoeWeightsView v = MoeWeightsView::at(impl.weights, impl.wlayout, impl.shape);
   kernels::FusedMoeConfig cfg;
   impl.plan = kernels::fused_moe_plan_create(impl.shape, v, impl.ws, impl.workspace, cfg);
+  // NOTE: the workspace's poison and the plan's zeroed record (memsets), and the weights'
+  // upload, went to the legacy default stream, which a caller's non-blocking stream does
+  // not wait for: done before the first forward.
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
 }
 
 CudaMoeLayer::CudaMoeLayer(const HostMoeWeights& w, const MoeLayerOptions& opt)

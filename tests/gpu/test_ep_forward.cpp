@@ -608,14 +608,36 @@ TEST_F(EpForward, WideTilesMatchSingleDevice) {
 // Two layers of a model on one group (EpLayerOptions::share): the second costs its
 // weights only. Alternating eager forwards and one captured graph of both give each
 // layer's single-device bytes (the shared epoch counts every forward); the group
-// outlives the layer that made it; other options or shapes are refused.
+// outlives the layer that made it; other options or shapes are refused. The second layer
+// is made after the first has run, and the token counts change from forward to forward:
+// had the second layer's plan reset the shared epoch, the next forward's waits would pass
+// on the signals of the one before and read its counts.
 TEST_F(EpForward, LayersShareOneGroup) {
   const MoeShape s = reduced_shape();
   const HostMoeWeights wa = make_random_weights(s, 71), wb = make_random_weights(s, 72);
   const int R = 4, Tmax = 48;
   REQUIRE_RANKS(R);
+  const std::vector<int> full(R, Tmax), ta = {13, 0, 48, 5}, tb = {40, 9, 0, 31};
+  const auto xs = rank_inputs(s, full, 800);
+  auto single = [&](const HostMoeWeights& w, const std::vector<int>& t) {
+    return single_device(w, first_rows(xs, t, s.hidden), t);
+  };
+  const auto want_a = single(wa, ta), want_a2 = single(wa, tb), want_b = single(wb, tb),
+             want_b2 = single(wb, ta);
+  ASSERT_NE(want_a, want_b2);
   const api::EpLayerOptions oa = ep_options(R, Tmax);
   auto a = std::make_unique<api::CudaEpMoeLayer>(wa, oa);
+  RankBuffers buf(xs, *a);
+  auto expect_bytes = [&](const std::vector<std::vector<num::bf16_t>>& want, const std::vector<int>& t,
+                          const std::string& what) {
+    const auto got = buf.read(t, s.hidden);
+    for (int r = 0; r < R; ++r)
+      EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2)) << what << " rank " << r;
+  };
+  buf.poison();
+  a->forward(buf.x, buf.y, ta, nullptr);
+  ASSERT_NO_THROW(a->check());
+  expect_bytes(want_a, ta, "layer a alone");
   api::EpLayerOptions ob = oa;
   ob.share = a.get();
   api::CudaEpMoeLayer b(wb, ob);
@@ -623,29 +645,28 @@ TEST_F(EpForward, LayersShareOneGroup) {
     api::EpLayerOptions bad = ob;
     bad.max_tokens = Tmax + 16;
     EXPECT_THROW(api::CudaEpMoeLayer(wb, bad), std::invalid_argument);
+    bad = ob;
+    bad.ranks = 2;
+    EXPECT_THROW(api::CudaEpMoeLayer(wb, bad), std::invalid_argument);
+    bad = ob;
+    bad.transport =
+        bad.transport == api::EpTransport::kVirtual ? api::EpTransport::kNccl : api::EpTransport::kVirtual;
+    EXPECT_THROW(api::CudaEpMoeLayer(wb, bad), std::invalid_argument);
     MoeShape s2 = s;
     s2.routed_scaling *= 2;
     EXPECT_THROW(api::CudaEpMoeLayer(make_random_weights(s2, 73), ob), std::invalid_argument);
   }
-  const std::vector<int> tokens = {13, 0, 48, 5};
-  const auto xs = rank_inputs(s, tokens, 800);
-  const auto want_a = single_device(wa, xs, tokens), want_b = single_device(wb, xs, tokens);
-  ASSERT_NE(want_a, want_b);
-  RankBuffers buf(xs, b);
-  auto expect_bytes = [&](const std::vector<std::vector<num::bf16_t>>& want, const std::string& what) {
-    const auto got = buf.read(tokens, s.hidden);
-    for (int r = 0; r < R; ++r)
-      EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2)) << what << " rank " << r;
-  };
   for (int round = 0; round < 2; ++round) {
+    const std::vector<int>& ka = round ? ta : tb;  // (a ran ta last)
+    const std::vector<int>& kb = round ? tb : ta;
     buf.poison();
-    a->forward(buf.x, buf.y, tokens, nullptr);
+    a->forward(buf.x, buf.y, ka, nullptr);
     ASSERT_NO_THROW(a->check());
-    expect_bytes(want_a, "layer a, round " + std::to_string(round));
+    expect_bytes(round ? want_a : want_a2, ka, "layer a, round " + std::to_string(round));
     buf.poison();
-    b.forward(buf.x, buf.y, tokens, nullptr);
+    b.forward(buf.x, buf.y, kb, nullptr);
     ASSERT_NO_THROW(b.check());
-    expect_bytes(want_b, "layer b, round " + std::to_string(round));
+    expect_bytes(round ? want_b : want_b2, kb, "layer b, round " + std::to_string(round));
   }
   // One graph: layer a into y2, then layer b into y (a model's two layers in a row).
   RankBuffers buf2(xs, b);
@@ -654,8 +675,8 @@ TEST_F(EpForward, LayersShareOneGroup) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-  a->forward(buf.x, buf2.y, tokens, st);
-  b.forward(buf.x, buf.y, tokens, st);
+  a->forward(buf.x, buf2.y, ta, st);
+  b.forward(buf.x, buf.y, tb, st);
   CK(cudaStreamEndCapture(st, &graph));
   CK(cudaGraphInstantiate(&exec, graph, 0));
   for (int rep = 0; rep < 3; ++rep) {
@@ -664,8 +685,8 @@ TEST_F(EpForward, LayersShareOneGroup) {
     CK(cudaGraphLaunch(exec, st));
     CK(cudaStreamSynchronize(st));
     ASSERT_NO_THROW(b.check());
-    expect_bytes(want_b, "graph: layer b, replay " + std::to_string(rep));
-    const auto got_a = buf2.read(tokens, s.hidden);
+    expect_bytes(want_b, tb, "graph: layer b, replay " + std::to_string(rep));
+    const auto got_a = buf2.read(ta, s.hidden);
     for (int r = 0; r < R; ++r)
       EXPECT_EQ(0, std::memcmp(got_a[r].data(), want_a[r].data(), got_a[r].size() * 2))
           << "graph: layer a, replay " << rep << " rank " << r;
@@ -673,11 +694,15 @@ TEST_F(EpForward, LayersShareOneGroup) {
   CK(cudaGraphExecDestroy(exec));
   CK(cudaGraphDestroy(graph));
   CK(cudaStreamDestroy(st));
+  int before = -1, after = -1;
+  CK(cudaGetDevice(&before));
   a.reset();  // the group stays with b
+  CK(cudaGetDevice(&after));
+  EXPECT_EQ(before, after) << "destroying a layer changed the current device";
   buf.poison();
-  b.forward(buf.x, buf.y, tokens, nullptr);
+  b.forward(buf.x, buf.y, ta, nullptr);
   ASSERT_NO_THROW(b.check());
-  expect_bytes(want_b, "layer b after layer a is gone");
+  expect_bytes(want_b2, ta, "layer b after layer a is gone");
 }
 
 }  // namespace
