@@ -543,18 +543,25 @@ TEST_F(EpForward, SelfCheckVirtualRanks) {
 }
 
 // Every rank's fresh tokens (seed + R) through a layer on the test transport, twice (two
-// epochs), each rank's bytes against one device's; `config` names a part of the layer's
-// configuration the case is for (empty: any). Skipped where the ranks do not fit.
+// epochs; the second on other tokens, so a slot the combine read before its rows landed
+// would hold the first epoch's bytes), each rank's bytes against one device's; `config`
+// names a part of the configuration every rank with tokens runs (each picks it from its
+// own count; empty: any). Skipped where the ranks do not fit.
 void expect_matches_one_device(const HostMoeWeights& w, const std::vector<int>& tokens, uint64_t seed,
                                const std::string& config, const std::string& what) {
   const int R = int(tokens.size()), Tmax = *std::max_element(tokens.begin(), tokens.end());
   if (!ranks_fit(R)) return;
-  const auto xs = rank_inputs(w.shape, tokens, seed + R);
-  const auto want = single_device(w, xs, tokens);
   api::CudaEpMoeLayer layer(w, ep_options(R, Tmax));
-  ASSERT_NE(layer.config_for(Tmax).find(config), std::string::npos) << what << ": " << layer.config_for(Tmax);
-  RankBuffers b(xs, layer);
+  for (int r = 0; r < R; ++r) {
+    if (tokens[r] > 0) {
+      ASSERT_NE(layer.config_for(tokens[r]).find(config), std::string::npos)
+          << what << ", rank " << r << ": " << layer.config_for(tokens[r]);
+    }
+  }
   for (int rep = 0; rep < 2; ++rep) {
+    const auto xs = rank_inputs(w.shape, tokens, seed + R + 7919 * rep);
+    const auto want = single_device(w, xs, tokens);
+    RankBuffers b(xs, layer);
     b.poison();
     layer.forward(b.x, b.y, tokens, nullptr);
     ASSERT_NO_THROW(layer.check()) << what;
@@ -562,7 +569,7 @@ void expect_matches_one_device(const HostMoeWeights& w, const std::vector<int>& 
     for (int r = 0; r < R; ++r)
       EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2))
           << what << ": R=" << R << " rank " << r << " T=" << tokens[r] << " rep " << rep << " ("
-          << layer.config_for(Tmax) << ")";
+          << layer.config_for(tokens[r]) << ")";
   }
 }
 
@@ -603,6 +610,10 @@ TEST_F(EpForward, WideTilesMatchSingleDevice) {
       expect_matches_one_device(w, tokens, 1200, overlap[0] == '1' ? "wide_tiles ep_overlap" : "wide_tiles",
                                 std::string("wide tiles, overlap ") + overlap);
   }
+  // Wide tiles with half tiles (forced: the rule takes half tiles instead), so a wide tile
+  // of at most 64 rows gives each warpgroup one block (`split`): ~33 rows an expert.
+  const ScopedEnv half_wide("MEGAMOE_WIDE_TILES", "1");
+  expect_matches_one_device(w, {160, 100}, 1250, "half_tiles wide_tiles", "split wide tiles");
 }
 
 // Two layers of a model on one group (EpLayerOptions::share): the second costs its
