@@ -10,7 +10,7 @@ R=$1; shift
 rdv=$(mktemp -u "${TMPDIR:-/tmp}/megamoe-rdv.XXXXXX")
 pids=()
 for ((r = 0; r < R; r++)); do
-  CUDA_VISIBLE_DEVICES=$r "$@" --rank "$r" --rendezvous "$rdv" > >(sed "s/^/[rank $r] /") 2>&1 &
+  CUDA_VISIBLE_DEVICES=$r "$@" --rank "$r" --rendezvous "$rdv" > >(sed -u "s/^/[rank $r] /") 2>&1 &
   pids+=($!)
 done
 rc=0

@@ -14,17 +14,30 @@ bin=$1 R=$2; shift 2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 nccl=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:$nccl:${LD_LIBRARY_PATH:-}
+# (the headers' exact release, whatever else is on the library path)
+if [ -e "$nccl/libnccl.so.2" ]; then export MEGAMOE_NCCL_LIB=$nccl/libnccl.so.2; fi
 export NCCL_NVLS_ENABLE=0
+gpus=$(nvidia-smi -L | grep -c "^GPU")
+if [ "$R" -lt 1 ] || [ "$R" -gt "$gpus" ]; then
+  echo "$0: R = $R ranks, but this machine has $gpus GPU(s) (one GPU a rank)" >&2
+  exit 2
+fi
+# The results' file names say which card ran them (h200x8_..., h100x8_...).
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o "H[0-9]00" | tr 'H' 'h')
+card=${card:-gpu}
+sizes=("$R")
+if [ "$R" -gt 2 ]; then sizes=(2 "$R"); fi
 v4=(--preset glm-5.3-flash --experts 256 --topk 6 --shared-experts 0)  # the DeepSeek-V4-Flash shape
 rc=0
 nvidia-smi topo -m > "$out/topo.txt" 2>&1
 ep_check() {  # LOG [ENV=V ...] -- ep-check arguments (one process for all GPUs or, with the launcher, one each)
   local log=$1; shift
-  timeout 60 env "$@" >> "$out/$log" 2>&1 || rc=1
+  # (one process per GPU: each builds and uploads the whole layer for its reference)
+  timeout -k 10 180 env "$@" >> "$out/$log" 2>&1 || rc=1
 }
 bench() {  # NAME [ENV=V ...] -- bench arguments
   local name=$1; shift
-  timeout 270 env "$@" --json "$out/h200x${R}_$name.json" 2>&1 | tee "$out/bench_$name.log" | grep "R=" || rc=1
+  timeout 270 env "$@" --json "$out/${card}x${R}_$name.json" 2>&1 | tee "$out/bench_$name.log" | grep "R=" || rc=1
 }
 for step in "$@"; do
   case $step in
@@ -32,7 +45,7 @@ for step in "$@"; do
       MEGAMOE_TEST_EP_TRANSPORT=nccl timeout 240 "$bin/megamoe_gpu_tests" --gtest_filter='EpForward.*' \
         > "$out/gpu_tests_ep_nccl.log" 2>&1 || rc=1
       tail -n 3 "$out/gpu_tests_ep_nccl.log"
-      for n in 2 "$R"; do
+      for n in "${sizes[@]}"; do
         ep_check ep_check_one_process.log "$bin/megamoe" ep-check --transport nccl --ranks "$n" "${v4[@]}" --tokens 256
         ep_check ep_check_per_gpu.log scripts/ep_launch.sh "$n" "$bin/megamoe" ep-check --transport nccl --ranks "$n" "${v4[@]}" --tokens 256
       done

@@ -44,7 +44,9 @@ struct EpGroup {
   kernels::MoeWorkspaceLayout ws;
   int sms_share = 0;  // 0: every SM of the rank's device
   std::unique_ptr<transport::Transport> transport;
-  cudaEvent_t fork = nullptr;
+  // By device: the event a forward records on its caller's stream (an event is recorded on
+  // a stream of its own device only), made on first use there; the ranks' streams wait on it.
+  std::vector<cudaEvent_t> forks;
   struct Rank {
     int rank = 0, device = 0;
     void* workspace = nullptr;
@@ -68,8 +70,18 @@ struct EpGroup {
       if (r.stream) cudaStreamDestroy(r.stream);
       if (r.done) cudaEventDestroy(r.done);
     }
-    if (fork) cudaEventDestroy(fork);
+    for (size_t d = 0; d < forks.size(); ++d)
+      if (forks[d]) cudaSetDevice(int(d)), cudaEventDestroy(forks[d]);
     if (saved >= 0) cudaSetDevice(saved);
+  }
+
+  // The fork event of the current device (the caller's stream's).
+  cudaEvent_t fork_event() {
+    int d = 0;
+    MEGAMOE_CUDA_CHECK(cudaGetDevice(&d));
+    if (size_t(d) >= forks.size()) forks.resize(size_t(d) + 1, nullptr);
+    if (!forks[d]) MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&forks[d], cudaEventDisableTiming));
+    return forks[d];
   }
 };
 
@@ -103,7 +115,6 @@ void EpGroup::init(const MoeShape& s, const EpLayerOptions& o) {
     no.rendezvous = opt.rendezvous;
     transport = transport::make_nccl_transport(layout, no);
   }
-  MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
   for (int r : transport->local_ranks()) {
     local.emplace_back();
     Rank& k = local.back();  // (owned from here: ~EpGroup frees what a throw leaves)
@@ -275,13 +286,15 @@ void CudaEpMoeLayer::forward(const std::vector<const num::bf16_t*>& x, const std
     if (!num_tokens_dev.empty() && num_tokens_dev[i])
       k.io_check.require(num_tokens_dev[i], device, "forward", "num_tokens_dev", s, rank);
   }
-  MEGAMOE_CUDA_CHECK(cudaEventRecord(g.fork, s));
+  // (the caller's device is current: `s` is a stream of it, or its default stream)
+  const cudaEvent_t fork = g.fork_event();
+  MEGAMOE_CUDA_CHECK(cudaEventRecord(fork, s));
   for (int i = 0; i < n; ++i) {
     if (!(launch_mask >> i & 1)) continue;
     const Impl::Rank& k = m.local[i];
     const EpGroup::Rank& gk = *k.at;
     MEGAMOE_CUDA_CHECK(cudaSetDevice(gk.device));
-    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(gk.stream, g.fork, 0));
+    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(gk.stream, fork, 0));
     const int* count = num_tokens_dev.empty() ? nullptr : num_tokens_dev[i];
     if (!count) {
       kernels::set_device_int(gk.own_count, tokens[i], gk.stream);
@@ -294,8 +307,12 @@ void CudaEpMoeLayer::forward(const std::vector<const num::bf16_t*>& x, const std
     t.workspace = gk.workspace;
     kernels::fused_moe_forward(k.plan, t, tokens[i], gk.stream);
     MEGAMOE_CUDA_CHECK(cudaEventRecord(gk.done, gk.stream));
-    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(s, gk.done, 0));
   }
+  // The join, with the caller's device current again: a null `s` is that device's
+  // default stream (with a rank's device current it would name the rank's).
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(guard.saved));
+  for (int i = 0; i < n; ++i)
+    if (launch_mask >> i & 1) MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(s, m.local[i].at->done, 0));
 }
 
 void CudaEpMoeLayer::check() {

@@ -124,6 +124,7 @@ void flush_l2(cudaStream_t stream, const std::vector<int>& others) {
     size_t bytes = 0;
     cudaStream_t s = nullptr;  // (another device's flush)
     cudaEvent_t done = nullptr;
+    cudaEvent_t fork = nullptr;  // (the calling device's: the other devices' flushes wait on it)
   };
   static std::map<int, Flush> buffers;
   int dev = 0;
@@ -140,21 +141,31 @@ void flush_l2(cudaStream_t stream, const std::vector<int>& others) {
     }
     return it->second;
   };
-  const Flush& own = buffer(dev);
-  MEGAMOE_CUDA_CHECK(cudaMemsetAsync(own.p, 0, own.bytes, stream));
+  Flush& own = buffer(dev);
+  bool forked = false;
   for (int d : others) {
     if (d == dev) continue;
+    // NOTE: another device's flush waits for the work on `stream` so far (the last timed
+    // run): on its own stream it would run at once, all iterations' flushes ahead of the
+    // runs they should precede, and that device would start every timed run warm.
+    if (!forked) {
+      if (!own.fork) MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&own.fork, cudaEventDisableTiming));
+      MEGAMOE_CUDA_CHECK(cudaEventRecord(own.fork, stream));
+      forked = true;
+    }
     MEGAMOE_CUDA_CHECK(cudaSetDevice(d));  // (d current: its buffer, stream and event are made there)
     Flush& f = buffer(d);
     if (!f.s) {
       MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&f.s, cudaStreamNonBlocking));
       MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&f.done, cudaEventDisableTiming));
     }
+    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(f.s, own.fork, 0));
     MEGAMOE_CUDA_CHECK(cudaMemsetAsync(f.p, 0, f.bytes, f.s));
     MEGAMOE_CUDA_CHECK(cudaEventRecord(f.done, f.s));
     MEGAMOE_CUDA_CHECK(cudaSetDevice(dev));
     MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, f.done, 0));
   }
+  MEGAMOE_CUDA_CHECK(cudaMemsetAsync(own.p, 0, own.bytes, stream));
 }
 
 Timing time_device(const std::function<void(cudaStream_t)>& fn, cudaStream_t stream, int warmup, int iters,

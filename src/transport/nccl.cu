@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -94,11 +95,42 @@ struct NcclApi {
   }
 };
 
-// Every peer's base of the window as this rank's kernels address it.
-__global__ void resolve_peers(ncclWindow_t w, int world, uint8_t** out) {
+// Every peer's base of the window as this rank's kernels address it, and the window's
+// own rank numbers: ncclGetPeerPointer is arithmetic on the window's flat base of its
+// load/store-accessible (LSA) team, valid for every peer only where that team is the
+// whole world in world order (lsa rank == world rank on every rank).
+__global__ void resolve_peers(ncclWindow_t w, int world, uint8_t** out, int* ranks) {
   const int p = threadIdx.x;
   if (p < world) out[p] = static_cast<uint8_t*>(ncclGetPeerPointer(w, 0, p));
+  if (p == 0) ranks[0] = w->lsaRank, ranks[1] = w->worldRank;
 }
+
+// The local ranks' threads meet here between the steps: a step that failed on one rank
+// (a device, an allocation) stops all before the next collective call, which would
+// otherwise wait for it forever. (Ranks in other processes cannot be told: they wait
+// for this one until their own timeouts.)
+class LocalGate {
+ public:
+  explicit LocalGate(int n) : n_(n) {}
+  bool pass(bool ok) {  // false: a local rank failed (now or before)
+    std::unique_lock<std::mutex> l(m_);
+    failed_ |= !ok;
+    const int gen = gen_;
+    if (++arrived_ == n_) {
+      arrived_ = 0, ++gen_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(l, [&] { return gen_ != gen; });
+    }
+    return !failed_;
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  int n_, arrived_ = 0, gen_ = 0;
+  bool failed_ = false;
+};
 
 ncclUniqueId rendezvous_id(const NcclApi& api, const NcclOptions& o, bool creator) {
   ncclUniqueId id{};
@@ -160,6 +192,7 @@ class NcclTransport final : public Transport {
     const size_t bytes = (l.total_bytes + NCCL_WIN_REQUIRED_ALIGNMENT - 1) / NCCL_WIN_REQUIRED_ALIGNMENT *
                          NCCL_WIN_REQUIRED_ALIGNMENT;
     const int n = int(ranks_.size());
+    check_devices();
     comms_.assign(n, nullptr);
     wins_.assign(n, nullptr);
     bufs_.assign(n, nullptr);
@@ -168,32 +201,54 @@ class NcclTransport final : public Transport {
     // ranks run them concurrently, one thread each.
     std::vector<std::string> errors(n);
     std::vector<std::thread> threads;
+    LocalGate gate(n);
     for (int i = 0; i < n; ++i)
       threads.emplace_back([&, i] {
-        try {
-          const int r = ranks_[i];
+        const int r = ranks_[i];
+        auto step = [&](auto&& fn) {
+          try {
+            fn();
+            return true;
+          } catch (const std::exception& e) {
+            errors[i] = e.what();
+            return false;
+          }
+        };
+        bool ok = step([&] {
           MEGAMOE_CUDA_CHECK(cudaSetDevice(devices_[i]));
           api.check(api.CommInitRank(&comms_[i], R, id, r), "ncclCommInitRank", r);
           api.check(api.MemAlloc(reinterpret_cast<void**>(&bufs_[i]), bytes), "ncclMemAlloc", r);
           MEGAMOE_CUDA_CHECK(cudaMemset(bufs_[i], 0, bytes));  // signals start below any epoch
           MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+        });
+        if (!gate.pass(ok)) return;
+        step([&] {
           api.check(api.CommWindowRegister(comms_[i], bufs_[i], bytes, &wins_[i], NCCL_WIN_COLL_SYMMETRIC),
                     "ncclCommWindowRegister", r);
+          MEGAMOE_CHECK(wins_[i] != nullptr, "NCCL transport: ncclCommWindowRegister gave rank " +
+                                                 std::to_string(r) + " no window");
           uint8_t** d = nullptr;
-          MEGAMOE_CUDA_CHECK(cudaMalloc(&d, sizeof(uint8_t*) * kMaxRanks));
-          resolve_peers<<<1, 32>>>(wins_[i], R, d);
+          MEGAMOE_CUDA_CHECK(cudaMalloc(&d, sizeof(uint8_t*) * kMaxRanks + 2 * sizeof(int)));
+          int* wr = reinterpret_cast<int*>(d + kMaxRanks);
+          resolve_peers<<<1, 32>>>(wins_[i], R, d, wr);
           MEGAMOE_CUDA_CHECK(cudaGetLastError());
           PeerTable& t = tables_[i];
           t.ranks = R;
           t.rank = r;
+          int wranks[2] = {-1, -1};
           MEGAMOE_CUDA_CHECK(cudaMemcpy(t.base, d, sizeof(uint8_t*) * R, cudaMemcpyDeviceToHost));
+          MEGAMOE_CUDA_CHECK(cudaMemcpy(wranks, wr, sizeof wranks, cudaMemcpyDeviceToHost));
           cudaFree(d);
+          if (wranks[0] != r || wranks[1] != r)
+            throw std::runtime_error(
+                "NCCL transport: rank " + std::to_string(r) + " is rank " + std::to_string(wranks[0]) +
+                " of its load/store-accessible team (world rank " + std::to_string(wranks[1]) +
+                "): the GPUs of the group cannot all reach each other's memory (NVLink or PCIe peer "
+                "access), which the kernels' peer pointers need");
           for (int q = 0; q < R; ++q)
             MEGAMOE_CHECK(t.base[q] != nullptr, "NCCL transport: rank " + std::to_string(r) +
                                                     " has no window pointer of rank " + std::to_string(q));
-        } catch (const std::exception& e) {
-          errors[i] = e.what();
-        }
+        });
       });
     for (auto& t : threads) t.join();
     // Every rank has joined (or failed to): the id is spent, and a file left behind would
@@ -218,6 +273,31 @@ class NcclTransport final : public Transport {
       if (ranks_[i] == rank) return int(i);
     throw std::runtime_error("NCCL transport: rank " + std::to_string(rank) +
                              " is not driven by this process");
+  }
+  // Before any collective call (a thread that fails to reach one leaves the others waiting
+  // in it): every local rank on its own visible device, and one process's devices able
+  // to reach each other's memory.
+  void check_devices() const {
+    int count = 0;
+    MEGAMOE_CUDA_CHECK(cudaGetDeviceCount(&count));
+    for (size_t i = 0; i < devices_.size(); ++i) {
+      const int d = devices_[i];
+      if (d < 0 || d >= count)
+        throw std::invalid_argument("NCCL transport: rank " + std::to_string(ranks_[i]) + " on device " +
+                                    std::to_string(d) + ", but this process sees " + std::to_string(count) +
+                                    " GPU(s) (one GPU a rank: at most as many ranks as GPUs)");
+      for (size_t j = 0; j < i; ++j) {
+        if (devices_[j] == d)
+          throw std::invalid_argument("NCCL transport: ranks " + std::to_string(ranks_[j]) + " and " +
+                                      std::to_string(ranks_[i]) + " on the same device " + std::to_string(d));
+        int can = 0;
+        MEGAMOE_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, d, devices_[j]));
+        if (!can)
+          throw std::invalid_argument("NCCL transport: device " + std::to_string(d) +
+                                      " cannot access device " + std::to_string(devices_[j]) +
+                                      "'s memory (no peer access)");
+      }
+    }
   }
   void release() {
     // NOTE: deregistration is collective too: one thread per local rank.
