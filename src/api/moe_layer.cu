@@ -29,6 +29,14 @@ struct CudaMoeLayer::Impl {
   // against max_tokens, x and a caller's device count as device memory; returns the
   // device count the kernels read (the layer's own, set to the hint, when none is given).
   const int* token_count(const char* op, const num::bf16_t* x, int hint, const int* count, cudaStream_t s) {
+    // The kernels launch on the current device: another one would run them there,
+    // reading this layer's memory over the link (or faulting without peer access).
+    int current = -1;
+    MEGAMOE_CUDA_CHECK(cudaGetDevice(&current));
+    if (current != device)
+      throw std::invalid_argument(
+          fmt::format("{}: the current device is {}, but the layer lives on device {} (make it current)", op,
+                      current, device));
     if (hint < 0 || hint > ws.max_tokens)
       throw std::invalid_argument(
           fmt::format("{}: {} tokens exceed the layer's max_tokens = {}", op, hint, ws.max_tokens));
@@ -130,7 +138,18 @@ void CudaMoeLayer::route(const num::bf16_t* x, int tokens_hint, const int* num_t
 }
 
 void CudaMoeLayer::check() {
-  const kernels::TokenCountStatus st = kernels::token_count_take(impl_->plan);
+  // (the record lives on the layer's device, which token_count_take synchronizes)
+  int saved = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&saved));
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(impl_->device));
+  kernels::TokenCountStatus st;
+  try {
+    st = kernels::token_count_take(impl_->plan);
+  } catch (...) {
+    cudaSetDevice(saved);
+    throw;
+  }
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(saved));
   if (st.bad_forwards) throw std::runtime_error("CudaMoeLayer: " + st.message());
 }
 

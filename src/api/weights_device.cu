@@ -38,7 +38,12 @@ void device_free(void* p) noexcept {
 }
 
 void copy_to_device(void* dst, const void* src, size_t bytes) {
-  if (bytes) MEGAMOE_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  if (!bytes) return;
+  // NOTE: from pageable host memory (a mapped checkpoint, a vector) cudaMemcpy may return
+  // once the bytes are staged, before they land; the store's contract is that a call
+  // returns with them in place (a forward on a non-blocking stream may follow at once).
+  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cudaStreamPerThread));
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
 }
 
 void copy_to_host(void* dst, const void* src, size_t bytes) {
@@ -47,10 +52,10 @@ void copy_to_host(void* dst, const void* src, size_t bytes) {
 
 void device_memset(void* dst, int value, size_t bytes) {
   if (bytes) {
-    MEGAMOE_CUDA_CHECK(cudaMemset(dst, value, bytes));
-    // NOTE: cudaMemset is asynchronous for device memory; the store's
-    // contract is that a call returns with the bytes in place.
-    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+    // NOTE: asynchronous for device memory; the store's contract is that a call returns
+    // with the bytes in place (waiting for this memset only, not the device's other work).
+    MEGAMOE_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, cudaStreamPerThread));
+    MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
   }
 }
 

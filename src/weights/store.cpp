@@ -69,6 +69,11 @@ struct Layer {
   size_t arrived_count = 0;
   bool touched = false;
   bool ready = false;
+  // Weight slots whose pair a direct session closed on half written (a new weight with
+  // the old scale, or the reverse): the layer is not ready until a session brings both
+  // halves of each (or the whole layer). Kept across sessions.
+  std::vector<size_t> mixed;
+  bool usable() const { return ready && mixed.empty(); }
 };
 
 void mx_regions_for(Region MoeWeightLayout::*r, SlotInfo& si) {
@@ -412,6 +417,12 @@ struct WeightStore::Impl {
   void arrived(Layer& l, size_t s) {
     if (!l.arrived[s]) l.arrived[s] = 1, ++l.arrived_count;
     const bool complete = l.arrived_count == l.slots.size();
+    if (complete) {
+      l.mixed.clear();
+    } else if (const int partner = l.info[s].partner; partner >= 0 && l.arrived[size_t(partner)]) {
+      const size_t w = l.info[s].is_scale ? size_t(partner) : s;
+      l.mixed.erase(std::remove(l.mixed.begin(), l.mixed.end(), w), l.mixed.end());
+    }
     if (mode == ReloadMode::kLayerwise) {
       if (complete) {
         if (mxfp8()) note_requant(l, "MXFP8 requantization", requant_layer(l));
@@ -430,6 +441,19 @@ struct WeightStore::Impl {
       l.ready = true;
       ++report.layers_processed;
     }
+  }
+
+  // A session closes (finish, or a load that threw): in direct mode every pair that got
+  // one half leaves its layer mixed (the halves no longer belong together).
+  void close_session() {
+    session = false;
+    if (mode != ReloadMode::kDirect) return;  // (layerwise: a touched layer stays not ready)
+    for (Layer& l : layers)
+      for (size_t s = 0; s < l.slots.size(); ++s) {
+        const int p = l.info[s].partner;
+        if (p < 0 || l.info[s].is_scale || l.arrived[s] == l.arrived[size_t(p)]) continue;
+        if (std::find(l.mixed.begin(), l.mixed.end(), s) == l.mixed.end()) l.mixed.push_back(s);
+      }
   }
 
   // The first update of a layer in a layerwise session withdraws readiness:
@@ -519,7 +543,13 @@ bool WeightStore::update(std::string_view name, io::Dtype dtype, std::span<const
   m.check(l, s, name, dtype, shape, bytes, data != nullptr);
   // A device store also takes device memory (a trainer's tensors): copied device to
   // device; the few values check_values reads come back to the host first.
-  const bool from_device = m.device() && dev::is_device_pointer(data);
+  const dev::PointerInfo mem = dev::pointer_info(data);
+  const bool from_device = m.device() && (mem.device || mem.managed);
+  if (mem.device && !m.device())
+    throw std::invalid_argument(fmt::format(
+        "WeightStore::update('{}'): the data is in device memory, but this store is in host memory "
+        "(copy it to the host, or use a device store)",
+        name));
   std::vector<uint8_t> staged;
   const void* values = data;
   if (from_device && Impl::has_checked_values(l, target->second)) {
@@ -539,7 +569,7 @@ FinishReport WeightStore::finish() {
   Impl& m = *impl_;
   std::lock_guard g(m.mu);
   if (!m.session) throw std::logic_error("WeightStore::finish: no session (call begin())");
-  m.session = false;
+  m.close_session();
   std::vector<std::string> problems;
   for (Layer& l : m.layers) {
     // Half pairs, every one of them: the caller must learn which update was lost.
@@ -663,7 +693,7 @@ FinishReport WeightStore::load(const io::Checkpoint& ckpt, const LoadOptions& op
     }
   } catch (...) {
     std::lock_guard g(m.mu);
-    m.session = false;
+    m.close_session();
     throw;
   }
   return finish();
@@ -696,7 +726,7 @@ num::RequantReport WeightStore::mxfp8_report(int layer) const {
 
 bool WeightStore::ready(int layer) const {
   std::lock_guard g(impl_->mu);
-  return impl_->layer(layer).ready;
+  return impl_->layer(layer).usable();
 }
 
 MoeWeightsView WeightStore::host_view(int layer) const {

@@ -203,6 +203,65 @@ TEST(Store, HostileUpdatesAreRejected) {
   EXPECT_TRUE(st.ready(d.moe_layers[0]));
 }
 
+// A direct session writes into the live layout, so a layer stays ready while its tensors
+// come in; but one that closes with a pair half written (here the new weight landed and its
+// scale was refused) leaves bytes that do not belong together: the layer is not ready until
+// a later session brings both halves, and then it is again, with the new bytes.
+TEST(Store, DirectSessionLeftHalfAPairIsNotReady) {
+  TempDir dir;
+  const ModelDesc d = test::write_test_checkpoint(dir.path(), 1, 16);
+  const io::Checkpoint ck(dir.path());
+  const int L = d.moe_layers[0];
+  const std::string w = d.layer_prefix(L) + "experts.4.down_proj.weight", sc = w + "_scale_inv";
+  WeightStore st = WeightStore::for_checkpoint(ck, d);
+  st.load(ck);
+  ASSERT_TRUE(st.ready(L));
+  const io::TensorView wv = ck.lookup(w), sv = ck.lookup(sc);
+  std::vector<uint8_t> new_w(static_cast<const uint8_t*>(wv.data),
+                             static_cast<const uint8_t*>(wv.data) + wv.bytes);
+  for (uint8_t& b : new_w) b = uint8_t(b ^ 0x01);  // other finite E4M3 bytes (never 0x7f / 0xff)
+  std::vector<float> new_sc(sv.bytes / 4);
+  std::memcpy(new_sc.data(), sv.data, sv.bytes);
+  for (float& f : new_sc) f *= 2.0f;
+  std::vector<float> bad_sc = new_sc;
+  bad_sc[0] = NAN;
+
+  st.begin(ReloadMode::kDirect);
+  ASSERT_TRUE(st.update(w, wv.dtype, wv.shape, new_w.data(), new_w.size()));
+  EXPECT_TRUE(st.ready(L)) << "direct mode keeps readiness while tensors come in";
+  EXPECT_THROW(st.update(sc, sv.dtype, sv.shape, bad_sc.data(), sv.bytes), io::FormatError);
+  EXPECT_THROW(st.finish(), io::NotFoundError);
+  EXPECT_FALSE(st.ready(L)) << "a new weight with its old scale";
+  // Only the scale in the next session: still half a pair (and still not ready).
+  st.begin(ReloadMode::kDirect);
+  ASSERT_TRUE(st.update(sc, sv.dtype, sv.shape, new_sc.data(), sv.bytes));
+  EXPECT_THROW(st.finish(), io::NotFoundError);
+  EXPECT_FALSE(st.ready(L));
+  // Both halves: ready, with the new bytes.
+  st.begin(ReloadMode::kDirect);
+  ASSERT_TRUE(st.update(w, wv.dtype, wv.shape, new_w.data(), new_w.size()));
+  ASSERT_TRUE(st.update(sc, sv.dtype, sv.shape, new_sc.data(), sv.bytes));
+  st.finish();
+  EXPECT_TRUE(st.ready(L));
+  for (const io::TensorSlot& slot : io::moe_layer_slots(st.shape(L), d.layer_prefix(L)))
+    if (slot.name == w) {
+      std::vector<uint8_t> got(new_w.size());
+      st.read_bytes(L, slot.at(st.layout(L)), got.size(), got.data());
+      EXPECT_EQ(got, new_w);
+    }
+  // A load that throws half way in direct mode leaves the same mark: the whole layer again clears it.
+  st.begin(ReloadMode::kDirect);
+  ASSERT_TRUE(st.update(w, wv.dtype, wv.shape, wv.data, wv.bytes));
+  EXPECT_THROW(st.update(sc, sv.dtype, sv.shape, bad_sc.data(), sv.bytes), io::FormatError);
+  EXPECT_THROW(st.finish(), io::NotFoundError);
+  EXPECT_FALSE(st.ready(L));
+  LoadOptions lo;
+  lo.mode = ReloadMode::kDirect;
+  st.load(ck, lo);
+  EXPECT_TRUE(st.ready(L));
+  EXPECT_EQ(layer_bytes(st, L), host_bytes(load_layer_via_store(ck, d, L)));
+}
+
 // A NaN block scale in a shard on disk: both load paths (streaming pread, and the shuffled
 // updates) refuse it naming the tensor, and the streaming path never writes it to the layout.
 TEST(Store, CorruptScaleOnDiskIsRefusedByEveryLoadPath) {

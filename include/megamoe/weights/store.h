@@ -25,7 +25,16 @@
 //               a touched layer is incomplete.
 //   kDirect     checkpoint tensors are written straight into the live layout;
 //               derived tensors of a pair are recomputed as soon as both of
-//               its parts are in; readiness is not withdrawn.
+//               its parts are in; readiness is not withdrawn while the session
+//               is open. A session that closes (finish(), or a load() that
+//               throws) with a pair half written leaves that layer not ready
+//               until a later session brings both halves (or the whole layer).
+//
+// NOTE: the store does not order its writes after work already queued on the
+// caller's streams. Before begin() (and before zero_experts), let every forward
+// or graph replay that reads the store's layers complete (synchronize their
+// streams); enqueue the next one after finish() returns. A forward that runs
+// during a session reads bytes in flux (a direct session's, too).
 //
 // Kernel formats: kBlockFp8Hopper uses the checkpoint's bytes as they are
 // (nothing derived). kMxfp8Blackwell also keeps, per layer, an MXFP8 copy of
@@ -163,7 +172,8 @@ class WeightStore {
   const Mxfp8Layout& mxfp8_layout(int layer) const;
   // Requantization error of the layer's MXFP8 copy (zeros for Hopper).
   num::RequantReport mxfp8_report(int layer) const;
-  // All of the layer's tensors are loaded and its derived tensors are current.
+  // All of the layer's tensors are loaded, no pair is left half written by a session,
+  // and its derived tensors are current.
   bool ready(int layer) const;
   // Host view for the CPU backend; throws for device memory.
   MoeWeightsView host_view(int layer) const;
