@@ -329,6 +329,27 @@ void check_layer(GemmOut gemm1_out) {
   base.forward(b, dx.p, dy.p, nullptr);
   MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
   EXPECT_EQ(dy.get(size_t(T) * H), yb);
+
+  // Captured in a CUDA graph (as `megamoe bench` times it) and replayed twice: the same
+  // bytes, into a poisoned output.
+  cudaStream_t st;
+  MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+  base.forward(b, dx.p, dy.p, st);
+  MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+  MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int rep = 0; rep < 2; ++rep) {
+    MEGAMOE_CUDA_CHECK(cudaMemset(dy.p, 0xFF, size_t(T) * H * 2));
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+    MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, st));
+    MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(st));
+    EXPECT_EQ(dy.get(size_t(T) * H), yb) << "graph replay " << rep;
+  }
+  MEGAMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  MEGAMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+  MEGAMOE_CUDA_CHECK(cudaStreamDestroy(st));
 }
 
 TEST(BenchBaselines, CublasLtMoeLayerF32MatchesCpu) {

@@ -146,7 +146,8 @@ class CublasLtBlockScaledGemm {
 //   row_weight  F32 [rows]: routing weight (1.0 for the shared expert, 0 for padding)
 //   slot_row    int32 [T][slots]: the row holding token t's slot k (K routed
 //               slots, then the shared slot), -1 for a padding id
-// Host: count/offset per group (the baseline reads counts on the host; no graph capture).
+// Host: count/offset per group (read on the host when the batch is planned; a forward of a
+// planned batch can be captured in a CUDA graph, as the bench times it).
 struct DeviceRoutedBatch {
   int tokens = 0;  // T
   int rows = 0;    // total rows incl. padding
