@@ -701,7 +701,8 @@ int run_load_bench(const LoadBenchArgs& a) {
         {"plain_read_gbs", read_gbs},     {"store_alloc_s", alloc_s},
         {"store_load_s", loads},          {"store_load_gbs", load_gbs},
         {"ratio", load_gbs / read_gbs},   {"peak_extra_rss_bytes", peak_ok ? std::max(extra, 0.0) : -1.0}};
-    std::ofstream(a.json) << j.dump(2) << "\n";
+    std::ofstream f(a.json);
+    if (!(f << j.dump(2) << "\n")) throw std::runtime_error("cannot write " + a.json);
     fmt::print("wrote {}\n", a.json);
   }
   return 0;
@@ -718,10 +719,11 @@ std::vector<Command> add_checkpoint_commands(CLI::App& app) {
   c_make->add_option("--out", mk->out, "output directory")->required();
   c_make->add_flag("--pow2-scales", mk->pow2, "round every block scale to a power of two");
   c_make->add_option("--seed", mk->seed)->capture_default_str();
-  c_make->add_option("--hidden", mk->hidden, "override H (small test checkpoints)");
-  c_make->add_option("--inter", mk->inter, "override I");
-  c_make->add_option("--experts", mk->experts, "override E");
-  c_make->add_option("--topk", mk->topk, "override K");
+  c_make->add_option("--hidden", mk->hidden, "override H (small test checkpoints)")
+      ->check(CLI::Range(1, 1 << 20));
+  c_make->add_option("--inter", mk->inter, "override I")->check(CLI::Range(1, 1 << 20));
+  c_make->add_option("--experts", mk->experts, "override E")->check(CLI::Range(1, 1 << 20));
+  c_make->add_option("--topk", mk->topk, "override K")->check(CLI::Range(1, 1 << 20));
   cmds.push_back({c_make, [mk] { return run_make(*mk); }});
 
   auto in = std::make_shared<InspectArgs>();
@@ -731,7 +733,7 @@ std::vector<Command> add_checkpoint_commands(CLI::App& app) {
   c_inspect
       ->add_option("--ranks", in->ranks,
                    "also the weight memory of one of R expert-parallel ranks (its E/R experts)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1, 1 << 16));
   c_inspect->add_option("--sample", in->sample, "weight tensors sampled for the MXFP8 error estimate")
       ->capture_default_str();
   cmds.push_back({c_inspect, [in] { return run_inspect(*in); }});

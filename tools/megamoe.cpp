@@ -144,6 +144,13 @@ int run_forward(const ForwardArgs& a) {
   const int T = int(xv.shape[0]);
   std::vector<num::bf16_t> x(size_t(T) * s.hidden);
   std::memcpy(x.data(), xv.data, x.size() * 2);
+  // The layer's numerics take finite inputs (a NaN token would route to arbitrary experts
+  // with NaN weights and its output would be NaN): refused, naming the first one.
+  for (size_t i = 0; i < x.size(); ++i)
+    if (!std::isfinite(num::bf16_decode(x[i])))
+      throw std::invalid_argument(
+          fmt::format("{}: tensor 'x' holds {} at [{}, {}] (the input must be finite)", a.input,
+                      num::bf16_decode(x[i]), i / size_t(s.hidden), i % size_t(s.hidden)));
   const api::ForwardOutput out = api::forward(backend, w, x.data(), T, a.ranks);
   std::vector<io::TensorToWrite> t;
   t.push_back({"y", io::Dtype::kBF16, {T, s.hidden}, out.y.data(), out.y.size() * 2});
@@ -268,6 +275,7 @@ int main(int argc, char** argv) {
   c_demo->add_option("--tokens", demo.tokens, "tokens in the batch")->capture_default_str();
   c_demo->add_option("--backend", demo.backend, "auto | cpu | cuda")->capture_default_str();
   c_demo->add_option("--check-tokens", demo.check_tokens, "tokens checked against the exact reference")
+      ->check(CLI::Range(0, 1 << 30))
       ->capture_default_str();
   c_demo->add_option("--seed", demo.seed)->capture_default_str();
 
@@ -297,7 +305,7 @@ int main(int argc, char** argv) {
   c_bench
       ->add_option("--energy", bench.energy,
                    "also the board energy of each layer (NVML) over this many seconds of replays")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, 1 << 30));
   c_bench
       ->add_option("--ranks", bench.ranks,
                    "expert-parallel ranks (virtual ranks on this GPU; --tokens per rank, default 1 8 64 "
@@ -306,8 +314,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 16));
   c_bench->add_option("--transport", bench.transport, "with --ranks: virtual | nccl (rank r on GPU r)")
       ->capture_default_str();
-  c_bench->add_option("--experts", bench.experts, "override every preset's expert count");
-  c_bench->add_option("--topk", bench.topk, "override every preset's top-k");
+  c_bench->add_option("--experts", bench.experts, "override every preset's expert count")
+      ->check(CLI::Range(1, 1 << 20));
+  c_bench->add_option("--topk", bench.topk, "override every preset's top-k")->check(CLI::Range(1, 1 << 20));
   c_bench->add_option("--shared-experts", bench.shared_experts,
                       "override every preset's shared experts (0: none)");
   bench.commit = MEGAMOE_GIT_COMMIT;
@@ -331,8 +340,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   c_epc->add_option("--rank", epc.rank, "one process per GPU: this process's rank (nccl, with --rendezvous)");
   c_epc->add_option("--rendezvous", epc.rendezvous, "file through which rank 0 hands out NCCL's unique id");
-  c_epc->add_option("--experts", epc.experts, "override the preset's expert count");
-  c_epc->add_option("--topk", epc.topk, "override the preset's top-k");
+  c_epc->add_option("--experts", epc.experts, "override the preset's expert count")
+      ->check(CLI::Range(1, 1 << 20));
+  c_epc->add_option("--topk", epc.topk, "override the preset's top-k")->check(CLI::Range(1, 1 << 20));
   c_epc->add_option("--shared-experts", epc.shared_experts, "override the preset's shared experts (0: none)");
   c_epc->add_option("--timeout", epc.timeout_s, "seconds before a missing peer is an error")
       ->capture_default_str();

@@ -398,8 +398,9 @@ void write_safetensors(const std::filesystem::path& path, std::span<const Tensor
   std::error_code ec;
   std::filesystem::rename(tmp, path, ec);
   if (ec) {
+    const std::string why = ec.message();  // (before the clean-up reuses the code)
     std::filesystem::remove(tmp, ec);
-    throw Error(fmt::format("{}: rename from {} failed: {}", file, tmp.string(), ec.message()));
+    throw Error(fmt::format("{}: rename from {} failed: {}", file, tmp.string(), why));
   }
 }
 

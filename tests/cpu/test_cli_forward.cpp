@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -103,6 +104,24 @@ TEST(CliForward, ErrorsNameWhatIsWrong) {
                           f.in, f.out("no/such/folder/y.safetensors")));
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("does not exist"), std::string::npos) << r.output;
+
+  // A non-finite token: refused, naming it (it would route anywhere with NaN weights).
+  std::vector<num::bf16_t> nan_x = f.x;
+  nan_x[size_t(2) * f.desc.shape.hidden + 5] = num::bf16_encode(NAN);
+  const io::TensorToWrite tn{
+      "x", io::Dtype::kBF16, {f.T, f.desc.shape.hidden}, nan_x.data(), nan_x.size() * 2};
+  const std::string nanin = f.out("nan.safetensors");
+  io::write_safetensors(nanin, std::span<const io::TensorToWrite>(&tn, 1));
+  r = run_cli(fmt::format("forward --checkpoint '{}' --layer {} --input '{}' --output '{}'", f.ck, f.layer,
+                          nanin, o));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("holds nan at [2, 5]"), std::string::npos) << r.output;
+
+  // An output path that is a folder: the rename's own reason.
+  r = run_cli(fmt::format("forward --checkpoint '{}' --layer {} --input '{}' --output '{}'", f.ck, f.layer,
+                          f.in, f.dir.path().string()));
+  EXPECT_NE(r.status, 0);
+  EXPECT_EQ(r.output.find("failed: Success"), std::string::npos) << r.output;
 
   r = run_cli("forward --help");
   EXPECT_EQ(r.status, 0);
