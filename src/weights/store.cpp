@@ -449,11 +449,18 @@ struct WeightStore::Impl {
     session = false;
     if (mode != ReloadMode::kDirect) return;  // (layerwise: a touched layer stays not ready)
     for (Layer& l : layers)
-      for (size_t s = 0; s < l.slots.size(); ++s) {
-        const int p = l.info[s].partner;
-        if (p < 0 || l.info[s].is_scale || l.arrived[s] == l.arrived[size_t(p)]) continue;
+      for (size_t s : half_pairs(l))
         if (std::find(l.mixed.begin(), l.mixed.end(), s) == l.mixed.end()) l.mixed.push_back(s);
-      }
+  }
+
+  // The weight slots of the session's pairs of which one half arrived.
+  static std::vector<size_t> half_pairs(const Layer& l) {
+    std::vector<size_t> h;
+    for (size_t s = 0; s < l.slots.size(); ++s) {
+      const int p = l.info[s].partner;
+      if (p >= 0 && !l.info[s].is_scale && l.arrived[s] != l.arrived[size_t(p)]) h.push_back(s);
+    }
+    return h;
   }
 
   // The first update of a layer in a layerwise session withdraws readiness:
@@ -573,9 +580,8 @@ FinishReport WeightStore::finish() {
   std::vector<std::string> problems;
   for (Layer& l : m.layers) {
     // Half pairs, every one of them: the caller must learn which update was lost.
-    for (size_t s = 0; s < l.slots.size(); ++s) {
+    for (size_t s : Impl::half_pairs(l)) {
       const int p = l.info[s].partner;
-      if (p < 0 || l.info[s].is_scale || l.arrived[s] == l.arrived[size_t(p)]) continue;
       if (l.arrived[s])
         problems.push_back(fmt::format("layer {}: tensor '{}' arrived without its block scale '{}'", l.index,
                                        l.slots[s].name, l.slots[size_t(p)].name));
