@@ -720,10 +720,10 @@ std::vector<Command> add_checkpoint_commands(CLI::App& app) {
   c_make->add_flag("--pow2-scales", mk->pow2, "round every block scale to a power of two");
   c_make->add_option("--seed", mk->seed)->capture_default_str();
   c_make->add_option("--hidden", mk->hidden, "override H (small test checkpoints)")
-      ->check(CLI::Range(1, 1 << 20));
-  c_make->add_option("--inter", mk->inter, "override I")->check(CLI::Range(1, 1 << 20));
-  c_make->add_option("--experts", mk->experts, "override E")->check(CLI::Range(1, 1 << 20));
-  c_make->add_option("--topk", mk->topk, "override K")->check(CLI::Range(1, 1 << 20));
+      ->check(shape_override_range());
+  c_make->add_option("--inter", mk->inter, "override I")->check(shape_override_range());
+  c_make->add_option("--experts", mk->experts, "override E")->check(shape_override_range());
+  c_make->add_option("--topk", mk->topk, "override K")->check(shape_override_range());
   cmds.push_back({c_make, [mk] { return run_make(*mk); }});
 
   auto in = std::make_shared<InspectArgs>();

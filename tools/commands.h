@@ -2,16 +2,19 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
-
 #include <functional>
 #include <vector>
 
 namespace megamoe::tools {
 
 struct Command {
-  CLI::App* app;              // the subcommand (selected when *app is true after parsing)
-  std::function<int()> run;   // runs it; returns the exit code, throws on error
+  CLI::App* app;             // the subcommand (selected when *app is true after parsing)
+  std::function<int()> run;  // runs it; returns the exit code, throws on error
 };
+
+// The check of a shape override (--hidden, --inter, --experts, --topk): 0 is no override
+// but a mistake, so the option refuses it rather than leaving the preset's value.
+inline CLI::Range shape_override_range() { return CLI::Range(1, 1 << 20); }
 
 // inspect, make-checkpoint, reload-check (tools/checkpoint_commands.cpp).
 std::vector<Command> add_checkpoint_commands(CLI::App& app);

@@ -305,7 +305,7 @@ int main(int argc, char** argv) {
   c_bench
       ->add_option("--energy", bench.energy,
                    "also the board energy of each layer (NVML) over this many seconds of replays")
-      ->check(CLI::Range(0, 1 << 30));
+      ->check(CLI::NonNegativeNumber);
   c_bench
       ->add_option("--ranks", bench.ranks,
                    "expert-parallel ranks (virtual ranks on this GPU; --tokens per rank, default 1 8 64 "
@@ -315,8 +315,9 @@ int main(int argc, char** argv) {
   c_bench->add_option("--transport", bench.transport, "with --ranks: virtual | nccl (rank r on GPU r)")
       ->capture_default_str();
   c_bench->add_option("--experts", bench.experts, "override every preset's expert count")
-      ->check(CLI::Range(1, 1 << 20));
-  c_bench->add_option("--topk", bench.topk, "override every preset's top-k")->check(CLI::Range(1, 1 << 20));
+      ->check(tools::shape_override_range());
+  c_bench->add_option("--topk", bench.topk, "override every preset's top-k")
+      ->check(tools::shape_override_range());
   c_bench->add_option("--shared-experts", bench.shared_experts,
                       "override every preset's shared experts (0: none)");
   bench.commit = MEGAMOE_GIT_COMMIT;
@@ -341,8 +342,8 @@ int main(int argc, char** argv) {
   c_epc->add_option("--rank", epc.rank, "one process per GPU: this process's rank (nccl, with --rendezvous)");
   c_epc->add_option("--rendezvous", epc.rendezvous, "file through which rank 0 hands out NCCL's unique id");
   c_epc->add_option("--experts", epc.experts, "override the preset's expert count")
-      ->check(CLI::Range(1, 1 << 20));
-  c_epc->add_option("--topk", epc.topk, "override the preset's top-k")->check(CLI::Range(1, 1 << 20));
+      ->check(tools::shape_override_range());
+  c_epc->add_option("--topk", epc.topk, "override the preset's top-k")->check(tools::shape_override_range());
   c_epc->add_option("--shared-experts", epc.shared_experts, "override the preset's shared experts (0: none)");
   c_epc->add_option("--timeout", epc.timeout_s, "seconds before a missing peer is an error")
       ->capture_default_str();

@@ -17,6 +17,20 @@
 
 namespace megamoe::api {
 
+// Restores the caller's current device on every path. Never throws, so destructors use it
+// too (a failed query leaves nothing to restore; the next CUDA call reports the error).
+struct DeviceGuard {
+  int saved = -1;
+  DeviceGuard() noexcept {
+    if (cudaGetDevice(&saved) != cudaSuccess) saved = -1, cudaGetLastError();
+  }
+  ~DeviceGuard() {
+    if (saved >= 0) cudaSetDevice(saved);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+};
+
 inline void require_device_memory(const void* p, const char* what) {
   const dev::PointerInfo info = dev::pointer_info(p);
   if (!info.device) throw std::invalid_argument(fmt::format("{}: pointer {} is not device memory", what, p));

@@ -22,17 +22,6 @@ EpTransport parse_ep_transport(const std::string& name) {
   throw std::invalid_argument(fmt::format("unknown expert-parallel transport '{}' (virtual, nccl)", name));
 }
 
-namespace {
-
-// Restores the caller's current device on every path.
-struct DeviceGuard {
-  int saved = 0;
-  DeviceGuard() { MEGAMOE_CUDA_CHECK(cudaGetDevice(&saved)); }
-  ~DeviceGuard() { cudaSetDevice(saved); }
-};
-
-}  // namespace
-
 // What a model's expert-parallel layers share (EpLayerOptions::share): the transport
 // with its symmetric buffers, and each local rank's workspace, stream and events. The
 // layers of a model run one after another on a stream, so one set serves them all; the
@@ -60,9 +49,7 @@ struct EpGroup {
   // half-way leaves what was made to ~EpGroup, which a constructor's throw would skip.)
   void init(const MoeShape& s, const EpLayerOptions& o);
   ~EpGroup() {
-    // (the caller's current device back at the end: not DeviceGuard, whose constructor throws)
-    int saved = -1;
-    cudaGetDevice(&saved);
+    const DeviceGuard guard;
     for (Rank& r : local) {
       cudaSetDevice(r.device);
       cudaFree(r.workspace);
@@ -72,7 +59,6 @@ struct EpGroup {
     }
     for (size_t d = 0; d < forks.size(); ++d)
       if (forks[d]) cudaSetDevice(int(d)), cudaEventDestroy(forks[d]);
-    if (saved >= 0) cudaSetDevice(saved);
   }
 
   // The fork event of the current device (the caller's stream's).
@@ -143,14 +129,12 @@ struct CudaEpMoeLayer::Impl {
   std::vector<Rank> local;  // in the order of group->local
 
   ~Impl() {
-    int saved = -1;  // (as ~EpGroup: the caller's device stays current)
-    cudaGetDevice(&saved);
+    const DeviceGuard guard;
     for (Rank& r : local) {
       cudaSetDevice(r.at->device);
       if (r.plan) kernels::fused_moe_plan_destroy(r.plan);
       if (!r.borrowed) cudaFree(r.weights);
     }
-    if (saved >= 0) cudaSetDevice(saved);
   }
 };
 

@@ -139,17 +139,9 @@ void CudaMoeLayer::route(const num::bf16_t* x, int tokens_hint, const int* num_t
 
 void CudaMoeLayer::check() {
   // (the record lives on the layer's device, which token_count_take synchronizes)
-  int saved = 0;
-  MEGAMOE_CUDA_CHECK(cudaGetDevice(&saved));
+  const DeviceGuard guard;
   MEGAMOE_CUDA_CHECK(cudaSetDevice(impl_->device));
-  kernels::TokenCountStatus st;
-  try {
-    st = kernels::token_count_take(impl_->plan);
-  } catch (...) {
-    cudaSetDevice(saved);
-    throw;
-  }
-  MEGAMOE_CUDA_CHECK(cudaSetDevice(saved));
+  const kernels::TokenCountStatus st = kernels::token_count_take(impl_->plan);
   if (st.bad_forwards) throw std::runtime_error("CudaMoeLayer: " + st.message());
 }
 
