@@ -123,6 +123,13 @@ struct Source {
   std::optional<io::TensorView> find(const std::string& name) const {
     return ckpt ? ckpt->find(name) : single->find(name);
   }
+  std::vector<std::string> names_with_prefix(const std::string& prefix) const {
+    if (ckpt) return ckpt->names_with_prefix(prefix);
+    std::vector<std::string> out;
+    for (const auto& t : single->tensors())
+      if (t.name.starts_with(prefix)) out.push_back(t.name);
+    return out;
+  }
 };
 
 struct ScaleStats {
@@ -226,6 +233,9 @@ int run_inspect(const InspectArgs& a) {
   // scale touches every shard: that is where the progress bar goes.
   Progress bar("inspect: reading scales", src.num_files(), src.num_files() >= 4);
   ScaleStats total;
+  // Tensors the loader refuses: a dtype or shape the config does not give, or a name in a
+  // layer's expert namespaces that the config has no slot for (it disagrees on E or S).
+  std::vector<std::string> refused;
   std::vector<std::pair<std::string, std::string>> pairs;  // (weight, scale) names, for the MXFP8 sample
   auto count_scales = [&](const io::TensorView& v, ScaleStats& st) {
     if (v.dtype != io::Dtype::kF32) return;
@@ -273,13 +283,19 @@ int run_inspect(const InspectArgs& a) {
       const auto slots = io::moe_layer_slots(s, prefix);
       size_t found = 0, layer_bytes = 0;
       std::set<std::string_view> shards;
-      std::vector<std::string> missing;
+      std::vector<std::string> missing, wrong;
+      std::set<std::string_view> named;
       for (const auto& slot : slots) {
+        named.insert(slot.name);
         auto v = src.find(slot.name);
         if (!v) {
           missing.push_back(slot.name);
           continue;
         }
+        if (v->dtype != slot.dtype || !std::ranges::equal(v->shape, slot.shape))
+          wrong.push_back(fmt::format("tensor '{}': expected {} {}, found {} {}", slot.name,
+                                      io::to_string(slot.dtype), io::format_shape(slot.shape),
+                                      io::to_string(v->dtype), io::format_shape(v->shape)));
         ++found, layer_bytes += v->bytes;
         shards.insert(v->file);
         if (slot.name.ends_with("_scale_inv")) {
@@ -290,21 +306,30 @@ int run_inspect(const InspectArgs& a) {
         }
         if (seen_files.insert(v->file).second) bar.set(++done_files);
       }
+      for (const char* ns : {"experts.", "shared_experts."})
+        for (const auto& n : src.names_with_prefix(prefix + ns))
+          if (!named.count(n))
+            wrong.push_back(fmt::format("unexpected tensor '{}' (config: E = {}, shared experts = {})", n,
+                                        s.experts, s.shared_experts));
+      refused.insert(refused.end(), wrong.begin(), wrong.end());
       const ScaleStats& st = per_layer[li];
       total.scales += st.scales, total.pow2 += st.pow2, total.tensors += st.tensors;
       if (total.corrupt == 0) total.first_corrupt = st.first_corrupt;
       total.corrupt += st.corrupt;
       const double frac = st.scales ? double(st.pow2) / double(st.scales) : 0.0;
       fmt::format_to(
-          out, "{:>6}  {:<40} {:>4}/{:<4} {:>10} {:>7} {:>6} {:>6.1f}%{}{}\n", L, prefix, found, slots.size(),
-          human_bytes(double(layer_bytes)), router, shards.size(), 100 * frac, mtp ? "  (MTP)" : "",
-          missing.empty() ? "" : fmt::format("  missing {} (first: {})", missing.size(), missing.front()));
+          out, "{:>6}  {:<40} {:>4}/{:<4} {:>10} {:>7} {:>6} {:>6.1f}%{}{}{}\n", L, prefix, found,
+          slots.size(), human_bytes(double(layer_bytes)), router, shards.size(), 100 * frac,
+          mtp ? "  (MTP)" : "",
+          missing.empty() ? "" : fmt::format("  missing {} (first: {})", missing.size(), missing.front()),
+          wrong.empty() ? "" : fmt::format("  refused {} (first: {})", wrong.size(), wrong.front()));
       j["layers"].push_back({{"layer", L},
                              {"mtp", mtp},
                              {"prefix", prefix},
                              {"tensors", found},
                              {"expected", slots.size()},
                              {"missing", missing},
+                             {"refused", wrong},
                              {"bytes", layer_bytes},
                              {"router_dtype", router},
                              {"shards", shards.size()},
@@ -366,6 +391,12 @@ int run_inspect(const InspectArgs& a) {
                    "CORRUPT   {} block scale{} NaN, infinite or negative (first: {}): the loader refuses "
                    "this checkpoint\n",
                    total.corrupt, total.corrupt == 1 ? " is" : "s are", total.first_corrupt);
+  j["refused"] = refused.size();
+  if (!refused.empty())
+    fmt::format_to(out,
+                   "REFUSED   {} tensor{} whose dtype, shape or name the config does not give (first: {}): "
+                   "the loader refuses this checkpoint\n",
+                   refused.size(), refused.size() == 1 ? "" : "s", refused.front());
   if (sampled)
     fmt::format_to(
         out, "mxfp8     requantization estimate on {} sampled tensor{}: rel L2 {:.3e}, max abs {:.3e}{}\n",
@@ -378,7 +409,7 @@ int run_inspect(const InspectArgs& a) {
     fmt::print("{}\n", j.dump(2));
   else
     fmt::print("{}", text);
-  return total.corrupt ? 1 : 0;  // (the report is the output either way)
+  return total.corrupt || !refused.empty() ? 1 : 0;  // (the report is the output either way)
 }
 
 // ---------------------------------------------------------------- reload-check

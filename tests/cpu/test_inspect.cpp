@@ -145,6 +145,51 @@ TEST(Inspect, CorruptScaleIsReportedAndRefused) {
   EXPECT_NE(r.output.find("the checkpoint is corrupt"), std::string::npos) << r.output;
 }
 
+// A config that disagrees with the tensors (I, then E): inspect names the first refused
+// tensor per layer, counts them, and exits 1, as the loader refuses the checkpoint.
+TEST(Inspect, ConfigDisagreeingWithTensorsIsReported) {
+  TempDir dir;
+  const std::string ck = make_small(dir.path() / "ck", false, 1);
+  const auto cfg_path = std::filesystem::path(ck) / "config.json";
+  nlohmann::json cfg;
+  std::ifstream(cfg_path) >> cfg;
+  auto rewrite = [&](const char* key, int value) {
+    ASSERT_TRUE(cfg["text_config"].contains(key)) << key;
+    cfg["text_config"][key] = value;
+    std::ofstream(cfg_path, std::ios::trunc) << cfg.dump(2);
+  };
+  auto r = run_cli("inspect --json '" + ck + "'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(r.output)["refused"], 0);
+
+  rewrite("moe_intermediate_size", 256);  // the tensors hold I = 128
+  r = run_cli("inspect '" + ck + "'");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(
+      r.output.find("experts.0.gate_proj.weight': expected F8_E4M3 [256, 256], found F8_E4M3 [128, 256]"),
+      std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("  refused 54 (first: tensor '"), std::string::npos) << r.output;  // the table
+  EXPECT_NE(r.output.find("the loader refuses this checkpoint"), std::string::npos) << r.output;
+  r = run_cli("inspect --json '" + ck + "'");
+  EXPECT_EQ(r.status, 1) << r.output;
+  auto j = nlohmann::json::parse(r.output);
+  // Every routed expert's three weights and three scales, and the shared expert's.
+  EXPECT_EQ(j["refused"].get<int>(), 9 * 6);
+  EXPECT_EQ(j["layers"][0]["refused"].size(), j["refused"].get<size_t>());
+
+  rewrite("moe_intermediate_size", 128);
+  rewrite("n_routed_experts", 4);  // the checkpoint holds 8 experts; the router is [8, H]
+  r = run_cli("inspect --json '" + ck + "'");
+  EXPECT_EQ(r.status, 1) << r.output;
+  j = nlohmann::json::parse(r.output);
+  bool unexpected = false;
+  for (const auto& m : j["layers"][0]["refused"])
+    unexpected |= m.get<std::string>().find("unexpected tensor") != std::string::npos &&
+                  m.get<std::string>().find("experts.7.") != std::string::npos;
+  EXPECT_TRUE(unexpected) << j["layers"][0]["refused"].dump(1);
+}
+
 TEST(Inspect, HostileFileIsACleanError) {
   TempDir dir;
   const auto f = dir.path() / "bad.safetensors";
