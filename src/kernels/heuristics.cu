@@ -16,14 +16,14 @@ FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms) {
   // weights are then streamed twice), and a wider block only adds tensor work and
   // folds (the decode loop is bound by its instructions from ~32 rows, v13). Never
   // wider than twice the average (the rule before v14). Gives 8 up to 4 rows, 16 up
-  // to 8, 32 up to 20, 48 below kHalfTileMinAvgRows (24), and from there 128-token
-  // tiles with half tiles (v20: faster than the 48- and 64-token tiles this rule chose
-  // up to 43 rows).
+  // to 8, 32 up to 20, 48 below kTile64MinAvgRows (24), 64 from there (the rule's
+  // 48 up to 32 rows: the 64-token tile measured faster, v35), and 128-token tiles with
+  // half tiles from kTile128MinAvgRows (38).
   const double avg_rows = double(tokens) * s.topk / s.experts;
   const double need =
       std::min(2.0 * avg_rows, std::max(1.5 * avg_rows, avg_rows + 2.5 * std::sqrt(avg_rows)));
-  c.block_n = 128;
-  if (avg_rows < kHalfTileMinAvgRows) {
+  c.block_n = avg_rows < kTile128MinAvgRows ? 64 : 128;
+  if (avg_rows < kTile64MinAvgRows) {
     for (int bn : kBlockNs) {
       if (bn >= need) {
         c.block_n = bn;

@@ -75,9 +75,8 @@ constexpr bool swap_ab(int block_n) { return block_n < 128; }
 // The token blocks the kernel is built for (one instantiation each). 48 sat between
 // 32 and 64 for ~32 rows an expert (GLM-5 and DeepSeek-V3 at 1024 tokens): the decode
 // loop is bound by its own instructions there (v13), which scale with block_n, and
-// 32 splits half of the experts into two blocks (v13: +14 %). Since v20's half tiles
-// take over from 24 rows (kHalfTileMinAvgRows), choose_config picks 48 for 21-23 rows
-// and 64 only through MEGAMOE_BLOCK_N.
+// 32 splits half of the experts into two blocks (v13: +14 %). choose_config picks 48
+// for 21-23 rows, 64 from kTile64MinAvgRows (24) and 128 from kTile128MinAvgRows (38).
 constexpr int kBlockNs[] = {8, 16, 32, 48, 64, 128};
 constexpr int kNumBlockNs = 6;
 // Half tiles: a 128-token tile with at most 64 rows (an expert's last block) leaves
@@ -88,11 +87,20 @@ constexpr int kNumBlockNs = 6;
 // tokens it cost +4..+8 % and +6..+12 % (not explained; the warpgroups kept in step at
 // each half tile measured the same), so it stops at 96.
 constexpr double kHalfTileMaxAvgRows = 96.0;
-// ... and from this many rows an expert on average, 128-token tiles (with half tiles)
-// replace the 48- and 64-token ones (choose_config). v20 (bench/results/ab/v20_block_n_half.log,
-// forced 128 against the old rule's 48 / 64): GLM-5 768 -1.8 %, 1024 -3.6 %, 1280 -6.5 %;
-// DeepSeek-V3 -2.8 / -3.7 / -6.0 %; GLM-5.3-Flash 1024 -4.7 %, 1280 -7.3 %.
-constexpr double kHalfTileMinAvgRows = 24.0;
+// ... and from this many rows an expert on average, the 64-token tile replaces the rule's
+// 48 (choose_config). v20 (bench/results/ab/v20_block_n_half.log, forced 128 against the
+// old rule's 48 / 64): GLM-5 768 -1.8 %, 1024 -3.6 %, 1280 -6.5 %; DeepSeek-V3 -2.8 / -3.7 /
+// -6.0 %; GLM-5.3-Flash 1024 -4.7 %, 1280 -7.3 %. So 128 took over from 24 rows; since
+// then the decode tiles changed (v26-v27 128-column GEMM1 tiles, v31's 8-stage rings), and v35 (H100,
+// bench/results/ab/v35_bn64_edge.log and v35_h100_t1024_knobs.log, two interleaved rounds)
+// measured the 64-token tile ahead of 128 from 24 rows: GLM-5 768 -1.3 %, 1024 -1.9 %,
+// 1152 -0.7 %, DeepSeek-V3 768 and 1024 -0.6 %, GLM-5.3-Flash 1024 -1.6 %, 1280 -0.9 %;
+// but behind 48 at 21 rows (GLM-5.3-Flash 768 +0.5 %).
+constexpr double kTile64MinAvgRows = 24.0;
+// ... and from this many, 128-token tiles with half tiles replace the 64-token one: v35
+// measured GLM-5 1280 (40 rows) level, DeepSeek-V3 1280 +0.7 % and GLM-5 1536 (48) +1.5 %
+// for the 64-token tile.
+constexpr double kTile128MinAvgRows = 38.0;
 // Pair tiles (FusedMoeConfig::pair_tiles): 128-token tiles run in clusters of two CTAs,
 // output blocks 2j and 2j + 1 of one token block, each CTA loading 64 of the 128 token
 // rows into both (TMA multicast): 24 KB a stage from L2 instead of 32 (v22's probe of the
