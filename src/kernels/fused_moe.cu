@@ -1475,7 +1475,7 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   // barrier waits for every CTA). Wide tiles pair GEMM2's output blocks only (H / 128 even).
   const bool even_h = (s.hidden / 128) % 2 == 0;
   const bool even_blocks = even_h && (s.inter / 128) % 2 == 0 && (s.shared_inter() / 128) % 2 == 0;
-  // Expert parallelism: wide tiles where kEpWideTiles or MEGAMOE_EP_WIDE=1 says so (unmeasured).
+  // Expert parallelism: wide tiles where kEpWideTiles says so (on since v35; MEGAMOE_EP_WIDE=0/1).
   bool ep_wide = kEpWideTiles;
   if (const char* env = std::getenv("MEGAMOE_EP_WIDE")) ep_wide = std::atoi(env) != 0;
   plan->wide_ok = even_h && (!ep || ep_wide);

@@ -160,15 +160,19 @@ constexpr bool kWideTiles = true;
 // which a tile's token loads wait for. On paper (NOTES v32, bench/results/ab/v32_ep_model.py,
 // v32_overlap_sim.py): 8192 tokens a rank of the DeepSeek-V4-Flash shape over 8 H200s pull
 // ~180 MB over NVLink, ~0.5 ms before the first tile at ~350 GB/s, of a ~3.1 ms layer. Not
-// measured yet (no device since it was written), so off; MEGAMOE_EP_OVERLAP=1 turns it on
-// for the A/B.
+// measured on NVLink yet (issue 6), so off; MEGAMOE_EP_OVERLAP=1 turns it on for the A/B.
+// v35 on virtual ranks (one H100: the pull is an HBM copy, and a rank has 1/R of the SMs, so
+// two warps a CTA pull for 16 CTAs): with wide tiles, R = 2 at 4096 / 8192 tokens a rank
+// -3 % / -5 %; without, R = 8 at 1024 a rank +42 % (13.2 against 9.3 ms), 8 and 256 level.
 constexpr bool kEpPullOverlap = false;
 // Expert parallelism with wide tiles (kWideTiles; the EP kernels had only the plain 128-token
 // tiles): where one device gains from them (avg rows > kHalfTileMaxAvgRows), so does a rank's
 // share of the work at prefill sizes (one device at 4096 and 16384 tokens: -2..-5 %, v25).
-// The instantiation allocates without spills (v32); not run yet, so off; MEGAMOE_EP_WIDE=1
-// turns it on for the A/B.
-constexpr bool kEpWideTiles = false;
+// The instantiation allocates without spills (v32). v35 (H100, virtual ranks,
+// bench/results/ab/v35_h100_ep_overlap.log, two rounds): R = 2 of the DeepSeek-V4-Flash
+// shape, 4096 tokens a rank -8.2 %, 8192 -11.6 %, the bytes equal; so on (MEGAMOE_EP_WIDE=0
+// turns it off).
+constexpr bool kEpWideTiles = true;
 
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
 // tiles (decode: 64+ blocks stream the router weight at once), up to

@@ -322,7 +322,8 @@ TEST_F(EpForward, BytesMatchSingleDeviceAndCpuReference) {
   }
 }
 
-// Prefill-sized batches: the ranks run 128-token tiles (tokens in the wgmma M).
+// Prefill-sized batches: the ranks run 128-token tiles (tokens in the wgmma M), plain
+// (MEGAMOE_EP_WIDE=0) and wide (the default, kEpWideTiles).
 TEST_F(EpForward, PrefillTilesMatchSingleDevice) {
   const MoeShape s = reduced_shape();
   HostMoeWeights w = make_random_weights(s, 53);
@@ -331,14 +332,21 @@ TEST_F(EpForward, PrefillTilesMatchSingleDevice) {
   const std::vector<int> tokens = {600, 411};
   const auto xs = rank_inputs(s, tokens, 900);
   const auto want = single_device(w, xs, tokens);
-  api::CudaEpMoeLayer layer(w, ep_options(R, Tmax));
-  ASSERT_NE(layer.config_for(Tmax).find("block_n=128"), std::string::npos) << layer.config_for(Tmax);
-  RankBuffers b(xs, layer);
-  layer.forward(b.x, b.y, tokens, nullptr);
-  ASSERT_NO_THROW(layer.check());
-  const auto got = b.read(tokens, s.hidden);
-  for (int r = 0; r < R; ++r)
-    EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2)) << "rank " << r;
+  for (const char* wide : {"0", "1"}) {
+    const ScopedEnv env("MEGAMOE_EP_WIDE", wide);
+    api::CudaEpMoeLayer layer(w, ep_options(R, Tmax));
+    const std::string cfg = layer.config_for(Tmax);
+    ASSERT_NE(cfg.find("block_n=128"), std::string::npos) << cfg;
+    ASSERT_EQ(cfg.find("wide_tiles") != std::string::npos, wide[0] == '1') << cfg;
+    RankBuffers b(xs, layer);
+    b.poison();
+    layer.forward(b.x, b.y, tokens, nullptr);
+    ASSERT_NO_THROW(layer.check());
+    const auto got = b.read(tokens, s.hidden);
+    for (int r = 0; r < R; ++r)
+      EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2))
+          << "rank " << r << ", MEGAMOE_EP_WIDE=" << wide;
+  }
 }
 
 // Every token of every rank routed to rank 0's experts (the correction bias steers
@@ -597,7 +605,7 @@ TEST_F(EpForward, OverlappedPullMatchesSingleDevice) {
   expect_replays_match(layer, graph, b, w, xs, {{160, 7, 0, 99}, {1, 160, 160, 2}});
 }
 
-// Wide tiles on the ranks (MEGAMOE_EP_WIDE=1, heuristics.h kEpWideTiles): prefill-sized
+// Wide tiles on the ranks (heuristics.h kEpWideTiles; MEGAMOE_EP_WIDE=1 whatever it says): prefill-sized
 // batches (over kHalfTileMaxAvgRows rows an expert), alone and with the pull beside the
 // tiles; the bytes of one device.
 TEST_F(EpForward, WideTilesMatchSingleDevice) {
