@@ -1663,7 +1663,7 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
   // device holding all experts would see for R times the tokens.
   const int R = std::max(1, p->args.ep.ranks);
   FusedMoeConfig cfg =
-      choose_config(p->shape, int(std::min<int64_t>(int64_t(tokens) * R, 1 << 30)), p->num_sms);
+      choose_config(p->shape, int(std::min<int64_t>(int64_t(tokens) * R, 1 << 30)), p->num_sms, p->args.E);
   cfg.router_ksplit = kRouterSlices;
   cfg.wide_tiles = cfg.wide_tiles && cfg.block_n == 128 && p->wide_ok;
   // (wide tiles take the pair tiles' place: one CTA computes both tiles of a token pair)

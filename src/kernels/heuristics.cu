@@ -9,7 +9,7 @@
 
 namespace megamoe::kernels {
 
-FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms) {
+FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms, int local_experts) {
   FusedMoeConfig c;
   // Rows an expert receives are about Poisson(avg) under balanced routing: a block of
   // max(1.5 avg, avg + 2.5 sqrt(avg)) rows holds all but ~0.5 % of the experts (whose
@@ -18,11 +18,14 @@ FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms) {
   // wider than twice the average (the rule before v14). Gives 8 up to 4 rows, 16 up
   // to 8, 32 up to 20, 48 below kTile64MinAvgRows (24), 64 from there (the rule's
   // 48 up to 32 rows: the 64-token tile measured faster, v35), and 128-token tiles with
-  // half tiles from kTile128MinAvgRows (38).
+  // half tiles from kTile128MinAvgRows (38; kTile128MinAvgRowsFewExperts, 60, on fewer than
+  // kTile128ManyExperts local experts).
   const double avg_rows = double(tokens) * s.topk / s.experts;
   const double need =
       std::min(2.0 * avg_rows, std::max(1.5 * avg_rows, avg_rows + 2.5 * std::sqrt(avg_rows)));
-  c.block_n = avg_rows < kTile128MinAvgRows ? 64 : 128;
+  const double tile128_min_rows =
+      local_experts >= kTile128ManyExperts ? kTile128MinAvgRows : kTile128MinAvgRowsFewExperts;
+  c.block_n = avg_rows < tile128_min_rows ? 64 : 128;
   if (avg_rows < kTile64MinAvgRows) {
     for (int bn : kBlockNs) {
       if (bn >= need) {

@@ -76,7 +76,8 @@ constexpr bool swap_ab(int block_n) { return block_n < 128; }
 // 32 and 64 for ~32 rows an expert (GLM-5 and DeepSeek-V3 at 1024 tokens): the decode
 // loop is bound by its own instructions there (v13), which scale with block_n, and
 // 32 splits half of the experts into two blocks (v13: +14 %). choose_config picks 48
-// for 21-23 rows, 64 from kTile64MinAvgRows (24) and 128 from kTile128MinAvgRows (38).
+// for 21-23 rows, 64 from kTile64MinAvgRows (24) and 128 from kTile128MinAvgRows (38; 60
+// on few local experts).
 constexpr int kBlockNs[] = {8, 16, 32, 48, 64, 128};
 constexpr int kNumBlockNs = 6;
 // Half tiles: a 128-token tile with at most 64 rows (an expert's last block) leaves
@@ -101,6 +102,13 @@ constexpr double kTile64MinAvgRows = 24.0;
 // measured GLM-5 1280 (40 rows) level, DeepSeek-V3 1280 +0.7 % and GLM-5 1536 (48) +1.5 %
 // for the 64-token tile.
 constexpr double kTile128MinAvgRows = 38.0;
+// With fewer local experts than kTile128ManyExperts (an expert-parallel rank's share; the
+// bench's 8-way shares) the edge lies higher: v35 (H100, bench/results/ab/v35_share_bn64.log,
+// v35_h100_v4flash_share.log) measured the 64-token tile against 128 at 48 rows (the
+// DeepSeek-V4-Flash share, 32 experts) -4.3 %, 57 rows (GLM-5.3-Flash, 36) -2.3 %, but at 64
+// rows (GLM-5 and DeepSeek-V3, 32) +2.3 % and at 96 +14 %.
+constexpr double kTile128MinAvgRowsFewExperts = 60.0;
+constexpr int kTile128ManyExperts = 128;
 // Pair tiles (FusedMoeConfig::pair_tiles): 128-token tiles run in clusters of two CTAs,
 // output blocks 2j and 2j + 1 of one token block, each CTA loading 64 of the 128 token
 // rows into both (TMA multicast): 24 KB a stage from L2 instead of 32 (v22's probe of the
@@ -261,8 +269,10 @@ static_assert(stages_for(8) == kMaxStages && stages_for(48) == kMaxStages && sta
 // Token block (wgmma N): the smallest of kBlockNs that holds the average rows per
 // routed expert plus its spread (choose_config), so decode tiles waste few columns,
 // nearly every expert takes one block, and prefill tiles reuse each weight tile over
-// up to 128 tokens.
-FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms);
+// up to 128 tokens. `tokens`: as many as one device holding all experts would see (an
+// expert-parallel rank's count times R); `local_experts`: the experts this device computes
+// (s.experts on one device, E / R on a rank).
+FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms, int local_experts);
 
 std::string describe(const FusedMoeConfig& c);
 void maybe_print_config(const MoeShape& s, int tokens, const FusedMoeConfig& c);

@@ -252,8 +252,8 @@ TEST_F(FusedMoe, WideTilesSmall) {
 
 TEST_F(FusedMoe, WideTilesWhereHalfTilesAreOff) {
   // The heuristic's choice (reduced shape: T / 8 rows an expert on average): wide tiles (four
-  // stages) above 96 rows, where half tiles stop; below, from 38 rows, half tiles and the
-  // pairs; from 24 to 38 rows the 64-token tile (heuristics.h kTile128MinAvgRows).
+  // stages) above 96 rows, where half tiles stop; below, from 60 rows (32 experts: heuristics.h
+  // kTile128MinAvgRowsFewExperts), half tiles and the pairs; from 24 to 60 rows the 64-token tile.
   const TestCase tc = make_case(reduced_shape(), 1, 8, 2048);
   for (int T : {1024, 2048}) {
     const std::string cfg = tc.layer->config_for(T);
@@ -261,13 +261,13 @@ TEST_F(FusedMoe, WideTilesWhereHalfTilesAreOff) {
     EXPECT_NE(cfg.find("wide_tiles"), std::string::npos) << T << ": " << cfg;
     EXPECT_EQ(cfg.find("half_tiles"), std::string::npos) << T << ": " << cfg;
   }
-  for (int T : {320, 512}) {
+  for (int T : {480, 640}) {
     const std::string cfg = tc.layer->config_for(T);
     EXPECT_NE(cfg.find("block_n=128"), std::string::npos) << T << ": " << cfg;
     EXPECT_NE(cfg.find("half_tiles pair_tiles"), std::string::npos) << T << ": " << cfg;
     EXPECT_EQ(cfg.find("wide_tiles"), std::string::npos) << T << ": " << cfg;
   }
-  for (int T : {192, 296}) {
+  for (int T : {192, 296, 472}) {
     const std::string cfg = tc.layer->config_for(T);
     EXPECT_NE(cfg.find("block_n=64 "), std::string::npos) << T << ": " << cfg;
   }
@@ -278,14 +278,14 @@ TEST_F(FusedMoe, TwoSharedExperts) {
   // GEMM1 (decode_tile's chunks count them apart; 2600 tokens: 21 blocks, two chunks).
   MoeShape s = reduced_shape();
   s.shared_experts = 2;
-  // (300 tokens: the 64-token tile; 400: half tiles and pairs.)
-  for (int T : {5, 300, 400, 2600}) check_against_reference(s, T, 400 + T);
+  // (300 tokens: the 64-token tile; 520: half tiles and pairs.)
+  for (int T : {5, 300, 520, 2600}) check_against_reference(s, T, 400 + T);
 }
 
 TEST_F(FusedMoe, OddKBlockCounts) {
   // Decode (swap AB, two stages an iteration plus an odd last one) and prefill tiles.
-  // (300 tokens: the 64-token tile; 400: half tiles.)
-  for (int T : {3, 40, 300, 400}) check_against_reference(odd_blocks_shape(), T, 300 + T);
+  // (300 tokens: the 64-token tile; 520: half tiles.)
+  for (int T : {3, 40, 300, 520}) check_against_reference(odd_blocks_shape(), T, 300 + T);
 }
 
 TEST_F(FusedMoe, DeepSeekStyleGroupedBf16Router) {
