@@ -135,7 +135,8 @@ struct Source {
 struct ScaleStats {
   int64_t scales = 0, pow2 = 0;
   size_t tensors = 0;
-  // Scales no quantizer writes (NaN, infinite or negative: a block scale is amax / 448),
+  // Scales no quantizer writes (NaN, infinite, negative or too large: a block scale is amax / 448
+  // of finite weights, num::is_valid_block_scale),
   // which the loader refuses; the first one's tensor, index and value.
   int64_t corrupt = 0;
   std::string first_corrupt;
@@ -387,10 +388,11 @@ int run_inspect(const InspectArgs& a) {
   fmt::format_to(out, "\nscales    {} block scales in {} tensors, {:.2f}% powers of two\n", total.scales,
                  total.tensors, 100 * pow2_frac);
   if (total.corrupt)
-    fmt::format_to(out,
-                   "CORRUPT   {} block scale{} NaN, infinite or negative (first: {}): the loader refuses "
-                   "this checkpoint\n",
-                   total.corrupt, total.corrupt == 1 ? " is" : "s are", total.first_corrupt);
+    fmt::format_to(
+        out,
+        "CORRUPT   {} block scale{} NaN, infinite, negative or too large (first: {}): the loader refuses "
+        "this checkpoint\n",
+        total.corrupt, total.corrupt == 1 ? " is" : "s are", total.first_corrupt);
   j["refused"] = refused.size();
   if (!refused.empty())
     fmt::format_to(out,

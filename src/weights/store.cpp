@@ -310,10 +310,11 @@ struct WeightStore::Impl {
     const int64_t cols = s.shape.size() >= 2 ? s.shape.back() : 1;
     auto refuse = [&](size_t i, float v) {
       const int64_t r = int64_t(i) / cols, c = int64_t(i) % cols;
-      throw io::FormatError(fmt::format(
-          "layer {}: tensor '{}' holds {} at [{}{}] ({}): the checkpoint is corrupt", l.index, name, v, r,
-          s.shape.size() >= 2 ? fmt::format(", {}", c) : std::string(),
-          in.is_scale ? "a block scale must be finite and >= 0" : "router weights and bias must be finite"));
+      throw io::FormatError(
+          fmt::format("layer {}: tensor '{}' holds {} at [{}{}] ({}): the checkpoint is corrupt", l.index,
+                      name, v, r, s.shape.size() >= 2 ? fmt::format(", {}", c) : std::string(),
+                      in.is_scale ? "a block scale must be >= 0 and 448 times it finite"
+                                  : "router weights and bias must be finite"));
     };
     auto good = [&](float v) { return in.is_scale ? num::is_valid_block_scale(v) : std::isfinite(v); };
     auto scan = [&](auto value, size_t n) {

@@ -132,7 +132,7 @@ TEST(Inspect, CorruptScaleIsReportedAndRefused) {
   }
   auto r = run_cli("inspect '" + ck + "'");
   EXPECT_EQ(r.status, 1) << r.output;
-  EXPECT_NE(r.output.find("CORRUPT   1 block scale is NaN, infinite or negative (first: " + name +
+  EXPECT_NE(r.output.find("CORRUPT   1 block scale is NaN, infinite, negative or too large (first: " + name +
                           " [1, 0] = nan)"),
             std::string::npos)
       << r.output;

@@ -181,15 +181,18 @@ TEST(Store, HostileUpdatesAreRejected) {
   // An expert the layout does not have (the file has more experts than the config).
   expect_format_error(p + "experts.8.gate_proj.weight", io::Dtype::kF8_E4M3, {128, 256}, 128 * 256,
                       junk.data(), "unexpected tensor");
-  // Right dtype and shape, corrupt values: a block scale must be finite and >= 0, the
-  // router and the bias finite (each is refused with its position, before any byte lands).
+  // Right dtype and shape, corrupt values: a block scale must be >= 0 with 448 times it
+  // finite (3e38 would dequantize E4M3's 448 to infinity), the router and the bias finite
+  // (each is refused with its position, before any byte lands).
   const std::string scale = p + "experts.1.gate_proj.weight_scale_inv";
-  for (const float bad : {NAN, INFINITY, -1.0f}) {
+  for (const float bad : {NAN, INFINITY, -1.0f, 3e38f, 7.6e35f}) {
     const float v[2] = {0.01f, bad};
     expect_format_error(scale, io::Dtype::kF32, {1, 2}, sizeof(v), v, fmt::format("holds {} at [0, 1]", bad));
     expect_format_error(scale, io::Dtype::kF32, {1, 2}, sizeof(v), v,
-                        "a block scale must be finite and >= 0");
+                        "a block scale must be >= 0 and 448 times it finite");
   }
+  EXPECT_TRUE(num::is_valid_block_scale(7.5e35f));  // 448 x 7.5e35 = 3.36e38 < FLT_MAX
+  EXPECT_TRUE(num::is_valid_block_scale(0.0f));
   std::vector<float> router(8 * 256, 0.5f);
   router[3 * 256 + 7] = -INFINITY;
   expect_format_error(p + "gate.weight", io::Dtype::kF32, {8, 256}, router.size() * 4, router.data(),

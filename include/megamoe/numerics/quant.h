@@ -88,10 +88,11 @@ RequantReport requant_block_to_mxfp8(const uint8_t* q, const float* scale_inv, i
 // True when s is a positive finite power of two (normal or subnormal).
 bool is_pow2_scale(float s);
 
-// True when s can be a block scale (amax / 448 of its block): finite and >= 0. A NaN, an
-// infinity or a negative scale is a corrupt checkpoint (the loader refuses it, inspect
-// reports it).
-inline bool is_valid_block_scale(float s) { return s >= 0.0f && s <= FLT_MAX; }
+// True when s can be a block scale (amax / 448 of a block of finite weights): >= 0, and
+// 448 * s finite, so that no dequantized weight (SPEC: fp8(q) * scale_inv in float32)
+// overflows. A NaN, an infinity, a negative scale or one above ~7.6e35 is a corrupt
+// checkpoint (the loader refuses it, inspect reports it).
+inline bool is_valid_block_scale(float s) { return s >= 0.0f && s * 448.0f <= FLT_MAX; }
 
 // Prints one warning per process to stderr, naming `what` and the measured
 // rel_l2; returns true the one time it printed, false afterwards. Thread-safe.
