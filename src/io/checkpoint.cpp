@@ -4,12 +4,16 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <deque>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <stdexcept>
+
+#include "megamoe/numerics/fp8.h"
+#include "megamoe/numerics/quant.h"
 
 namespace megamoe::io {
 
@@ -79,6 +83,36 @@ size_t TensorSlot::bytes() const {
   return n;
 }
 
+std::optional<std::string> find_corrupt_value(const TensorSlot& s, const void* data) {
+  const bool scale = s.region == &MoeWeightLayout::w13_scale || s.region == &MoeWeightLayout::w2_scale ||
+                     s.region == &MoeWeightLayout::shared_w13_scale ||
+                     s.region == &MoeWeightLayout::shared_w2_scale;
+  auto good = [&](float v) { return scale ? num::is_valid_block_scale(v) : std::isfinite(v); };
+  const int64_t cols = s.shape.size() >= 2 ? s.shape.back() : 1;
+  auto scan = [&](auto value, size_t n) -> std::optional<std::string> {
+    // (the common case without a branch a value: one pass, then find the culprit)
+    bool ok = true;
+    for (size_t i = 0; i < n; ++i) ok &= good(value(i));
+    if (ok) return std::nullopt;
+    size_t i = 0;
+    while (good(value(i))) ++i;
+    const int64_t r = int64_t(i) / cols, c = int64_t(i) % cols;
+    return fmt::format("holds {} at [{}{}] ({})", value(i), r,
+                       s.shape.size() >= 2 ? fmt::format(", {}", c) : std::string(),
+                       scale ? "a block scale must be >= 0 and 448 times it finite"
+                             : "router weights and bias must be finite");
+  };
+  if (s.dtype == Dtype::kF32) {
+    const auto* f = static_cast<const float*>(data);
+    return scan([&](size_t i) { return f[i]; }, s.bytes() / 4);
+  }
+  if (s.dtype == Dtype::kBF16) {
+    const auto* h = static_cast<const num::bf16_t*>(data);
+    return scan([&](size_t i) { return num::bf16_decode(h[i]); }, s.bytes() / 2);
+  }
+  return std::nullopt;  // E4M3 weights
+}
+
 std::vector<TensorSlot> moe_layer_slots(const MoeShape& s, std::string_view prefix) {
   return moe_layer_slots(s, prefix, ExpertRange{0, s.experts});
 }
@@ -140,6 +174,10 @@ HostMoeWeights load_moe_layer(const Checkpoint& ckpt, const ModelDesc& desc, int
       problems.push_back(fmt::format("{}: tensor '{}': expected {} {}, found {} {}", v->file, s.name,
                                      to_string(s.dtype), format_shape(s.shape), to_string(v->dtype),
                                      format_shape(v->shape)));
+      continue;
+    }
+    if (auto bad = find_corrupt_value(s, v->data)) {
+      problems.push_back(fmt::format("{}: tensor '{}' {}: the checkpoint is corrupt", v->file, s.name, *bad));
       continue;
     }
     found.emplace_back(&s, *v);

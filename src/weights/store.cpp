@@ -294,44 +294,18 @@ struct WeightStore::Impl {
       throw io::FormatError(fmt::format("layer {}: tensor '{}': null data", l.index, name));
   }
 
-  // The values of a block scale, router or bias tensor (weights are E4M3 codes and are
-  // not scanned: 99.9 % of the bytes). A block scale must pass num::is_valid_block_scale;
-  // the router's weights and the correction bias must be finite. Anything else is a
-  // corrupt checkpoint that would turn tokens' outputs into NaN without a word, so it is
-  // refused before a byte is written (the slot keeps its old bytes). Costs one read of
-  // ~0.1 % of a layer's bytes (GLM-5: 2.4 MB of scales and 6.3 MB of router in 9.7 GB).
+  // The values of a block scale, router or bias tensor (io::find_corrupt_value; weights are
+  // E4M3 codes and are not scanned: 99.9 % of the bytes). A corrupt value would turn tokens'
+  // outputs into NaN without a word, so the tensor is refused before a byte is written (the
+  // slot keeps its old bytes). Costs one read of ~0.1 % of a layer's bytes (GLM-5: 2.4 MB of
+  // scales and 6.3 MB of router in 9.7 GB).
   static bool has_checked_values(const Layer& l, size_t slot) {
-    return l.info[slot].partner < 0 || l.info[slot].is_scale;  // not a weight
+    return l.slots[slot].dtype != io::Dtype::kF8_E4M3;  // (what find_corrupt_value scans)
   }
   void check_values(const Layer& l, size_t slot, std::string_view name, const void* data) const {
-    const io::TensorSlot& s = l.slots[slot];
-    const SlotInfo& in = l.info[slot];
-    if (!has_checked_values(l, slot)) return;
-    const int64_t cols = s.shape.size() >= 2 ? s.shape.back() : 1;
-    auto refuse = [&](size_t i, float v) {
-      const int64_t r = int64_t(i) / cols, c = int64_t(i) % cols;
+    if (auto bad = io::find_corrupt_value(l.slots[slot], data))
       throw io::FormatError(
-          fmt::format("layer {}: tensor '{}' holds {} at [{}{}] ({}): the checkpoint is corrupt", l.index,
-                      name, v, r, s.shape.size() >= 2 ? fmt::format(", {}", c) : std::string(),
-                      in.is_scale ? "a block scale must be >= 0 and 448 times it finite"
-                                  : "router weights and bias must be finite"));
-    };
-    auto good = [&](float v) { return in.is_scale ? num::is_valid_block_scale(v) : std::isfinite(v); };
-    auto scan = [&](auto value, size_t n) {
-      // (the common case without a branch a value: one pass, then find the culprit)
-      bool ok = true;
-      for (size_t i = 0; i < n; ++i) ok &= good(value(i));
-      if (ok) return;
-      for (size_t i = 0; i < n; ++i)
-        if (!good(value(i))) refuse(i, value(i));
-    };
-    if (s.dtype == io::Dtype::kF32) {
-      const auto* f = static_cast<const float*>(data);
-      scan([&](size_t i) { return f[i]; }, s.bytes() / 4);
-    } else if (s.dtype == io::Dtype::kBF16) {
-      const auto* h = static_cast<const num::bf16_t*>(data);
-      scan([&](size_t i) { return num::bf16_decode(h[i]); }, s.bytes() / 2);
-    }
+          fmt::format("layer {}: tensor '{}' {}: the checkpoint is corrupt", l.index, name, *bad));
   }
 
   // src_on_device: a device store's update from device memory (update()).

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -252,6 +253,44 @@ TEST(CheckpointLoad, ReportsWrongShapeAndDtype) {
       std::string::npos)
       << msg;
   EXPECT_NE(msg.find("'model.layers.1.mlp.gate.e_score_correction_bias': expected F32 [8], found I32 [8]"),
+            std::string::npos)
+      << msg;
+  EXPECT_THROW(load_moe_layer(Checkpoint(dir.path()), d, 1), FormatError);
+}
+
+// Values no checkpoint holds, right dtype and shape: load_moe_layer refuses them as the
+// WeightStore does (io::find_corrupt_value), naming file, tensor, position and rule.
+TEST(CheckpointLoad, RefusesCorruptValues) {
+  TempDir dir;
+  const ModelDesc d = small_desc(small_shape(RouterDtype::kBF16));
+  const HostMoeWeights w = make_random_weights(d.shape, 5);
+  const std::string prefix = d.layer_prefix(1);
+  auto ts = layer_tensors(w, prefix);
+  std::vector<float> scale, bias;
+  for (auto& t : ts) {
+    if (t.name == prefix + "experts.3.up_proj.weight_scale_inv") {
+      scale.assign(t.bytes / 4, 0.0f);
+      std::memcpy(scale.data(), t.data, t.bytes);
+      scale[1] = 3e38f;  // [0, 1] of the [1, 2] grid: 448 x 3e38 overflows
+      t.data = scale.data();
+    }
+    if (t.name == prefix + "gate.e_score_correction_bias") {
+      bias.assign(t.bytes / 4, 0.0f);
+      std::memcpy(bias.data(), t.data, t.bytes);
+      bias[5] = NAN;
+      t.data = bias.data();
+    }
+  }
+  ASSERT_FALSE(scale.empty());
+  ASSERT_FALSE(bias.empty());
+  write_safetensors(dir.path() / "model.safetensors", ts);
+  const std::string msg = load_error(dir.path(), d, 1);
+  EXPECT_NE(msg.find("tensor 'model.layers.1.mlp.experts.3.up_proj.weight_scale_inv' holds 3e+38 at [0, 1] "
+                     "(a block scale must be >= 0 and 448 times it finite): the checkpoint is corrupt"),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("tensor 'model.layers.1.mlp.gate.e_score_correction_bias' holds nan at [5] (router "
+                     "weights and bias must be finite)"),
             std::string::npos)
       << msg;
   EXPECT_THROW(load_moe_layer(Checkpoint(dir.path()), d, 1), FormatError);

@@ -52,6 +52,13 @@ std::vector<TensorSlot> moe_layer_slots(const MoeShape& s, std::string_view pref
 // the region's start): the table of a layout MoeWeightLayout::compute(s, experts).
 std::vector<TensorSlot> moe_layer_slots(const MoeShape& s, std::string_view prefix, ExpertRange experts);
 
+// The first value of slot `s`'s tensor (`data`: s.bytes() bytes of s.dtype) that no
+// checkpoint may hold, described as "holds V at [r, c] (the rule)": a block scale failing
+// num::is_valid_block_scale, a router weight or correction bias that is not finite. E4M3
+// weights are not scanned (99.9 % of the bytes). nullopt when every value is good.
+// load_moe_layer and the WeightStore refuse such a tensor.
+std::optional<std::string> find_corrupt_value(const TensorSlot& s, const void* data);
+
 // Loads MoE layer `layer` into the kernel layout. The router dtype is the one
 // gate.weight has in the file (BF16 or F32), whatever the config claims; the
 // returned weights' shape records it. Every tensor's dtype and shape is checked
@@ -59,7 +66,8 @@ std::vector<TensorSlot> moe_layer_slots(const MoeShape& s, std::string_view pref
 // by name, FormatError for wrong dtype/shape (file, tensor, expected vs found)
 // or for tensors under the layer's experts./shared_experts. prefixes that the
 // description does not account for (e.g. more experts in the file than in
-// the config), std::invalid_argument if `layer` is not a MoE layer.
+// the config) or holding a corrupt value (find_corrupt_value), std::invalid_argument if
+// `layer` is not a MoE layer.
 HostMoeWeights load_moe_layer(const Checkpoint& ckpt, const ModelDesc& desc, int layer);
 
 // The HF-layout tensors of one layer as zero-copy views into `w` (the inverse
