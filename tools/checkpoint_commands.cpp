@@ -297,6 +297,10 @@ int run_inspect(const InspectArgs& a) {
           wrong.push_back(fmt::format("tensor '{}': expected {} {}, found {} {}", slot.name,
                                       io::to_string(slot.dtype), io::format_shape(slot.shape),
                                       io::to_string(v->dtype), io::format_shape(v->shape)));
+        else if (slot.region == &MoeWeightLayout::router || slot.region == &MoeWeightLayout::bias)
+          // (the block scales are counted below, as corrupt scales)
+          if (auto bad = io::find_corrupt_value(slot, v->data))
+            wrong.push_back(fmt::format("tensor '{}' {}", slot.name, *bad));
         ++found, layer_bytes += v->bytes;
         shards.insert(v->file);
         if (slot.name.ends_with("_scale_inv")) {

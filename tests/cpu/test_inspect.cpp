@@ -179,6 +179,36 @@ TEST(Inspect, ConfigDisagreeingWithTensorsIsReported) {
   EXPECT_EQ(j["layers"][0]["refused"].size(), j["refused"].get<size_t>());
 
   rewrite("moe_intermediate_size", 128);
+  {
+    // A NaN in the correction bias (the router and bias are checked as the loader does),
+    // written into whichever shard holds it.
+    bool written = false;
+    for (const auto& e : std::filesystem::directory_iterator(ck)) {
+      if (e.path().extension() != ".safetensors") continue;
+      std::ifstream in(e.path(), std::ios::binary);
+      uint64_t n = 0;
+      in.read(reinterpret_cast<char*>(&n), 8);
+      std::string text(n, '\0');
+      in.read(text.data(), std::streamsize(n));
+      in.close();
+      const nlohmann::json header = nlohmann::json::parse(text);
+      for (const auto& [k, v] : header.items()) {
+        if (!k.ends_with("gate.e_score_correction_bias")) continue;
+        std::fstream f(e.path(), std::ios::binary | std::ios::in | std::ios::out);
+        const float nan = NAN;
+        f.seekp(std::streamoff(8 + n + v["data_offsets"][0].get<uint64_t>() + 4 * 2));
+        f.write(reinterpret_cast<const char*>(&nan), 4);
+        written = true;
+      }
+    }
+    ASSERT_TRUE(written) << "no correction bias in " << ck;
+  }
+  r = run_cli("inspect '" + ck + "'");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("gate.e_score_correction_bias' holds nan at [2] (router weights and bias must be "
+                          "finite)"),
+            std::string::npos)
+      << r.output;
   rewrite("n_routed_experts", 4);  // the checkpoint holds 8 experts; the router is [8, H]
   r = run_cli("inspect --json '" + ck + "'");
   EXPECT_EQ(r.status, 1) << r.output;
