@@ -74,8 +74,17 @@ int run_demo(const DemoArgs& a) {
   fmt::print("random block-FP8 layer: {:.2f} GB of weights in {:.1f} s (non-power-of-two scales)\n",
              w.bytes() * 1e-9, gen_s);
   const auto x = make_random_tokens(size_t(a.tokens) * s.hidden, a.seed + 7);
-  const api::ForwardOutput out = api::forward(b, w, x.data(), a.tokens);
   const double gflop = a.tokens * s.flops_per_token() * 1e-9;
+  if (b == api::Backend::kCpu && gflop > 100) {
+    // (the CPU backend is the kernel-faithful reference: ~10 GFLOP/s, so say so before a
+    // forward that runs for minutes)
+    fmt::print(
+        "forward on cpu: {} tokens, {:.0f} GFLOP: the CPU backend is the reference, not a fast path; "
+        "this takes a while\n",
+        a.tokens, gflop);
+    std::fflush(stdout);
+  }
+  const api::ForwardOutput out = api::forward(b, w, x.data(), a.tokens);
   fmt::print("forward on {}: {} tokens in {:.3f} ms, {:.1f} GFLOP/s ({:.1f} GFLOP)\n",
              api::to_string(out.backend), a.tokens, out.seconds * 1e3, gflop / out.seconds, gflop);
 
