@@ -132,13 +132,23 @@ struct ForwardArgs {
 
 int run_forward(const ForwardArgs& a) {
   const api::Backend backend = api::resolve(api::parse_backend(a.backend));  // before any loading
-  // (and the output's folder: a forward that cannot write its result should not run first)
-  if (const auto dir = std::filesystem::path(a.output).parent_path();
-      !dir.empty() && !std::filesystem::is_directory(dir))
+  // (and the output: a forward that cannot write its result should not run first)
+  namespace fs = std::filesystem;
+  const fs::path out_path(a.output);
+  if (a.output.empty() || fs::is_directory(out_path))
+    throw std::invalid_argument(fmt::format("--output '{}': must name a file", a.output));
+  if (const auto dir = out_path.parent_path(); !dir.empty() && !fs::is_directory(dir))
     throw std::invalid_argument(
         fmt::format("--output {}: the folder {} does not exist", a.output, dir.string()));
+  std::error_code ec;
+  if (fs::equivalent(out_path, fs::path(a.input), ec))
+    throw std::invalid_argument(
+        fmt::format("--output {}: is the --input file; the forward would overwrite it", a.output));
   const ModelDesc desc = load_config(a.checkpoint);
   desc.require_moe_layer(a.layer, "--layer");
+  if (desc.shape.experts % a.ranks != 0)
+    throw std::invalid_argument(fmt::format("--ranks {}: must divide E = {} (each rank holds E / R experts)",
+                                            a.ranks, desc.shape.experts));
   const io::Checkpoint ckpt(a.checkpoint);
   HostMoeWeights w = load_layer_via_store(ckpt, desc, a.layer);  // streaming, through the WeightStore
   const MoeShape& s = w.shape;
@@ -284,7 +294,7 @@ int main(int argc, char** argv) {
   c_demo->add_option("--tokens", demo.tokens, "tokens in the batch")->capture_default_str();
   c_demo->add_option("--backend", demo.backend, "auto | cpu | cuda")->capture_default_str();
   c_demo->add_option("--check-tokens", demo.check_tokens, "tokens checked against the exact reference")
-      ->check(CLI::Range(0, 1 << 30))
+      ->check(CLI::Range(1, 1 << 30))
       ->capture_default_str();
   c_demo->add_option("--seed", demo.seed)->capture_default_str();
 
@@ -297,7 +307,8 @@ int main(int argc, char** argv) {
   c_fwd->add_option("--output", fwd.output, "safetensors file to write y, topk_ids, topk_weights")
       ->required();
   c_fwd->add_option("--backend", fwd.backend, "auto | cpu | cuda")->capture_default_str();
-  c_fwd->add_option("--ranks", fwd.ranks, "expert-parallel ranks (tokens split evenly)")
+  c_fwd->add_option("--ranks", fwd.ranks, "expert-parallel ranks (tokens split evenly; must divide E)")
+      ->check(CLI::Range(1, 1 << 10))
       ->capture_default_str();
 
   BenchArgs bench;

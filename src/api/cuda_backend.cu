@@ -9,23 +9,12 @@
 #include "device_run.h"
 #include "megamoe/api/ep_layer.h"
 #include "megamoe/api/moe_layer.h"
+#include "megamoe/weights/device_memory.h"
 
 namespace megamoe::api::detail {
 
 bool cuda_device_ok(std::string* why) {
-  int n = 0;
-  const cudaError_t e = cudaGetDeviceCount(&n);
-  if (e != cudaSuccess || n == 0) {
-    cudaGetLastError();
-    if (why) {
-      // cudart reports a missing driver as "insufficient driver": say what it means.
-      if (e == cudaErrorInsufficientDriver || e == cudaErrorNoDevice || n == 0)
-        *why = "no NVIDIA GPU (driver or device) on this machine";
-      else
-        *why = std::string("the CUDA runtime cannot use the GPU: ") + cudaGetErrorString(e);
-    }
-    return false;
-  }
+  if (!dev::device_memory_available(why)) return false;
   int dev = 0, major = 0, minor = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
   MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));

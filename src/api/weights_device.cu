@@ -15,8 +15,13 @@ bool device_memory_available(std::string* why) {
   const cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess || n == 0) {
     cudaGetLastError();  // clear the sticky error so later calls are not confused by it
-    if (why)
-      *why = e != cudaSuccess ? std::string("no CUDA device: ") + cudaGetErrorString(e) : "no CUDA device";
+    if (why) {
+      // cudart reports a missing driver as "insufficient driver": say what it means.
+      if (e == cudaErrorInsufficientDriver || e == cudaErrorNoDevice || n == 0)
+        *why = "no NVIDIA GPU (driver or device) on this machine";
+      else
+        *why = std::string("the CUDA runtime cannot use the GPU: ") + cudaGetErrorString(e);
+    }
     return false;
   }
   return true;

@@ -117,11 +117,27 @@ TEST(CliForward, ErrorsNameWhatIsWrong) {
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("holds nan at [2, 5]"), std::string::npos) << r.output;
 
-  // An output path that is a folder: the rename's own reason.
+  // An output path that is a folder, or the input itself: refused before the forward.
   r = run_cli(fmt::format("forward --checkpoint '{}' --layer {} --input '{}' --output '{}'", f.ck, f.layer,
                           f.in, f.dir.path().string()));
   EXPECT_NE(r.status, 0);
-  EXPECT_EQ(r.output.find("failed: Success"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("must name a file"), std::string::npos) << r.output;
+  r = run_cli(fmt::format("forward --checkpoint '{}' --layer {} --input '{}' --output '{}'", f.ck, f.layer,
+                          f.in, f.in));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("is the --input file"), std::string::npos) << r.output;
+
+  // Ranks: at least 1 (the parser), and a divisor of E, named before anything is loaded.
+  r = run_cli(fmt::format("forward --checkpoint '{}' --layer {} --input '{}' --output '{}' --ranks 0", f.ck,
+                          f.layer, f.in, o));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--ranks"), std::string::npos) << r.output;
+  r = run_cli(fmt::format("forward --checkpoint '{}' --layer {} --input '{}' --output '{}' --ranks 3", f.ck,
+                          f.layer, f.out("missing.safetensors"), o));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find(fmt::format("--ranks 3: must divide E = {}", f.desc.shape.experts)),
+            std::string::npos)
+      << r.output;
 
   r = run_cli("forward --help");
   EXPECT_EQ(r.status, 0);
