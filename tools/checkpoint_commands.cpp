@@ -57,6 +57,12 @@ struct MakeArgs {
 
 int run_make(const MakeArgs& a) {
   const Preset& p = find_preset(a.preset);
+  // Over an existing checkpoint the new shards would sit beside the old ones (whose names
+  // differ when the layer count does): refused, not mixed.
+  if (fs::exists(a.out) && (!fs::is_directory(a.out) || !fs::is_empty(a.out)))
+    throw std::invalid_argument(
+        fmt::format("--out {}: {}; make-checkpoint writes into a new or empty folder", a.out,
+                    fs::is_directory(a.out) ? "the folder is not empty" : "exists and is not a folder"));
   std::optional<MoeShape> shape;
   if (a.hidden || a.inter || a.experts || a.topk) {
     MoeShape s = p.shape;
@@ -751,8 +757,13 @@ std::vector<Command> add_checkpoint_commands(CLI::App& app) {
   std::vector<Command> cmds;
   auto mk = std::make_shared<MakeArgs>();
   auto* c_make = app.add_subcommand("make-checkpoint", "Write a synthetic HF-layout block-FP8 checkpoint");
-  c_make->add_option("--preset", mk->preset)->capture_default_str();
-  c_make->add_option("--layers", mk->layers, "MoE layers to write")->capture_default_str();
+  c_make->add_option("--preset", mk->preset, preset_names() + " (the model family; its config.json)")
+      ->capture_default_str();
+  c_make
+      ->add_option("--layers", mk->layers,
+                   "MoE layers to write (numbered from the family's first MoE layer: inspect lists them)")
+      ->check(CLI::Range(1, ModelDesc::kMaxLayers))
+      ->capture_default_str();
   c_make->add_option("--out", mk->out, "output directory")->required();
   c_make->add_flag("--pow2-scales", mk->pow2, "round every block scale to a power of two");
   c_make->add_option("--seed", mk->seed)->capture_default_str();

@@ -282,10 +282,19 @@ ModelDesc write_synthetic_checkpoint(const std::filesystem::path& dir, const Mod
     probe = probe.parent_path();
   std::error_code space_ec;
   const std::filesystem::space_info room = std::filesystem::space(probe, space_ec);
-  if (!space_ec && need > double(room.available))
-    throw Error(fmt::format("{}: {} MoE layers of {} take {:.1f} GB, {:.1f} GB are free there", dir.string(),
-                            num_moe_layers, d.family.empty() ? d.shape.describe() : d.family, need * 1e-9,
-                            double(room.available) * 1e-9));
+  auto size_text = [](double b) {
+    return b >= 1e9 ? fmt::format("{:.1f} GB", b * 1e-9) : fmt::format("{:.1f} MB", b * 1e-6);
+  };
+  if (!space_ec && need > double(room.available)) {
+    const std::string what = fmt::format(
+        "{} MoE layer{} of {} take{} {}", num_moe_layers, num_moe_layers == 1 ? "" : "s",
+        d.family.empty() ? d.shape.describe() : d.family, num_moe_layers == 1 ? "s" : "", size_text(need));
+    if (room.available == 0)
+      throw Error(fmt::format("{}: no space is free there (a read-only or pseudo file system?); {}",
+                              dir.string(), what));
+    throw Error(
+        fmt::format("{}: {}, {} are free there", dir.string(), what, size_text(double(room.available))));
+  }
   std::filesystem::create_directories(dir);
   const int num_shards = 1 + 2 * num_moe_layers;
   auto shard_name = [&](int i) {

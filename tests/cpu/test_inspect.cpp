@@ -55,6 +55,21 @@ TEST(Inspect, FolderSummaryAndJson) {
   EXPECT_FALSE(j["mxfp8_estimate"]["exact"].get<bool>());
 }
 
+// make-checkpoint writes into a new or empty folder only: over a checkpoint of another
+// layer count its shards would sit beside the old ones.
+TEST(MakeCheckpointCli, RefusesAFolderThatIsNotEmpty) {
+  TempDir dir;
+  const std::string ck = make_small(dir.path() / "ck", false, 2);
+  const auto r = run_cli(
+      fmt::format("make-checkpoint --hidden 256 --inter 128 --experts 8 --topk 4 --layers 1 --out '{}'", ck));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("the folder is not empty"), std::string::npos) << r.output;
+  size_t shards = 0;
+  for (const auto& e : std::filesystem::directory_iterator(ck))
+    shards += e.path().extension() == ".safetensors";
+  EXPECT_EQ(shards, 5u);  // 1 + 2 a layer, untouched
+}
+
 TEST(Inspect, RankMemory) {
   // --ranks R: the kernel layout's bytes of a whole MoE layer and of a rank's part (E/R
   // experts with the shared expert and the router), as the layouts compute them.
