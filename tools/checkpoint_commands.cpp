@@ -70,12 +70,15 @@ int run_make(const MakeArgs& a) {
     if (a.inter) s.inter = a.inter;
     if (a.experts) s.experts = a.experts;
     if (a.topk) s.topk = a.topk;
-    if (s.n_group > 1 && s.experts % s.n_group != 0) s.n_group = s.topk_group = 1;
+    // (the preset's expert groups, where the overridden E cannot hold them: no groups)
+    if (s.n_group > 1 && (s.experts % s.n_group != 0 || s.experts / s.n_group < 2))
+      s.n_group = s.topk_group = 1;
     s.validate();
     shape = s;
   }
   const ModelDesc d = io::write_synthetic_checkpoint(a.out, p, a.layers, a.seed, a.pow2, shape);
-  fmt::print("wrote {} ({}): {} MoE layers, {}\n", a.out, d.family, d.moe_layers.size(), d.shape.describe());
+  fmt::print("wrote {} ({}): {} MoE layer{} ({}), {}\n", a.out, d.family, d.moe_layers.size(),
+             d.moe_layers.size() == 1 ? "" : "s", d.moe_layers_text(), d.shape.describe());
   return 0;
 }
 

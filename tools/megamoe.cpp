@@ -124,6 +124,37 @@ int run_demo(const DemoArgs& a) {
 }
 
 // ---------------------------------------------------------------- forward
+// An output file's path, checked before the work that fills it: a file name (not a folder,
+// not empty) in a folder that exists.
+void check_output_file(std::string_view option, const std::string& path) {
+  namespace fs = std::filesystem;
+  if (path.empty() || fs::is_directory(path))
+    throw std::invalid_argument(fmt::format("{} '{}': must name a file", option, path));
+  if (const auto dir = fs::path(path).parent_path(); !dir.empty() && !fs::is_directory(dir))
+    throw std::invalid_argument(
+        fmt::format("{} {}: the folder {} does not exist", option, path, dir.string()));
+}
+
+// ---------------------------------------------------------------- make-input
+struct MakeInputArgs {
+  std::string checkpoint, out;
+  int tokens = 16;
+  uint64_t seed = 1;
+};
+
+int run_make_input(const MakeInputArgs& a) {
+  check_output_file("--out", a.out);
+  const ModelDesc desc = load_config(a.checkpoint);
+  const int H = desc.shape.hidden;
+  const std::vector<num::bf16_t> x = make_random_tokens(size_t(a.tokens) * H, a.seed);
+  const io::TensorToWrite t{"x", io::Dtype::kBF16, {a.tokens, H}, x.data(), x.size() * 2};
+  io::write_safetensors(a.out, std::span<const io::TensorToWrite>(&t, 1));
+  fmt::print("wrote {}: x BF16 [{}, {}] (random tokens, seed {}) for {}\n", a.out, a.tokens, H, a.seed,
+             a.checkpoint);
+  return 0;
+}
+
+// ---------------------------------------------------------------- forward
 struct ForwardArgs {
   std::string checkpoint, input, output, backend = "auto";
   int layer = -1;
@@ -133,15 +164,9 @@ struct ForwardArgs {
 int run_forward(const ForwardArgs& a) {
   const api::Backend backend = api::resolve(api::parse_backend(a.backend));  // before any loading
   // (and the output: a forward that cannot write its result should not run first)
-  namespace fs = std::filesystem;
-  const fs::path out_path(a.output);
-  if (a.output.empty() || fs::is_directory(out_path))
-    throw std::invalid_argument(fmt::format("--output '{}': must name a file", a.output));
-  if (const auto dir = out_path.parent_path(); !dir.empty() && !fs::is_directory(dir))
-    throw std::invalid_argument(
-        fmt::format("--output {}: the folder {} does not exist", a.output, dir.string()));
+  check_output_file("--output", a.output);
   std::error_code ec;
-  if (fs::equivalent(out_path, fs::path(a.input), ec))
+  if (std::filesystem::equivalent(a.output, a.input, ec))
     throw std::invalid_argument(
         fmt::format("--output {}: is the --input file; the forward would overwrite it", a.output));
   const ModelDesc desc = load_config(a.checkpoint);
@@ -297,6 +322,15 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   c_demo->add_option("--seed", demo.seed)->capture_default_str();
 
+  MakeInputArgs mkin;
+  auto* c_mkin =
+      app.add_subcommand("make-input", "Write random tokens x (BF16 [T, H]) for `forward` on a checkpoint");
+  c_mkin->add_option("--checkpoint", mkin.checkpoint, "checkpoint directory (its config.json gives H)")
+      ->required();
+  c_mkin->add_option("--tokens", mkin.tokens, "T")->check(CLI::Range(1, 1 << 24))->capture_default_str();
+  c_mkin->add_option("--out", mkin.out, "safetensors file to write")->required();
+  c_mkin->add_option("--seed", mkin.seed)->capture_default_str();
+
   ForwardArgs fwd;
   auto* c_fwd =
       app.add_subcommand("forward", "Run one MoE layer of a checkpoint on x from a safetensors file");
@@ -383,6 +417,7 @@ int main(int argc, char** argv) {
   try {
     if (*c_epc) return run_ep_check(epc);
     if (*c_demo) return run_demo(demo);
+    if (*c_mkin) return run_make_input(mkin);
     if (*c_fwd) return run_forward(fwd);
     if (*c_bench) return run_bench_cmd(bench);
     for (const auto& c : checkpoint_cmds)

@@ -70,6 +70,26 @@ TEST(MakeCheckpointCli, RefusesAFolderThatIsNotEmpty) {
   EXPECT_EQ(shards, 5u);  // 1 + 2 a layer, untouched
 }
 
+// The README's first steps: a small checkpoint, random tokens for it, one forward.
+TEST(MakeInputCli, FeedsForward) {
+  TempDir dir;
+  const std::string ck = make_small(dir.path() / "ck", false, 1);
+  const auto x = dir.path() / "x.safetensors", y = dir.path() / "y.safetensors";
+  auto r = run_cli(fmt::format("make-input --checkpoint '{}' --tokens 5 --out '{}'", ck, x.string()));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("x BF16 [5, 256]"), std::string::npos) << r.output;
+  const ModelDesc d = load_config(ck);
+  r = run_cli(fmt::format("forward --checkpoint '{}' --layer {} --input '{}' --output '{}' --backend cpu", ck,
+                          d.moe_layers.front(), x.string(), y.string()));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("5 tokens on cpu"), std::string::npos) << r.output;
+  r = run_cli(fmt::format("make-input --checkpoint '{}' --tokens 0 --out '{}'", ck, x.string()));
+  EXPECT_NE(r.status, 0) << r.output;
+  r = run_cli(fmt::format("make-input --checkpoint '{}' --out '{}'", ck, dir.path().string()));
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("must name a file"), std::string::npos) << r.output;
+}
+
 TEST(Inspect, RankMemory) {
   // --ranks R: the kernel layout's bytes of a whole MoE layer and of a rank's part (E/R
   // experts with the shared expert and the router), as the layouts compute them.
