@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -681,6 +682,7 @@ double plain_read_seconds(const std::vector<std::string>& files) {
 }
 
 int run_load_bench(const LoadBenchArgs& a) {
+  if (!a.json.empty()) check_output_file("--json", a.json);  // (before the benchmark)
   const ModelDesc desc = load_config(a.checkpoint);
   const io::Checkpoint ckpt(a.checkpoint);
   std::vector<std::string> files;
@@ -748,7 +750,8 @@ int run_load_bench(const LoadBenchArgs& a) {
         {"store_load_s", loads},          {"store_load_gbs", load_gbs},
         {"ratio", load_gbs / read_gbs},   {"peak_extra_rss_bytes", peak_ok ? std::max(extra, 0.0) : -1.0}};
     std::ofstream f(a.json);
-    if (!(f << j.dump(2) << "\n")) throw std::runtime_error("cannot write " + a.json);
+    if (!(f << j.dump(2) << "\n"))
+      throw std::runtime_error(fmt::format("cannot write {}: {}", a.json, std::strerror(errno)));
     fmt::print("wrote {}\n", a.json);
   }
   return 0;
@@ -786,6 +789,7 @@ std::vector<Command> add_checkpoint_commands(CLI::App& app) {
                    "also the weight memory of one of R expert-parallel ranks (its E/R experts)")
       ->check(CLI::Range(1, 1 << 16));
   c_inspect->add_option("--sample", in->sample, "weight tensors sampled for the MXFP8 error estimate")
+      ->check(CLI::Range(0, 1 << 20))
       ->capture_default_str();
   cmds.push_back({c_inspect, [in] { return run_inspect(*in); }});
 

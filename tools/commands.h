@@ -1,8 +1,12 @@
 // Subcommand groups of the `megamoe` tool, each in its own file.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <CLI/CLI.hpp>
+#include <filesystem>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -24,6 +28,17 @@ inline std::string preset_names() {
   std::string out;
   for (const Preset& p : presets()) out += (out.empty() ? "" : " | ") + p.name;
   return out;
+}
+
+// An output file's path, checked before the work that fills it: a file name (not a folder,
+// not empty) in a folder that exists.
+inline void check_output_file(std::string_view option, const std::string& path) {
+  namespace fs = std::filesystem;
+  if (path.empty() || fs::is_directory(path))
+    throw std::invalid_argument(fmt::format("{} '{}': must name a file", option, path));
+  if (const auto dir = fs::path(path).parent_path(); !dir.empty() && !fs::is_directory(dir))
+    throw std::invalid_argument(
+        fmt::format("{} {}: the folder {} does not exist", option, path, dir.string()));
 }
 
 // inspect, make-checkpoint, reload-check (tools/checkpoint_commands.cpp).

@@ -124,17 +124,6 @@ int run_demo(const DemoArgs& a) {
 }
 
 // ---------------------------------------------------------------- forward
-// An output file's path, checked before the work that fills it: a file name (not a folder,
-// not empty) in a folder that exists.
-void check_output_file(std::string_view option, const std::string& path) {
-  namespace fs = std::filesystem;
-  if (path.empty() || fs::is_directory(path))
-    throw std::invalid_argument(fmt::format("{} '{}': must name a file", option, path));
-  if (const auto dir = fs::path(path).parent_path(); !dir.empty() && !fs::is_directory(dir))
-    throw std::invalid_argument(
-        fmt::format("{} {}: the folder {} does not exist", option, path, dir.string()));
-}
-
 // ---------------------------------------------------------------- make-input
 struct MakeInputArgs {
   std::string checkpoint, out;
@@ -143,7 +132,7 @@ struct MakeInputArgs {
 };
 
 int run_make_input(const MakeInputArgs& a) {
-  check_output_file("--out", a.out);
+  tools::check_output_file("--out", a.out);
   const ModelDesc desc = load_config(a.checkpoint);
   const int H = desc.shape.hidden;
   const std::vector<num::bf16_t> x = make_random_tokens(size_t(a.tokens) * H, a.seed);
@@ -164,7 +153,7 @@ struct ForwardArgs {
 int run_forward(const ForwardArgs& a) {
   const api::Backend backend = api::resolve(api::parse_backend(a.backend));  // before any loading
   // (and the output: a forward that cannot write its result should not run first)
-  check_output_file("--output", a.output);
+  tools::check_output_file("--output", a.output);
   std::error_code ec;
   if (std::filesystem::equivalent(a.output, a.input, ec))
     throw std::invalid_argument(

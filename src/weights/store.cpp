@@ -285,7 +285,8 @@ struct WeightStore::Impl {
           fmt::format("layer {}: tensor '{}': expected {} {}, found {} {}{}", l.index, name,
                       io::to_string(s.dtype), shape_text(s.shape), io::to_string(dtype), shape_text(shape),
                       mode == ReloadMode::kDirect ? " (direct mode: the live layout cannot be relocated)"
-                                                  : " (the store's buffers never move)"));
+                                                  : " (the layout the store allocated from the config; "
+                                                    "it is never relocated)"));
     if (bytes != s.bytes())
       throw io::FormatError(fmt::format("layer {}: tensor '{}': {} {} is {} bytes, the update brings {}",
                                         l.index, name, io::to_string(s.dtype), shape_text(s.shape), s.bytes(),

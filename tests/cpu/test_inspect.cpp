@@ -303,6 +303,12 @@ TEST(ReloadCheckCli, LoadBenchRuns) {
   const auto j = nlohmann::json::parse(in);
   EXPECT_GT(j["store_load_gbs"].get<double>(), 0.0);
   EXPECT_GT(j["loaded_bytes"].get<double>(), 0.0);
+  // A JSON path it cannot write: refused before the benchmark runs.
+  const auto bad = run_cli(fmt::format("load-bench --checkpoint '{}' --json '{}'", ck,
+                                       (dir.path() / "no" / "such.json").string()));
+  EXPECT_EQ(bad.status, 1) << bad.output;
+  EXPECT_NE(bad.output.find("does not exist"), std::string::npos) << bad.output;
+  EXPECT_EQ(bad.output.find("ratio load / read"), std::string::npos) << bad.output;
 }
 
 }  // namespace
