@@ -390,7 +390,15 @@ int main(int argc, char** argv) {
   c_epc->add_option("--timeout", epc.timeout_s, "seconds before a missing peer is an error")
       ->capture_default_str();
 
-  CLI11_PARSE(app, argc, argv);
+  // (CLI11_PARSE would exit with its own codes, 100+, and no "megamoe: error:" prefix: a bad
+  // flag is an error like any other here, exit 1)
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
+    fmt::print(stderr, "megamoe: error: {}\nRun with --help for more information.\n", e.what());
+    return 1;
+  }
   if (*c_bench && bench.command.empty()) {  // this command line, as a shell would take it back
     bench.command = "megamoe";
     for (int i = 1; i < argc; ++i) {
