@@ -203,7 +203,7 @@ int run_inspect(const InspectArgs& a) {
                   {"quant",
                    {{"fmt", desc->quant.fmt},
                     {"block", desc->quant.block},
-                    {"scale_fmt", desc->quant.scale_fmt.value_or("")}}}};
+                    {"scale_fmt", desc->quant.scale_fmt.value_or("float32")}}}};
     fmt::format_to(out, "model     {} (family {})\n", desc->model_type, desc->family);
     fmt::format_to(out, "shape     H {}  I {}  E {}  K {}  shared {}\n", s.hidden, s.inter, s.experts, s.topk,
                    s.shared_experts);

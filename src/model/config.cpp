@@ -7,6 +7,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -392,6 +393,8 @@ std::string config_json(const ModelDesc& d) {
         fmt::format("config_json: unknown model_type '{}' (known: {})", d.model_type, known_types_text()));
   const MoeShape& s = d.shape;
   // ordered_json: keep the human order of a real config.
+  // A float as the shortest decimal that reads back as it (1.8f as 1.8, not 1.7999999523162842).
+  auto real = [](float f) { return std::strtod(fmt::format("{}", f).c_str(), nullptr); };
   nlohmann::ordered_json lm;
   lm["hidden_size"] = s.hidden;
   lm["num_hidden_layers"] = d.num_layers;
@@ -402,10 +405,10 @@ std::string config_json(const ModelDesc& d) {
   lm["n_group"] = s.n_group;
   lm["topk_group"] = s.topk_group;
   lm["norm_topk_prob"] = s.norm_topk_prob;
-  lm["routed_scaling_factor"] = s.routed_scaling;
+  lm["routed_scaling_factor"] = real(s.routed_scaling);
   lm["scoring_func"] = std::string(to_string(s.score));
   lm["topk_method"] = s.correction_bias ? "noaux_tc" : "greedy";
-  if (s.swiglu_limit != 0.0f) lm["swiglu_limit"] = s.swiglu_limit;
+  if (s.swiglu_limit != 0.0f) lm["swiglu_limit"] = real(s.swiglu_limit);
   if (s.router_dtype != fam->default_router || fam->mlp_layer_types)
     lm["moe_router_dtype"] = s.router_dtype == RouterDtype::kF32 ? "float32" : "bfloat16";
   if (!d.mtp_layers.empty()) {
