@@ -244,8 +244,9 @@ int run_inspect(const InspectArgs& a) {
   // scale touches every shard: that is where the progress bar goes.
   Progress bar("inspect: reading scales", src.num_files(), src.num_files() >= 4);
   ScaleStats total;
-  // Tensors the loader refuses: a dtype or shape the config does not give, or a name in a
-  // layer's expert namespaces that the config has no slot for (it disagrees on E or S).
+  // Tensors the loader refuses: a dtype or shape the config does not give, a name in a
+  // layer's expert namespaces that the config has no slot for (it disagrees on E or S), a
+  // router or bias value that is not finite (the block scales count as corrupt scales).
   std::vector<std::string> refused;
   std::vector<std::pair<std::string, std::string>> pairs;  // (weight, scale) names, for the MXFP8 sample
   auto count_scales = [&](const io::TensorView& v, ScaleStats& st) {
@@ -410,8 +411,8 @@ int run_inspect(const InspectArgs& a) {
   j["refused"] = refused.size();
   if (!refused.empty())
     fmt::format_to(out,
-                   "REFUSED   {} tensor{} whose dtype, shape or name the config does not give (first: {}): "
-                   "the loader refuses this checkpoint\n",
+                   "REFUSED   {} tensor{} with a dtype, shape or name the config does not give, or a "
+                   "non-finite router or bias value (first: {}): the loader refuses this checkpoint\n",
                    refused.size(), refused.size() == 1 ? "" : "s", refused.front());
   if (sampled)
     fmt::format_to(

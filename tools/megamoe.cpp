@@ -123,7 +123,6 @@ int run_demo(const DemoArgs& a) {
   return 0;
 }
 
-// ---------------------------------------------------------------- forward
 // ---------------------------------------------------------------- make-input
 struct MakeInputArgs {
   std::string checkpoint, out;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <map>
 #include <string>
@@ -266,23 +267,20 @@ TEST(CheckpointLoad, RefusesCorruptValues) {
   const HostMoeWeights w = make_random_weights(d.shape, 5);
   const std::string prefix = d.layer_prefix(1);
   auto ts = layer_tensors(w, prefix);
-  std::vector<float> scale, bias;
-  for (auto& t : ts) {
-    if (t.name == prefix + "experts.3.up_proj.weight_scale_inv") {
-      scale.assign(t.bytes / 4, 0.0f);
-      std::memcpy(scale.data(), t.data, t.bytes);
-      scale[1] = 3e38f;  // [0, 1] of the [1, 2] grid: 448 x 3e38 overflows
-      t.data = scale.data();
-    }
-    if (t.name == prefix + "gate.e_score_correction_bias") {
-      bias.assign(t.bytes / 4, 0.0f);
-      std::memcpy(bias.data(), t.data, t.bytes);
-      bias[5] = NAN;
-      t.data = bias.data();
-    }
-  }
-  ASSERT_FALSE(scale.empty());
-  ASSERT_FALSE(bias.empty());
+  std::deque<std::vector<float>> copies;  // the altered F32 tensors' bytes
+  auto poison = [&](const std::string& name, size_t i, float v) {
+    for (auto& t : ts)
+      if (t.name == prefix + name) {
+        auto& c = copies.emplace_back(t.bytes / 4);
+        std::memcpy(c.data(), t.data, t.bytes);
+        c.at(i) = v;
+        t.data = c.data();
+        return;
+      }
+    ADD_FAILURE() << "no tensor " << name;
+  };
+  poison("experts.3.up_proj.weight_scale_inv", 1, 3e38f);  // [0, 1] of the [1, 2] grid: 448 x 3e38 overflows
+  poison("gate.e_score_correction_bias", 5, NAN);
   write_safetensors(dir.path() / "model.safetensors", ts);
   const std::string msg = load_error(dir.path(), d, 1);
   EXPECT_NE(msg.find("tensor 'model.layers.1.mlp.experts.3.up_proj.weight_scale_inv' holds 3e+38 at [0, 1] "
