@@ -164,6 +164,9 @@ int run_inspect(const InspectArgs& a) {
     // A lone shard: describe it with the model's config when one sits beside it.
     if (fs::exists(path.parent_path() / "config.json")) desc = load_config(path.parent_path());
   }
+  if (!desc && a.ranks != 1)
+    throw std::invalid_argument(fmt::format(
+        "--ranks {}: a rank's memory needs the model's config.json (none beside {})", a.ranks, a.path));
 
   nlohmann::ordered_json j;
   j["path"] = a.path;

@@ -114,6 +114,12 @@ TEST(Inspect, RankMemory) {
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("4 ranks: "), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("(2 of 8 experts"), std::string::npos) << r.output;
+  // A lone file without a config beside it cannot say what a rank holds.
+  const std::filesystem::path lone = dir.path() / "lone.safetensors";
+  std::filesystem::copy_file(std::filesystem::path(ck) / "model-00001-of-00005.safetensors", lone);
+  r = run_cli("inspect --ranks 4 '" + lone.string() + "'");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("needs the model's config.json"), std::string::npos) << r.output;
   r = run_cli("inspect --ranks 3 '" + ck + "'");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("--ranks 3: must be >= 1 and divide E = 8"), std::string::npos) << r.output;
