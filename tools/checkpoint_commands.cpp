@@ -299,18 +299,14 @@ int run_inspect(const InspectArgs& a) {
       size_t found = 0, layer_bytes = 0;
       std::set<std::string_view> shards;
       std::vector<std::string> missing, wrong;
-      std::set<std::string_view> named;
       for (const auto& slot : slots) {
-        named.insert(slot.name);
         auto v = src.find(slot.name);
         if (!v) {
           missing.push_back(slot.name);
           continue;
         }
-        if (v->dtype != slot.dtype || !std::ranges::equal(v->shape, slot.shape))
-          wrong.push_back(fmt::format("tensor '{}': expected {} {}, found {} {}", slot.name,
-                                      io::to_string(slot.dtype), io::format_shape(slot.shape),
-                                      io::to_string(v->dtype), io::format_shape(v->shape)));
+        if (auto mismatch = io::slot_mismatch(slot, v->dtype, v->shape))
+          wrong.push_back(fmt::format("tensor '{}': {}", slot.name, *mismatch));
         else if (slot.region == &MoeWeightLayout::router || slot.region == &MoeWeightLayout::bias)
           // (the block scales are counted below, as corrupt scales)
           if (auto bad = io::find_corrupt_value(slot, v->data))
@@ -325,11 +321,8 @@ int run_inspect(const InspectArgs& a) {
         }
         if (seen_files.insert(v->file).second) bar.set(++done_files);
       }
-      for (const char* ns : {"experts.", "shared_experts."})
-        for (const auto& n : src.names_with_prefix(prefix + ns))
-          if (!named.count(n))
-            wrong.push_back(fmt::format("unexpected tensor '{}' (config: E = {}, shared experts = {})", n,
-                                        s.experts, s.shared_experts));
+      for (auto& u : io::unexpected_tensors(slots, prefix, s, src.names_with_prefix(prefix)))
+        wrong.push_back(std::move(u));
       refused.insert(refused.end(), wrong.begin(), wrong.end());
       const ScaleStats& st = per_layer[li];
       total.scales += st.scales, total.pow2 += st.pow2, total.tensors += st.tensors;
@@ -767,7 +760,7 @@ std::vector<Command> add_checkpoint_commands(CLI::App& app) {
   std::vector<Command> cmds;
   auto mk = std::make_shared<MakeArgs>();
   auto* c_make = app.add_subcommand("make-checkpoint", "Write a synthetic HF-layout block-FP8 checkpoint");
-  c_make->add_option("--preset", mk->preset, preset_names() + " (the model family; its config.json)")
+  c_make->add_option("--preset", mk->preset, preset_names(" | ") + " (the model family; its config.json)")
       ->capture_default_str();
   c_make
       ->add_option("--layers", mk->layers,

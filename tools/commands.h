@@ -10,8 +10,6 @@
 #include <string>
 #include <vector>
 
-#include "megamoe/model/shape.h"
-
 namespace megamoe::tools {
 
 struct Command {
@@ -22,13 +20,6 @@ struct Command {
 // The check of a shape override (--hidden, --inter, --experts, --topk): 0 is no override
 // but a mistake, so the option refuses it rather than leaving the preset's value.
 inline CLI::Range shape_override_range() { return CLI::Range(1, 1 << 20); }
-
-// The presets' names, for a --preset option's help ("glm-5.3-flash | glm-5 | ...").
-inline std::string preset_names() {
-  std::string out;
-  for (const Preset& p : presets()) out += (out.empty() ? "" : " | ") + p.name;
-  return out;
-}
 
 // An output file's path, checked before the work that fills it: a file name (not a folder,
 // not empty) in a folder that exists.

@@ -302,7 +302,7 @@ int main(int argc, char** argv) {
   DemoArgs demo;
   auto* c_demo =
       app.add_subcommand("demo", "Run a random layer of a preset shape and check it against float64");
-  c_demo->add_option("--preset", demo.preset, tools::preset_names())->capture_default_str();
+  c_demo->add_option("--preset", demo.preset, preset_names(" | "))->capture_default_str();
   c_demo->add_option("--tokens", demo.tokens, "tokens in the batch")->capture_default_str();
   c_demo->add_option("--backend", demo.backend, "auto | cpu | cuda")->capture_default_str();
   c_demo->add_option("--check-tokens", demo.check_tokens, "tokens checked against the exact reference")
@@ -372,7 +372,7 @@ int main(int argc, char** argv) {
   auto* c_epc = app.add_subcommand(
       "ep-check",
       "Run the expert-parallel layer on random data and compare every rank's bytes with one device");
-  c_epc->add_option("--preset", epc.preset, tools::preset_names())->capture_default_str();
+  c_epc->add_option("--preset", epc.preset, preset_names(" | "))->capture_default_str();
   c_epc->add_option("--ranks", epc.ranks, "expert-parallel ranks R")
       ->capture_default_str()
       ->check(CLI::Range(1, 16));

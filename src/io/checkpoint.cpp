@@ -83,6 +83,27 @@ size_t TensorSlot::bytes() const {
   return n;
 }
 
+std::optional<std::string> slot_mismatch(const TensorSlot& s, Dtype dtype, std::span<const int64_t> shape) {
+  if (dtype == s.dtype && std::ranges::equal(shape, s.shape)) return std::nullopt;
+  return fmt::format("expected {} {}, found {} {}", to_string(s.dtype), format_shape(s.shape),
+                     to_string(dtype), format_shape(shape));
+}
+
+std::vector<std::string> unexpected_tensors(const std::vector<TensorSlot>& slots, std::string_view prefix,
+                                            const MoeShape& s, const std::vector<std::string>& names) {
+  std::set<std::string_view> expected;
+  for (const TensorSlot& t : slots) expected.insert(t.name);
+  std::vector<std::string> out;
+  for (const std::string& n : names) {
+    if (!n.starts_with(prefix)) continue;
+    const std::string_view rest = std::string_view(n).substr(prefix.size());
+    if ((rest.starts_with("experts.") || rest.starts_with("shared_experts.")) && !expected.count(n))
+      out.push_back(fmt::format("unexpected tensor '{}' (config: E = {}, shared experts = {})", n, s.experts,
+                                s.shared_experts));
+  }
+  return out;
+}
+
 std::optional<std::string> find_corrupt_value(const TensorSlot& s, const void* data) {
   const bool scale = s.region == &MoeWeightLayout::w13_scale || s.region == &MoeWeightLayout::w2_scale ||
                      s.region == &MoeWeightLayout::shared_w13_scale ||
@@ -168,12 +189,9 @@ HostMoeWeights load_moe_layer(const Checkpoint& ckpt, const ModelDesc& desc, int
       missing.push_back(s.name);
       continue;
     }
-    const bool shape_ok = std::equal(v->shape.begin(), v->shape.end(), s.shape.begin(), s.shape.end());
-    if (v->dtype != s.dtype || !shape_ok) {
+    if (auto wrong = slot_mismatch(s, v->dtype, v->shape)) {
       if (s.region == &MoeWeightLayout::router && v->dtype != s.dtype) continue;  // reported above
-      problems.push_back(fmt::format("{}: tensor '{}': expected {} {}, found {} {}", v->file, s.name,
-                                     to_string(s.dtype), format_shape(s.shape), to_string(v->dtype),
-                                     format_shape(v->shape)));
+      problems.push_back(fmt::format("{}: tensor '{}': {}", v->file, s.name, *wrong));
       continue;
     }
     if (auto bad = find_corrupt_value(s, v->data)) {
@@ -183,16 +201,8 @@ HostMoeWeights load_moe_layer(const Checkpoint& ckpt, const ModelDesc& desc, int
     found.emplace_back(&s, *v);
   }
 
-  // Tensors in the layer's expert namespaces that the table does not name mean
-  // the file and the config disagree (e.g. on E or S); loading anyway would
-  // silently drop weights.
-  std::set<std::string_view> expected;
-  for (const TensorSlot& s : slots) expected.insert(s.name);
-  for (const char* ns : {"experts.", "shared_experts."})
-    for (const auto& n : ckpt.names_with_prefix(prefix + ns))
-      if (!expected.count(n))
-        problems.push_back(fmt::format("unexpected tensor '{}' (config: E = {}, shared experts = {})", n,
-                                       shape.experts, shape.shared_experts));
+  for (auto& u : unexpected_tensors(slots, prefix, shape, ckpt.names_with_prefix(prefix)))
+    problems.push_back(std::move(u));
 
   if (!missing.empty()) {
     std::vector<std::string> all;

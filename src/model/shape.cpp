@@ -92,13 +92,16 @@ const std::vector<Preset>& presets() {
   return kPresets;
 }
 
+std::string preset_names(std::string_view separator) {
+  std::string out;
+  for (const auto& p : presets()) out += (out.empty() ? "" : std::string(separator)) + p.name;
+  return out;
+}
+
 const Preset& find_preset(std::string_view name) {
-  std::string known;
-  for (const auto& p : presets()) {
+  for (const auto& p : presets())
     if (p.name == name) return p;
-    known += (known.empty() ? "" : ", ") + p.name;
-  }
-  throw std::invalid_argument(fmt::format("unknown preset '{}' (known: {})", name, known));
+  throw std::invalid_argument(fmt::format("unknown preset '{}' (known: {})", name, preset_names(", ")));
 }
 
 }  // namespace megamoe

@@ -279,14 +279,12 @@ struct WeightStore::Impl {
 
   void check(const Layer& l, const io::TensorSlot& s, std::string_view name, io::Dtype dtype,
              std::span<const int64_t> shape, size_t bytes, bool have_data) const {
-    const bool shape_ok = std::equal(shape.begin(), shape.end(), s.shape.begin(), s.shape.end());
-    if (dtype != s.dtype || !shape_ok)
-      throw io::FormatError(
-          fmt::format("layer {}: tensor '{}': expected {} {}, found {} {}{}", l.index, name,
-                      io::to_string(s.dtype), shape_text(s.shape), io::to_string(dtype), shape_text(shape),
-                      mode == ReloadMode::kDirect ? " (direct mode: the live layout cannot be relocated)"
-                                                  : " (the layout the store allocated from the config; "
-                                                    "it is never relocated)"));
+    if (auto wrong = io::slot_mismatch(s, dtype, shape))
+      throw io::FormatError(fmt::format("layer {}: tensor '{}': {}{}", l.index, name, *wrong,
+                                        mode == ReloadMode::kDirect
+                                            ? " (direct mode: the live layout cannot be relocated)"
+                                            : " (the layout the store allocated from the config; "
+                                              "it is never relocated)"));
     if (bytes != s.bytes())
       throw io::FormatError(fmt::format("layer {}: tensor '{}': {} {} is {} bytes, the update brings {}",
                                         l.index, name, io::to_string(s.dtype), shape_text(s.shape), s.bytes(),

@@ -57,6 +57,14 @@ ModelDesc small_desc(const MoeShape& s, const char* preset = "deepseek-v3") {
   return d;
 }
 
+// Layer 1's tensors (BF16 router) as the tests that edit them before writing start.
+struct LayerFile {
+  ModelDesc d = small_desc(small_shape(RouterDtype::kBF16));
+  HostMoeWeights w = make_random_weights(d.shape, 5);
+  std::string prefix = d.layer_prefix(1);
+  std::vector<TensorToWrite> ts = layer_tensors(w, prefix);  // views into w
+};
+
 std::string load_error(const fs::path& dir, const ModelDesc& d, int layer) {
   try {
     (void)load_moe_layer(Checkpoint(dir), d, layer);
@@ -219,10 +227,8 @@ TEST(CheckpointLoad, RouterDtypeComesFromTheFile) {
 
 TEST(CheckpointLoad, ReportsMissingTensorsByName) {
   TempDir dir;
-  const ModelDesc d = small_desc(small_shape(RouterDtype::kBF16));
-  const HostMoeWeights w = make_random_weights(d.shape, 5);
-  const std::string prefix = d.layer_prefix(1);
-  auto ts = layer_tensors(w, prefix);
+  LayerFile f;
+  auto& [d, w, prefix, ts] = f;
   std::erase_if(ts, [&](const TensorToWrite& t) {
     return t.name == prefix + "experts.3.up_proj.weight_scale_inv" ||
            t.name == prefix + "shared_experts.down_proj.weight";
@@ -237,10 +243,8 @@ TEST(CheckpointLoad, ReportsMissingTensorsByName) {
 
 TEST(CheckpointLoad, ReportsWrongShapeAndDtype) {
   TempDir dir;
-  const ModelDesc d = small_desc(small_shape(RouterDtype::kBF16));
-  const HostMoeWeights w = make_random_weights(d.shape, 5);
-  const std::string prefix = d.layer_prefix(1);
-  auto ts = layer_tensors(w, prefix);
+  LayerFile f;
+  auto& [d, w, prefix, ts] = f;
   for (auto& t : ts) {
     if (t.name == prefix + "experts.1.down_proj.weight") t.shape = {128, 256};  // transposed: same bytes
     if (t.name == prefix + "gate.e_score_correction_bias") t.dtype = Dtype::kI32;
@@ -263,10 +267,8 @@ TEST(CheckpointLoad, ReportsWrongShapeAndDtype) {
 // WeightStore does (io::find_corrupt_value), naming file, tensor, position and rule.
 TEST(CheckpointLoad, RefusesCorruptValues) {
   TempDir dir;
-  const ModelDesc d = small_desc(small_shape(RouterDtype::kBF16));
-  const HostMoeWeights w = make_random_weights(d.shape, 5);
-  const std::string prefix = d.layer_prefix(1);
-  auto ts = layer_tensors(w, prefix);
+  LayerFile f;
+  auto& [d, w, prefix, ts] = f;
   std::deque<std::vector<float>> copies;  // the altered F32 tensors' bytes
   auto poison = [&](const std::string& name, size_t i, float v) {
     for (auto& t : ts)
@@ -296,9 +298,8 @@ TEST(CheckpointLoad, RefusesCorruptValues) {
 
 TEST(CheckpointLoad, RejectsUnsupportedRouterDtype) {
   TempDir dir;
-  const ModelDesc d = small_desc(small_shape(RouterDtype::kBF16));
-  const HostMoeWeights w = make_random_weights(d.shape, 5);
-  auto ts = layer_tensors(w, d.layer_prefix(1));
+  LayerFile f;
+  auto& [d, w, prefix, ts] = f;
   for (auto& t : ts)
     if (t.name.ends_with("gate.weight")) t.dtype = Dtype::kF16;
   write_safetensors(dir.path() / "model.safetensors", ts);

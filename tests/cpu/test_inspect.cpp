@@ -25,6 +25,31 @@ std::string make_small(const std::filesystem::path& dir, bool pow2, int layers =
   return dir.string();
 }
 
+// Writes `value` over float `index` of the tensor whose name ends with `suffix`, in
+// whichever shard of the checkpoint folder `ck` holds it (a corrupt file on disk); returns
+// the tensor's full name, empty when no shard has one.
+std::string overwrite_float(const std::filesystem::path& ck, std::string_view suffix, size_t index,
+                            float value) {
+  for (const auto& e : std::filesystem::directory_iterator(ck)) {
+    if (e.path().extension() != ".safetensors") continue;
+    std::ifstream in(e.path(), std::ios::binary);
+    uint64_t n = 0;
+    in.read(reinterpret_cast<char*>(&n), 8);
+    std::string text(n, '\0');
+    in.read(text.data(), std::streamsize(n));
+    in.close();
+    const nlohmann::json header = nlohmann::json::parse(text);
+    for (const auto& [k, v] : header.items()) {
+      if (!k.ends_with(suffix)) continue;
+      std::fstream f(e.path(), std::ios::binary | std::ios::in | std::ios::out);
+      f.seekp(std::streamoff(8 + n + v["data_offsets"][0].get<uint64_t>() + 4 * index));
+      f.write(reinterpret_cast<const char*>(&value), 4);
+      return k;
+    }
+  }
+  return "";
+}
+
 TEST(Inspect, FolderSummaryAndJson) {
   TempDir dir;
   const std::string ck = make_small(dir.path() / "ck", false);
@@ -150,27 +175,9 @@ TEST(Inspect, Pow2CheckpointIsExactAndSingleFileWorks) {
 TEST(Inspect, CorruptScaleIsReportedAndRefused) {
   TempDir dir;
   const std::string ck = make_small(dir.path() / "ck", false, 1);
-  const std::filesystem::path shard = std::filesystem::path(ck) / "model-00002-of-00003.safetensors";
-  std::string name;
-  uint64_t at = 0;
-  {
-    std::ifstream in(shard, std::ios::binary);
-    uint64_t n = 0;
-    in.read(reinterpret_cast<char*>(&n), 8);
-    std::string header(n, '\0');
-    in.read(header.data(), std::streamsize(n));
-    const auto j = nlohmann::json::parse(header);
-    for (const auto& [k, v] : j.items())
-      if (k.ends_with("experts.1.down_proj.weight_scale_inv"))
-        name = k, at = 8 + n + v["data_offsets"][0].get<uint64_t>();
-  }
+  // block [1, 0] of the [2, 1] grid (H 256, I 128)
+  const std::string name = overwrite_float(ck, "experts.1.down_proj.weight_scale_inv", 1, NAN);
   ASSERT_FALSE(name.empty());
-  {
-    std::fstream f(shard, std::ios::binary | std::ios::in | std::ios::out);
-    const float nan = NAN;
-    f.seekp(std::streamoff(at + 4));  // block [1, 0] of the [2, 1] grid (H 256, I 128)
-    f.write(reinterpret_cast<const char*>(&nan), 4);
-  }
   auto r = run_cli("inspect '" + ck + "'");
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("CORRUPT   1 block scale is NaN, infinite, negative or too large (first: " + name +
@@ -220,30 +227,8 @@ TEST(Inspect, ConfigDisagreeingWithTensorsIsReported) {
   EXPECT_EQ(j["layers"][0]["refused"].size(), j["refused"].get<size_t>());
 
   rewrite("moe_intermediate_size", 128);
-  {
-    // A NaN in the correction bias (the router and bias are checked as the loader does),
-    // written into whichever shard holds it.
-    bool written = false;
-    for (const auto& e : std::filesystem::directory_iterator(ck)) {
-      if (e.path().extension() != ".safetensors") continue;
-      std::ifstream in(e.path(), std::ios::binary);
-      uint64_t n = 0;
-      in.read(reinterpret_cast<char*>(&n), 8);
-      std::string text(n, '\0');
-      in.read(text.data(), std::streamsize(n));
-      in.close();
-      const nlohmann::json header = nlohmann::json::parse(text);
-      for (const auto& [k, v] : header.items()) {
-        if (!k.ends_with("gate.e_score_correction_bias")) continue;
-        std::fstream f(e.path(), std::ios::binary | std::ios::in | std::ios::out);
-        const float nan = NAN;
-        f.seekp(std::streamoff(8 + n + v["data_offsets"][0].get<uint64_t>() + 4 * 2));
-        f.write(reinterpret_cast<const char*>(&nan), 4);
-        written = true;
-      }
-    }
-    ASSERT_TRUE(written) << "no correction bias in " << ck;
-  }
+  // A NaN in the correction bias (the router and bias are checked as the loader does).
+  ASSERT_FALSE(overwrite_float(ck, "gate.e_score_correction_bias", 2, NAN).empty());
   r = run_cli("inspect '" + ck + "'");
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("gate.e_score_correction_bias' holds nan at [2] (router weights and bias must be "

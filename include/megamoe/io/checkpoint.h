@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -51,6 +52,16 @@ std::vector<TensorSlot> moe_layer_slots(const MoeShape& s, std::string_view pref
 // Only the routed experts of `experts` (named by their index in the layer, placed from
 // the region's start): the table of a layout MoeWeightLayout::compute(s, experts).
 std::vector<TensorSlot> moe_layer_slots(const MoeShape& s, std::string_view prefix, ExpertRange experts);
+
+// "expected F8_E4M3 [256, 128], found F8_E4M3 [128, 256]" when a tensor of `dtype` and
+// `shape` cannot fill slot `s`; nullopt when it can.
+std::optional<std::string> slot_mismatch(const TensorSlot& s, Dtype dtype, std::span<const int64_t> shape);
+
+// The tensors among `names` in the expert namespaces of the layer under `prefix`
+// (experts., shared_experts.) that `slots` do not name, one message each: the file and
+// the config disagree (e.g. on E or S), and loading anyway would drop weights.
+std::vector<std::string> unexpected_tensors(const std::vector<TensorSlot>& slots, std::string_view prefix,
+                                            const MoeShape& s, const std::vector<std::string>& names);
 
 // The first value of slot `s`'s tensor (`data`: s.bytes() bytes of s.dtype) that no
 // checkpoint may hold, described as "holds V at [r, c] (the rule)": a block scale failing

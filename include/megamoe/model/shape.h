@@ -63,6 +63,8 @@ struct Preset {
 
 const std::vector<Preset>& presets();
 // Throws std::invalid_argument listing the known names.
+// The presets' names joined by `separator` ("glm-5.3-flash | glm-5 | ..." for a --preset help).
+std::string preset_names(std::string_view separator);
 const Preset& find_preset(std::string_view name);
 
 }  // namespace megamoe
