@@ -19,7 +19,7 @@ FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms, int loc
   // to 8, 32 up to 20, 48 below kTile64MinAvgRows (24), 64 from there (the rule's
   // 48 up to 32 rows: the 64-token tile measured faster, v35), and 128-token tiles with
   // half tiles from kTile128MinAvgRows (38; kTile128MinAvgRowsFewExperts, 60, on fewer than
-  // kTile128ManyExperts local experts).
+  // kTile128ManyExperts local experts), in CTA pairs on kPairTilesMinExperts or more.
   const double avg_rows = double(tokens) * s.topk / s.experts;
   const double need =
       std::min(2.0 * avg_rows, std::max(1.5 * avg_rows, avg_rows + 2.5 * std::sqrt(avg_rows)));
@@ -37,7 +37,7 @@ FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms, int loc
   if (const char* env = std::getenv("MEGAMOE_BLOCK_N")) c.block_n = std::atoi(env);
   c.half_tiles = c.block_n == 128 && avg_rows <= kHalfTileMaxAvgRows;
   if (const char* env = std::getenv("MEGAMOE_HALF_TILES")) c.half_tiles = std::atoi(env) != 0;
-  c.pair_tiles = kPairTiles && c.block_n == 128;
+  c.pair_tiles = kPairTiles && c.block_n == 128 && local_experts >= kPairTilesMinExperts;
   if (c.block_n <= kDecodePairsMaxBlockN) {
     // GEMM1 tiles (128 columns of an expert hit) at most: every routed row another expert.
     const int64_t hit = std::min<int64_t>(s.experts, int64_t(tokens) * s.topk);

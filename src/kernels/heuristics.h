@@ -121,6 +121,16 @@ constexpr int kTile128ManyExperts = 128;
 // tiles' reuse across token blocks through L2 needs neighbouring units to run in step, and
 // 66 clusters keep it less well than 132 CTAs; NOTES v23 item 8.)
 constexpr bool kPairTiles = true;
+// ... on at least this many local experts. On fewer (a single device's small expert set; the
+// bench's 8-way shares, which stand for an expert-parallel rank, whose kernel runs no pairs)
+// v36 measured them behind single CTAs (H100, bench/results/ab/v36_share_knobs.log and
+// v36_pairs_off.log, MEGAMOE_PAIR_TILES=0 against the rule, two interleaved rounds): 32
+// experts (GLM-5 / DeepSeek-V3 shapes) at 64, 80 and 96 rows an expert -0.7..-1.2 %, the
+// GLM-5.3-Flash shape's 36 at 71 and 85 rows -1.8 / -1.9 % (57 rows level), 128 rows (wide
+// tiles, no pairs) level; on the full layers (256 / 288 experts) at 40-96 rows the pairs stay
+// ahead (without them GLM-5 +0.1..+1.6 %, DeepSeek-V3 +0.4..+1.6 %, GLM-5.3-Flash level). Off,
+// the tail pool (kTailPool) evens out the last tiles, which clusters cannot claim.
+constexpr int kPairTilesMinExperts = 128;
 // Pair tiles sharing the weight tile (FusedMoeConfig::pair_weights): the pair takes token
 // blocks 2p, 2p + 1 of one output block, each CTA loading 64 of the 128 weight rows into
 // both (an expert's odd last token block keeps the shared token tile, TileIds). The same

@@ -173,7 +173,7 @@ TEST_F(FusedMoe, ReducedShapeLargeT) {
 
 TEST_F(FusedMoe, PairTilesSmall) {
   // 128-token tiles in CTA pairs (clusters of two) against the reference, with half tiles
-  // and without: a small case for compute-sanitizer (the large-T cases run pairs by the
+  // and without: a small case for compute-sanitizer (PairTilesByTheRule runs them by the
   // heuristic's choice). Both pairings: the token tile shared, and the weight tile shared
   // (T = 200: a token block a routed expert, the shared expert's two make a weight pair;
   // 8 experts at T = 300: one to three blocks an expert, so routed weight pairs and odd
@@ -253,7 +253,8 @@ TEST_F(FusedMoe, WideTilesSmall) {
 TEST_F(FusedMoe, WideTilesWhereHalfTilesAreOff) {
   // The heuristic's choice (reduced shape: T / 8 rows an expert on average): wide tiles (four
   // stages) above 96 rows, where half tiles stop; below, from 60 rows (32 experts: heuristics.h
-  // kTile128MinAvgRowsFewExperts), half tiles and the pairs; from 24 to 60 rows the 64-token tile.
+  // kTile128MinAvgRowsFewExperts), half tiles without pairs (kPairTilesMinExperts); from 24 to
+  // 60 rows the 64-token tile.
   const TestCase tc = make_case(reduced_shape(), 1, 8, 2048);
   for (int T : {1024, 2048}) {
     const std::string cfg = tc.layer->config_for(T);
@@ -264,7 +265,8 @@ TEST_F(FusedMoe, WideTilesWhereHalfTilesAreOff) {
   for (int T : {480, 640}) {
     const std::string cfg = tc.layer->config_for(T);
     EXPECT_NE(cfg.find("block_n=128"), std::string::npos) << T << ": " << cfg;
-    EXPECT_NE(cfg.find("half_tiles pair_tiles"), std::string::npos) << T << ": " << cfg;
+    EXPECT_NE(cfg.find("half_tiles"), std::string::npos) << T << ": " << cfg;
+    EXPECT_EQ(cfg.find("pair_tiles"), std::string::npos) << T << ": " << cfg;
     EXPECT_EQ(cfg.find("wide_tiles"), std::string::npos) << T << ": " << cfg;
   }
   for (int T : {192, 296, 472}) {
@@ -273,12 +275,29 @@ TEST_F(FusedMoe, WideTilesWhereHalfTilesAreOff) {
   }
 }
 
+TEST_F(FusedMoe, PairTilesByTheRule) {
+  // Pair tiles as the heuristic picks them: 128-token half tiles in CTA pairs on 128 or more
+  // local experts (kPairTilesMinExperts), none on fewer. 128 experts of the reduced shape get
+  // T / 32 rows an expert: 2000 tokens 62.5 (half tiles from 38 rows on 128 experts, from 60
+  // on fewer), against the reference.
+  MoeShape s = reduced_shape();
+  s.experts = 128;
+  const TestCase tc = make_case(s, 700, 2000, 2000);
+  const std::string cfg = tc.layer->config_for(2000);
+  EXPECT_NE(cfg.find("half_tiles pair_tiles pair_weights"), std::string::npos) << cfg;
+  check_against_reference(s, 2000, 701);
+  s.experts = 127;  // one fewer: about the same rows, no pairs
+  const std::string few = make_case(s, 702, 2000, 2000).layer->config_for(2000);
+  EXPECT_NE(few.find("half_tiles"), std::string::npos) << few;
+  EXPECT_EQ(few.find("pair_tiles"), std::string::npos) << few;
+}
+
 TEST_F(FusedMoe, TwoSharedExperts) {
   // S = 2: the shared MLP has 2I columns, twice the routed experts' output blocks in
   // GEMM1 (decode_tile's chunks count them apart; 2600 tokens: 21 blocks, two chunks).
   MoeShape s = reduced_shape();
   s.shared_experts = 2;
-  // (300 tokens: the 64-token tile; 520: half tiles and pairs.)
+  // (300 tokens: the 64-token tile; 520: half tiles.)
   for (int T : {5, 300, 520, 2600}) check_against_reference(s, T, 400 + T);
 }
 
