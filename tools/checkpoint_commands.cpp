@@ -769,7 +769,7 @@ std::vector<Command> add_checkpoint_commands(CLI::App& app) {
       ->capture_default_str();
   c_make->add_option("--out", mk->out, "output directory")->required();
   c_make->add_flag("--pow2-scales", mk->pow2, "round every block scale to a power of two");
-  c_make->add_option("--seed", mk->seed)->capture_default_str();
+  c_make->add_option("--seed", mk->seed)->check(seed_check())->capture_default_str();
   c_make->add_option("--hidden", mk->hidden, "override H (small test checkpoints)")
       ->check(shape_override_range());
   c_make->add_option("--inter", mk->inter, "override I")->check(shape_override_range());
@@ -800,7 +800,9 @@ std::vector<Command> add_checkpoint_commands(CLI::App& app) {
   c_rc->add_option("--format", rc->format, "kernel format: hopper | mxfp8 (adds the derived MXFP8 copy)")
       ->capture_default_str();
   c_rc->add_option("--tokens", rc->tokens, "tokens per forward")->capture_default_str();
-  c_rc->add_option("--seed", rc->seed, "tokens and shuffle order")->capture_default_str();
+  c_rc->add_option("--seed", rc->seed, "tokens and shuffle order")
+      ->check(seed_check())
+      ->capture_default_str();
   cmds.push_back({c_rc, [rc] { return run_reload_check(*rc); }});
 
   auto lb = std::make_shared<LoadBenchArgs>();

@@ -21,6 +21,18 @@ struct Command {
 // but a mistake, so the option refuses it rather than leaving the preset's value.
 inline CLI::Range shape_override_range() { return CLI::Range(1, 1 << 20); }
 
+// The check of a --seed (an unsigned 64-bit value): CLI11 would take "-1" modulo 2^64, a
+// silently different seed.
+inline CLI::Validator seed_check() {
+  return CLI::Validator(
+      [](const std::string& v) {
+        return v.find_first_not_of("0123456789") == std::string::npos && !v.empty()
+                   ? std::string()
+                   : "a seed is a non-negative integer, not '" + v + "'";
+      },
+      "UINT64");
+}
+
 // An output file's path, checked before the work that fills it: a file name (not a folder,
 // not empty) in a folder that exists.
 inline void check_output_file(std::string_view option, const std::string& path) {

@@ -308,7 +308,7 @@ int main(int argc, char** argv) {
   c_demo->add_option("--check-tokens", demo.check_tokens, "tokens checked against the exact reference")
       ->check(CLI::Range(1, 1 << 30))
       ->capture_default_str();
-  c_demo->add_option("--seed", demo.seed)->capture_default_str();
+  c_demo->add_option("--seed", demo.seed)->check(tools::seed_check())->capture_default_str();
 
   MakeInputArgs mkin;
   auto* c_mkin =
@@ -317,7 +317,7 @@ int main(int argc, char** argv) {
       ->required();
   c_mkin->add_option("--tokens", mkin.tokens, "T")->check(CLI::Range(1, 1 << 24))->capture_default_str();
   c_mkin->add_option("--out", mkin.out, "safetensors file to write")->required();
-  c_mkin->add_option("--seed", mkin.seed)->capture_default_str();
+  c_mkin->add_option("--seed", mkin.seed)->check(tools::seed_check())->capture_default_str();
 
   ForwardArgs fwd;
   auto* c_fwd =

@@ -176,6 +176,17 @@ TEST(Cli, VersionNamesTheBuild) {
   EXPECT_TRUE(framed && (hex7 || id == "unknown")) << r.output;
 }
 
+TEST(Cli, NegativeSeedIsAnError) {
+  // The seeds are unsigned: a negative one was taken modulo 2^64 (a silently different seed).
+  for (const char* cmd : {"demo --backend cpu --seed -1", "make-input --checkpoint . --out x --seed -1",
+                          "make-checkpoint --out x --seed -1", "reload-check --checkpoint . --seed -1"}) {
+    const auto r = run_cli(cmd);
+    EXPECT_EQ(r.status, 1) << cmd << ": " << r.output;
+    EXPECT_NE(r.output.find("megamoe: error:"), std::string::npos) << cmd << ": " << r.output;
+    EXPECT_NE(r.output.find("--seed"), std::string::npos) << cmd << ": " << r.output;
+  }
+}
+
 TEST(CliDemo, CpuBackendChecksItself) {
   // The first command a new user runs, end to end on the CPU backend: its float64 check
   // and its report. (The bitwise check against the kernel-faithful reference holds by
