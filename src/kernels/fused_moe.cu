@@ -164,54 +164,6 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int ql) {
   w[0] = b0 ? r0 : w[0], w[2] = b0 ? r1 : w[2], w[1] = b0 ? w[1] : r0, w[3] = b0 ? w[3] : r1;
 }
 
-// 8 x 8 transposes among the eight lanes of a lane-quad column (lanes q, q + 4, ..., q + 28;
-// r = lane / 4): element k of lane r goes to element r of lane k, in three shuffle stages
-// (lane bits 2, 1, 0 against element bits 2, 1, 0). A decode epilogue's fragment holds one
-// value a row (r) for each of its tokens, and a token's eight rows are adjacent in its output
-// row: after the transpose a lane holds them, for one 8- or 16-byte store.
-// Elements of 16 bits, two a word (the low half first).
-__device__ __forceinline__ void column_transpose8(uint32_t (&w)[4], int r) {
-  const bool b2 = r & 4, b1 = r & 2, b0 = r & 1;
-  uint32_t r0 = __shfl_xor_sync(0xffffffffu, b2 ? w[0] : w[2], 16);
-  uint32_t r1 = __shfl_xor_sync(0xffffffffu, b2 ? w[1] : w[3], 16);
-  if (b2) {
-    w[0] = r0, w[1] = r1;
-  } else {
-    w[2] = r0, w[3] = r1;
-  }
-  r0 = __shfl_xor_sync(0xffffffffu, b1 ? w[0] : w[1], 8);
-  r1 = __shfl_xor_sync(0xffffffffu, b1 ? w[2] : w[3], 8);
-  if (b1) {
-    w[0] = r0, w[2] = r1;
-  } else {
-    w[1] = r0, w[3] = r1;
-  }
-  // (b0 = 0 sends its odd elements, the high halves, and takes the partner's even ones)
-  r0 = __shfl_xor_sync(0xffffffffu, __byte_perm(w[0], w[1], b0 ? 0x5410 : 0x7632), 4);
-  r1 = __shfl_xor_sync(0xffffffffu, __byte_perm(w[2], w[3], b0 ? 0x5410 : 0x7632), 4);
-  w[0] = __byte_perm(w[0], r0, b0 ? 0x3254 : 0x5410);
-  w[1] = __byte_perm(w[1], r0, b0 ? 0x3276 : 0x7610);
-  w[2] = __byte_perm(w[2], r1, b0 ? 0x3254 : 0x5410);
-  w[3] = __byte_perm(w[3], r1, b0 ? 0x3276 : 0x7610);
-}
-// Elements of 8 bits, four a word (the lowest byte first).
-__device__ __forceinline__ void column_transpose8(uint32_t (&w)[2], int r) {
-  const bool b2 = r & 4, b1 = r & 2, b0 = r & 1;
-  uint32_t x = __shfl_xor_sync(0xffffffffu, b2 ? w[0] : w[1], 16);
-  if (b2) {
-    w[0] = x;
-  } else {
-    w[1] = x;
-  }
-  x = __shfl_xor_sync(0xffffffffu, __byte_perm(w[0], w[1], b1 ? 0x5410 : 0x7632), 8);
-  w[0] = __byte_perm(w[0], x, b1 ? 0x3254 : 0x5410);
-  w[1] = __byte_perm(w[1], x, b1 ? 0x3276 : 0x7610);
-  // (b0 = 0 sends its odd bytes and takes the partner's even ones)
-  x = __shfl_xor_sync(0xffffffffu, __byte_perm(w[0], w[1], b0 ? 0x6420 : 0x7531), 4);
-  w[0] = __byte_perm(w[0], x, b0 ? 0x3514 : 0x5240);
-  w[1] = __byte_perm(w[1], x, b0 ? 0x3716 : 0x7260);
-}
-
 // sum[j] += column j of eight BF16 values (two a 32-bit word, the low half first): the
 // combine's step, in slot order.
 __device__ __forceinline__ void add_bf16x8(float (&sum)[8], const uint4& x) {
@@ -922,33 +874,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         if constexpr (kHalfPairs) ++nxchg;
         sm90::named_barrier(1, kConsumerThreads);
-        // A warp holds eight adjacent intermediate columns of a half for each token (one a lane
-        // r = lane / 4). Two column blocks j at a time, byte k = 4 h + 2 jj + c of a lane is
-        // column r of half h for token (j0 + jj) * 8 + 2 q + c; column_transpose8 gives lane r
-        // byte (half, token) r of the eight columns: one 8-byte store a token and half, four a
-        // thread at 64 tokens (v36: 32 one-byte stores cost ~1.2 % at 1024).
-        const int colw = tl.nblk * 128 + (kHalfPairs ? rank * 64 : 0) + wg * 32 + wwarp * 8;
-        const int r8 = lane / 4, q4 = lane % 4;
+        const int col = tl.nblk * 128 + (kHalfPairs ? rank * 64 : 0) + wg * 32 + wwarp * 8 + lane / 4;
 #pragma unroll
-        for (int j0 = 0; j0 < BN / 8; j0 += 2) {
-          const bool two = j0 + 1 < BN / 8;  // (compile time: BN = 8 has one block)
-          float v[2][4];                     // [h][2 jj + c]
+        for (int h = 0; h < kHeld; ++h)
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
+          for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int jj = e / 2, c = e % 2, n = (j0 + jj) * 8 + lcol + c;
-              v[h][e] = h < kHeld && (two || jj == 0) ? acc[h * kHalf + (j0 + jj) * 4 + c] * tok_inv_scale[n]
-                                                      : 0.0f;
+            for (int c = 0; c < 2; ++c) {
+              const int n = j * 8 + lcol + c;
+              if (n < tl.rows)
+                a.act2[size_t(tl.row0 + n) * a.inter_pitch + col + h * 64] =
+                    to_e4m3(acc[h * kHalf + j * 4 + c] * tok_inv_scale[n]);
             }
-          uint32_t w[2] = {pack_e4m3x4(v[0][0], v[0][1], v[0][2], v[0][3]),
-                           pack_e4m3x4(v[1][0], v[1][1], v[1][2], v[1][3])};
-          column_transpose8(w, r8);
-          const int h = r8 >> 2, jj = (r8 >> 1) & 1, n = (j0 + jj) * 8 + 2 * q4 + (r8 & 1);
-          if (h < kHeld && (two || jj == 0) && n < tl.rows)
-            *reinterpret_cast<uint2*>(a.act2 + size_t(tl.row0 + n) * a.inter_pitch + colw + h * 64) =
-                make_uint2(w[0], w[1]);
-        }
+          }
       } else {
         const int n0p = rbase + lrow;
         const float rw0 = n0p < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p) : 0.0f;
@@ -1069,30 +1007,20 @@ __global__ void __launch_bounds__(kThreads, 1)
                                 a.debug_skip, pf);
         t_epi = pf.now();
         // ---- GEMM2 epilogue: BF16 per-slot rows ----
-        // The warp's 16 output rows of a token are 32 adjacent bytes of its slot row. Two
-        // column blocks j at a time, element k = 4 h + 2 jj + c of a lane (r = lane / 4, q =
-        // lane % 4) is row 8 h + r of token (j0 + jj) * 8 + 2 q + c; column_transpose8 gives
-        // lane r element (token, half) r of the eight rows: one 16-byte store a token and
-        // half, four a thread at 64 tokens (v36: 32 two-byte stores cost ~2.6 % at 1024).
-        const int fw = tl.nblk * 128 + wg * 64 + wwarp * 16;  // the warp's first output row
-        const int r8 = lane / 4, q4 = lane % 4;
+        const int f = tl.nblk * 128 + wg * 64 + lrow;
 #pragma unroll
-        for (int j0 = 0; j0 < BN / 8; j0 += 2) {
-          const bool two = j0 + 1 < BN / 8;  // (compile time: BN = 8 has one block)
-          uint32_t w[4] = {num::bf16x2_encode(acc[j0 * 4], acc[j0 * 4 + 1]),
-                           two ? num::bf16x2_encode(acc[j0 * 4 + 4], acc[j0 * 4 + 5]) : 0u,
-                           num::bf16x2_encode(acc[j0 * 4 + 2], acc[j0 * 4 + 3]),
-                           two ? num::bf16x2_encode(acc[j0 * 4 + 6], acc[j0 * 4 + 7]) : 0u};
-          column_transpose8(w, r8);
-          const int jj = (r8 >> 1) & 1, n = (j0 + jj) * 8 + 2 * q4 + (r8 & 1);
-          int32_t s_n = __shfl_sync(0xffffffffu, src[0], n % 32);
-          if constexpr (BN > 32) {
-            const int32_t s_hi = __shfl_sync(0xffffffffu, src[1], n % 32);
-            if (n >= 32) s_n = s_hi;
+        for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int n = j * 8 + lcol + c;  // (j * 8 + 7 < 32 decides src[0] or src[1] at compile time)
+            const int32_t s_n = __shfl_sync(0xffffffffu, src[j * 8 / 32], n % 32);
+            if (n < tl.rows) {
+              uint16_t* yr = out_row<kEp>(a, tl, tl.row0 + n, s_n);
+              const uint32_t b = num::bf16x2_encode(acc[j * 4 + c], acc[j * 4 + 2 + c]);
+              yr[f] = uint16_t(b);
+              yr[f + 8] = uint16_t(b >> 16);
+            }
           }
-          if ((two || jj == 0) && n < tl.rows)
-            *reinterpret_cast<uint4*>(out_row<kEp>(a, tl, tl.row0 + n, s_n) + fw + 8 * (r8 >> 2)) =
-                make_uint4(w[0], w[1], w[2], w[3]);
         }
       } else {
         // Lane i < 16 loads the row_src entry of the warp's row i before the K loop.

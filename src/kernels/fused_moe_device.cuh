@@ -155,6 +155,10 @@ __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float
   return uint32_t(lo) | (uint32_t(hi) << 16);
 }
 
+__device__ __forceinline__ uint8_t to_e4m3(float v) {
+  return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
 // One token's 128-column group over 128 / (2 kWords) lanes, kWords BF16 pairs a lane
 // (2: the whole warp; 8: eight lanes, four groups a warp): this lane's E4M3 codes (q[i]:
 // its values 4i..4i+3) and the group's float32 scale (num::act_scale of its amax).
