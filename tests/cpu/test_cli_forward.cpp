@@ -32,14 +32,20 @@ struct ForwardFixture {
 
   ForwardFixture() {
     ck = (dir.path() / "ck").string();
-    in = (dir.path() / "x.safetensors").string();
     desc = test::write_test_checkpoint(ck, 2, 77);
     layer = desc.moe_layers.back();
     x = test::random_bf16(size_t(T) * desc.shape.hidden, 5);
-    const io::TensorToWrite t{"x", io::Dtype::kBF16, {T, desc.shape.hidden}, x.data(), x.size() * 2};
-    io::write_safetensors(in, std::span<const io::TensorToWrite>(&t, 1));
+    in = write_x("x.safetensors", T, desc.shape.hidden, x);
   }
   std::string out(const std::string& name) const { return (dir.path() / name).string(); }
+  // A forward input: one BF16 tensor "x" of [rows, cols] in the file `name` of the folder.
+  std::string write_x(const std::string& name, int64_t rows, int64_t cols,
+                      const std::vector<num::bf16_t>& v) const {
+    const io::TensorToWrite t{"x", io::Dtype::kBF16, {rows, cols}, v.data(), v.size() * 2};
+    const std::string path = out(name);
+    io::write_safetensors(path, std::span<const io::TensorToWrite>(&t, 1));
+    return path;
+  }
 };
 
 TEST(CliForward, MatchesInProcessReferenceAndRanks) {
@@ -85,10 +91,7 @@ TEST(CliForward, ErrorsNameWhatIsWrong) {
   EXPECT_NE(r.output.find("not an MoE layer"), std::string::npos) << r.output;
 
   // An input whose width is not H.
-  const std::vector<num::bf16_t> bad(3 * 7);
-  const io::TensorToWrite t{"x", io::Dtype::kBF16, {3, 7}, bad.data(), bad.size() * 2};
-  const std::string badin = f.out("bad.safetensors");
-  io::write_safetensors(badin, std::span<const io::TensorToWrite>(&t, 1));
+  const std::string badin = f.write_x("bad.safetensors", 3, 7, std::vector<num::bf16_t>(3 * 7));
   r = run_cli(fmt::format("forward --checkpoint '{}' --layer {} --input '{}' --output '{}'", f.ck, f.layer,
                           badin, o));
   EXPECT_NE(r.status, 0);
@@ -108,10 +111,7 @@ TEST(CliForward, ErrorsNameWhatIsWrong) {
   // A non-finite token: refused, naming it (it would route anywhere with NaN weights).
   std::vector<num::bf16_t> nan_x = f.x;
   nan_x[size_t(2) * f.desc.shape.hidden + 5] = num::bf16_encode(NAN);
-  const io::TensorToWrite tn{
-      "x", io::Dtype::kBF16, {f.T, f.desc.shape.hidden}, nan_x.data(), nan_x.size() * 2};
-  const std::string nanin = f.out("nan.safetensors");
-  io::write_safetensors(nanin, std::span<const io::TensorToWrite>(&tn, 1));
+  const std::string nanin = f.write_x("nan.safetensors", f.T, f.desc.shape.hidden, nan_x);
   r = run_cli(fmt::format("forward --checkpoint '{}' --layer {} --input '{}' --output '{}'", f.ck, f.layer,
                           nanin, o));
   EXPECT_NE(r.status, 0);
