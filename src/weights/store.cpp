@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <cmath>
 #include <cstring>
 #include <mutex>
 #include <new>
@@ -100,8 +99,6 @@ std::vector<SlotInfo> slot_infos(const std::vector<io::TensorSlot>& slots) {
   }
   return info;
 }
-
-std::string shape_text(std::span<const int64_t> s) { return io::format_shape(s); }
 
 }  // namespace
 
@@ -287,8 +284,8 @@ struct WeightStore::Impl {
                                               "it is never relocated)"));
     if (bytes != s.bytes())
       throw io::FormatError(fmt::format("layer {}: tensor '{}': {} {} is {} bytes, the update brings {}",
-                                        l.index, name, io::to_string(s.dtype), shape_text(s.shape), s.bytes(),
-                                        bytes));
+                                        l.index, name, io::to_string(s.dtype), io::format_shape(s.shape),
+                                        s.bytes(), bytes));
     if (!have_data && bytes)
       throw io::FormatError(fmt::format("layer {}: tensor '{}': null data", l.index, name));
   }
