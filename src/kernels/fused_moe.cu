@@ -282,7 +282,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   pf.stamp(kPfStartNs);
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
-  const int T = device_token_count(a.num_tokens, a.tokens_cap);
   const int E_total = a.E + a.has_shared;
   int* done1 = a.counters + a.units_base;
 
@@ -311,7 +310,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::tma_prefetch_desc(&tm.a2);
     if (kPairRing) sm90::tma_prefetch_desc(&tm.xh), sm90::tma_prefetch_desc(&tm.a2h);
     if (kWide) sm90::tma_prefetch_desc(&tm.w13w), sm90::tma_prefetch_desc(&tm.w2w);
+    // Decode tiles: the shared expert's GEMM1 tiles are the first ids (TileIds), so with at
+    // most kTokenChunk token blocks of it the first CTAs' first tiles are its output blocks,
+    // nb tiles each (its token blocks, nb from the host's hint). The first CTA of each block
+    // prefetches the block's weights (its decode pair half) into L2 now, while the routing
+    // runs (kPrefetchShared): they do not depend on it, and the weight stream starts early.
+    if constexpr (kSwapAB) {
+      const int nb = (a.tokens_cap + BN - 1) / BN;
+      const int u = blockIdx.x >> (kPairs ? 1 : 0);
+      if (a.prefetch_shared && a.has_shared && nb >= 1 && nb <= kTokenChunk && u < a.n1s * nb &&
+          u % nb == 0) {
+        const int h0 = kHalfPairs ? int(sm90::cluster_ctarank()) : 0, h1 = kHalfPairs ? h0 : 1;
+        for (int h = h0; h <= h1; ++h)
+          for (int kb = 0; kb < a.H / 128; ++kb)
+            sm90::tma_prefetch_l2_5d(&tm.sw13, kb * 128, 0, 0, u / nb * 16 + h * 8, 0);
+      }
+    }
   }
+  // Launched programmatically (FusedMoeConfig::programmatic_launch), the CTA got here while
+  // route_topk ran: everything above touches only shared memory and the kernel's parameters;
+  // the routing's outputs, the counters and the token count are read from here on.
+  sm90::grid_dependency_wait();
+  const int T = device_token_count(a.num_tokens, a.tokens_cap);
 
   // ---- Schedule tables: rows and token blocks per expert (one warp scans). ----
   // Expert parallelism: this rank's local experts, from the counts its sources send
@@ -342,7 +362,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int sh2 = kPairs || kWide ? 1 : 0;  // GEMM2 ids count pairs of tiles
   constexpr int csh = kPairs ? 1 : 0;           // the schedule's unit is a cluster of two CTAs
   const TileIds ids = tile_ids(a, sc, sh1, sh2);
-  const int t1_routed = ids.t1_routed, t1 = ids.t1, t2 = ids.t2, tiles = ids.tiles();
+  const int t1s = ids.t1s, t1 = ids.t1, t2 = ids.t2, tiles = ids.tiles();
 
   // ---- Producer helpers (thread 0 only) ----
   // A stage's weights and its tokens are issued separately: the weights never
@@ -550,8 +570,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           break;
         }
         // (wide GEMM2 tiles: the pair's rank-0 tile, nblk even; the consumers add block nblk + 1)
-        const Tile tl =
-            decode_tile<BN>(a, sc, tile, t1_routed, t1, sh1, sh2, kPairs ? sm90::cluster_ctarank() : 0);
+        const Tile tl = decode_tile<BN>(a, sc, tile, t1s, t1, sh1, sh2, kPairs ? sm90::cluster_ctarank() : 0);
         // The tile after this one, chosen now: a pool claim's round trip overlaps this
         // tile's loads (it is used at the end of the loop).
         const int next = next_tile(sched);
@@ -1303,46 +1322,57 @@ void set_smem_attr() {
   }
 }
 
-// The launch of pair tiles: clusters of two CTAs along x (cluster rank = blockIdx.x % 2).
-struct PairLaunch {
+// A fused kernel's launch: pair tiles in clusters of two CTAs along x (cluster rank =
+// blockIdx.x % 2); programmatic: the CTAs may start while route_topk runs.
+struct FusedLaunch {
   cudaLaunchConfig_t cfg{};
-  cudaLaunchAttribute attr[1]{};
-  PairLaunch(int grid, int block_n, cudaStream_t stream) {
-    cfg.gridDim = dim3(grid), cfg.blockDim = dim3(kThreads), cfg.dynamicSmemBytes = smem_bytes(block_n);
+  cudaLaunchAttribute attr[2]{};
+  FusedLaunch(int grid, int smem, bool cluster_pairs, bool programmatic, cudaStream_t stream) {
+    cfg.gridDim = dim3(grid), cfg.blockDim = dim3(kThreads), cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr, cfg.numAttrs = 1;
+    cfg.attrs = attr;
+    if (cluster_pairs) {
+      cudaLaunchAttribute& c = attr[cfg.numAttrs++];
+      c.id = cudaLaunchAttributeClusterDimension;
+      c.val.clusterDim.x = 2, c.val.clusterDim.y = 1, c.val.clusterDim.z = 1;
+    }
+    if (programmatic) {
+      cudaLaunchAttribute& p = attr[cfg.numAttrs++];
+      p.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      p.val.programmaticStreamSerializationAllowed = 1;
+    }
+  }
+  template <typename Kernel>
+  void operator()(Kernel kernel, const KernelArgs& args, const TensorMaps& maps) {
+    MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args, maps));
   }
 };
 
 template <int BN>
 void launch_fused(const KernelArgs& args, const TensorMaps& maps, int grid, const FusedMoeConfig& cfg,
                   cudaStream_t stream) {
+  const bool pdl = cfg.programmatic_launch;
   if constexpr (BN == 128) {
     if (cfg.wide_tiles) {
+      FusedLaunch launch(grid, smem_bytes(128, true), false, pdl, stream);
       if (args.ep.ranks)
-        fused_moe_kernel<128, true, false, true>
-            <<<grid, kThreads, smem_bytes(128, true), stream>>>(args, maps);
+        launch(fused_moe_kernel<128, true, false, true>, args, maps);
       else
-        fused_moe_kernel<128, false, false, true>
-            <<<grid, kThreads, smem_bytes(128, true), stream>>>(args, maps);
-      MEGAMOE_CUDA_CHECK_LAUNCH();
+        launch(fused_moe_kernel<128, false, false, true>, args, maps);
       return;
     }
   }
   if constexpr (BN == 128 || BN <= kDecodePairsMaxBlockN) {
     if (cfg.pair_tiles) {
-      PairLaunch l(grid, BN, stream);
-      MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&l.cfg, fused_moe_kernel<BN, false, true>, args, maps));
+      FusedLaunch(grid, smem_bytes(BN), true, pdl, stream)(fused_moe_kernel<BN, false, true>, args, maps);
       return;
     }
   }
+  FusedLaunch launch(grid, smem_bytes(BN), false, pdl, stream);
   if (args.ep.ranks)
-    fused_moe_kernel<BN, true><<<grid, kThreads, smem_bytes(BN), stream>>>(args, maps);
+    launch(fused_moe_kernel<BN, true>, args, maps);
   else
-    fused_moe_kernel<BN, false><<<grid, kThreads, smem_bytes(BN), stream>>>(args, maps);
-  MEGAMOE_CUDA_CHECK_LAUNCH();
+    launch(fused_moe_kernel<BN, false>, args, maps);
 }
 
 }  // namespace
@@ -1481,7 +1511,7 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   plan->wide_ok = even_h && (!ep || ep_wide);
   // Decode pairs (BN <= kDecodePairsMaxBlockN) pair GEMM2's output blocks only (H / 128 even).
   auto resident = [&](int bn, auto kernel) {
-    PairLaunch l(plan->num_sms, bn, nullptr);
+    FusedLaunch l(plan->num_sms, smem_bytes(bn), true, false, nullptr);
     int clusters = 0;
     MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &l.cfg));
     return 2 * clusters >= plan->num_sms;
@@ -1508,6 +1538,8 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   if (const char* env = std::getenv("MEGAMOE_SCHEDULE")) a.round_robin = std::string(env) == "rr";
   if (const char* env = std::getenv("MEGAMOE_EARLY_WEIGHTS")) a.no_early_loads = std::string(env) == "0";
   a.tail_pool = kTailPool;
+  a.prefetch_shared = kPrefetchShared;
+  if (const char* env = std::getenv("MEGAMOE_PREFETCH_SHARED")) a.prefetch_shared = std::atoi(env) != 0;
   // The overlapped pull keeps its tables beside the schedule's (EpPullTables): where they do
   // not fit, the pull runs before the tiles. MEGAMOE_EP_OVERLAP=0 / 1 chooses (an A/B switch).
   if (ep) {
@@ -1692,7 +1724,8 @@ void route_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_token
       reinterpret_cast<int*>(base + p->ws.counters.offset) + MoeWorkspaceLayout::kCounterExperts;
   r.max_tokens = p->ws.max_tokens;
   r.epoch = p->args.ep.state;  // expert parallelism: one epoch per forward (null otherwise)
-  launch_route(p->shape, r, host_tokens_hint, p->num_sms, stream);
+  launch_route(p->shape, r, host_tokens_hint, p->num_sms,
+               fused_moe_config(p, host_tokens_hint).programmatic_launch, stream);
 }
 
 void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint,
@@ -1700,8 +1733,8 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
   MEGAMOE_CHECK(host_tokens_hint >= 0 && host_tokens_hint <= p->ws.max_tokens,
                 "token count " + std::to_string(host_tokens_hint) + " exceeds the workspace's max_tokens " +
                     std::to_string(p->ws.max_tokens));
-  route_forward(p, t, host_tokens_hint, stream);
   const FusedMoeConfig cfg = fused_moe_config(p, host_tokens_hint);
+  route_forward(p, t, host_tokens_hint, stream);
   maybe_print_config(p->shape, host_tokens_hint, cfg);
   KernelArgs a = p->args;
   a.half_tiles = cfg.half_tiles;

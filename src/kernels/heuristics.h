@@ -192,6 +192,15 @@ constexpr bool kEpPullOverlap = false;
 // turns it off).
 constexpr bool kEpWideTiles = true;
 
+// Programmatic dependent launch (FusedMoeConfig::programmatic_launch): route_topk and the
+// fused kernel start while the kernel before them runs (their prologues, launch latency) and
+// wait for its end (griddepcontrol) before reading what it wrote. MEGAMOE_PDL=0 turns it off.
+constexpr bool kProgrammaticLaunch = true;
+// ... and in that window the decode kernels' first CTAs prefetch the shared expert's first
+// GEMM1 tiles into L2 (fused_moe.cu; its GEMM1 ids come first, TileIds), so the weight stream
+// starts while the routing runs. MEGAMOE_PREFETCH_SHARED=0 turns it off.
+constexpr bool kPrefetchShared = true;
+
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
 // tiles (decode: 64+ blocks stream the router weight at once), up to
 // kRouteMediumTokens 64x32, above 128x64 (fewer L2 re-reads). Every tile computes

@@ -84,6 +84,8 @@ __global__ void __launch_bounds__(WK* WM* WN * 32) route_logits_kernel(RouteArgs
   constexpr int kXChunks = kRouteStepK * 2 / 16, kWChunks = kRouteStepK * int(sizeof(WT)) / 16;
   static_assert(MI * WM * 16 == BT && NI * WN * 8 == BE, "warp tiling");
 
+  // route_topk may be scheduled now (it waits for this grid's end before its first read).
+  sm90::launch_dependents();
   // The forward's counters (expert rows for route_topk's atomics, the fused kernel's
   // barrier and completion counts) are zeroed here, a slice per block, before any
   // block returns: one graph node fewer than a memset.
@@ -376,6 +378,12 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
   __shared__ float score_s[kTopkWarps][kMaxE];
   __shared__ float sel_s[kTopkWarps][kMaxE];
   __shared__ float group_s[kTopkWarps][32];
+  // The fused kernel may be scheduled from here on (its CTAs wait for this grid's end before
+  // reading the routing; before that they prefetch the shared expert's weights). Launched
+  // programmatically (launch_route), route_logits' partials and counters are complete only
+  // after the wait.
+  sm90::launch_dependents();
+  sm90::grid_dependency_wait();
   const int T = device_token_count(a.num_tokens, a.tokens_cap);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int E = s.experts, K = s.topk;
@@ -513,7 +521,7 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
 
 }  // namespace
 
-void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms,
+void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms, bool programmatic,
                 cudaStream_t stream);
 
 // Which routing kernels launch_route launches (set_route_parts_for_timing; all in a forward).
@@ -525,7 +533,7 @@ void route_prepare() {
   RouteMediumWide<float>::prepare(), RouteMediumWide<uint16_t>::prepare();
 }
 
-void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms,
+void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms, bool programmatic,
                   cudaStream_t stream) {
   MEGAMOE_CHECK(s.experts <= kMaxE, "route_topk supports at most 512 experts");
   MEGAMOE_CHECK(s.topk <= 32, "route_topk supports top-k <= 32");
@@ -540,17 +548,22 @@ void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, i
     else
       launch_route_logits<float>(a, s, host_tokens_hint, stream);
   }
-  if (g_route_parts & kRoutePartTopk) route_topk(s, a, host_tokens_hint, num_sms, stream);
+  if (g_route_parts & kRoutePartTopk) route_topk(s, a, host_tokens_hint, num_sms, programmatic, stream);
 }
 
 void set_route_parts_for_timing(int parts) { g_route_parts = parts; }
 
-void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms,
+void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms, bool programmatic,
                 cudaStream_t stream) {
   const int topk_blocks =
       std::max(1, std::min((host_tokens_hint + kTopkWarps - 1) / kTopkWarps, num_sms * 8));
-  route_topk_kernel<<<topk_blocks, kTopkWarps * 32, 0, stream>>>(a, s);
-  MEGAMOE_CUDA_CHECK_LAUNCH();
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr[1]{};
+  cfg.gridDim = dim3(topk_blocks), cfg.blockDim = dim3(kTopkWarps * 32), cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr, cfg.numAttrs = programmatic ? 1 : 0;
+  MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, route_topk_kernel, a, s));
 }
 
 }  // namespace megamoe::kernels

@@ -46,7 +46,8 @@ __device__ __forceinline__ int device_token_count(const int* num_tokens, int cap
 // Raises the router kernels' shared-memory limits (once per device, before launches).
 void route_prepare();
 
-void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms,
+// programmatic: route_topk starts while route_logits runs (FusedMoeConfig::programmatic_launch).
+void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms, bool programmatic,
                   cudaStream_t stream);
 
 }  // namespace megamoe::kernels

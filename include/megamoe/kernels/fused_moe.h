@@ -105,6 +105,9 @@ struct FusedMoeConfig {
   // Expert parallelism: the rank's row pull runs beside its tiles (kEpPullOverlap; a
   // property of the plan, reported here with the rest).
   bool ep_overlap = false;
+  // route_topk and the fused kernel launched as programmatic dependents of the kernel
+  // before them (kProgrammaticLaunch): their CTAs start while it runs and wait for its end.
+  bool programmatic_launch = false;
 };
 
 struct DeviceTensors {
