@@ -310,22 +310,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::tma_prefetch_desc(&tm.a2);
     if (kPairRing) sm90::tma_prefetch_desc(&tm.xh), sm90::tma_prefetch_desc(&tm.a2h);
     if (kWide) sm90::tma_prefetch_desc(&tm.w13w), sm90::tma_prefetch_desc(&tm.w2w);
-    // Decode tiles: the shared expert's GEMM1 tiles are the first ids (TileIds), so with at
-    // most kTokenChunk token blocks of it the first CTAs' first tiles are its output blocks,
-    // nb tiles each (its token blocks, nb from the host's hint). The first CTA of each block
-    // prefetches the block's weights (its decode pair half) into L2 now, while the routing
-    // runs (kPrefetchShared): they do not depend on it, and the weight stream starts early.
-    if constexpr (kSwapAB) {
-      const int nb = (a.tokens_cap + BN - 1) / BN;
-      const int u = blockIdx.x >> (kPairs ? 1 : 0);
-      if (a.prefetch_shared && a.has_shared && nb >= 1 && nb <= kTokenChunk && u < a.n1s * nb &&
-          u % nb == 0) {
-        const int h0 = kHalfPairs ? int(sm90::cluster_ctarank()) : 0, h1 = kHalfPairs ? h0 : 1;
-        for (int h = h0; h <= h1; ++h)
-          for (int kb = 0; kb < a.H / 128; ++kb)
-            sm90::tma_prefetch_l2_5d(&tm.sw13, kb * 128, 0, 0, u / nb * 16 + h * 8, 0);
-      }
-    }
   }
   // Launched programmatically (FusedMoeConfig::programmatic_launch), the CTA got here while
   // route_topk ran: everything above touches only shared memory and the kernel's parameters;
@@ -362,7 +346,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int sh2 = kPairs || kWide ? 1 : 0;  // GEMM2 ids count pairs of tiles
   constexpr int csh = kPairs ? 1 : 0;           // the schedule's unit is a cluster of two CTAs
   const TileIds ids = tile_ids(a, sc, sh1, sh2);
-  const int t1s = ids.t1s, t1 = ids.t1, t2 = ids.t2, tiles = ids.tiles();
+  const int t1_routed = ids.t1_routed, t1 = ids.t1, t2 = ids.t2, tiles = ids.tiles();
 
   // ---- Producer helpers (thread 0 only) ----
   // A stage's weights and its tokens are issued separately: the weights never
@@ -570,7 +554,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           break;
         }
         // (wide GEMM2 tiles: the pair's rank-0 tile, nblk even; the consumers add block nblk + 1)
-        const Tile tl = decode_tile<BN>(a, sc, tile, t1s, t1, sh1, sh2, kPairs ? sm90::cluster_ctarank() : 0);
+        const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1, sh1, sh2, kPairs ? sm90::cluster_ctarank() : 0);
         // The tile after this one, chosen now: a pool claim's round trip overlaps this
         // tile's loads (it is used at the end of the loop).
         const int next = next_tile(sched);
@@ -1538,8 +1522,6 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   if (const char* env = std::getenv("MEGAMOE_SCHEDULE")) a.round_robin = std::string(env) == "rr";
   if (const char* env = std::getenv("MEGAMOE_EARLY_WEIGHTS")) a.no_early_loads = std::string(env) == "0";
   a.tail_pool = kTailPool;
-  a.prefetch_shared = kPrefetchShared;
-  if (const char* env = std::getenv("MEGAMOE_PREFETCH_SHARED")) a.prefetch_shared = std::atoi(env) != 0;
   // The overlapped pull keeps its tables beside the schedule's (EpPullTables): where they do
   // not fit, the pull runs before the tiles. MEGAMOE_EP_OVERLAP=0 / 1 chooses (an A/B switch).
   if (ep) {

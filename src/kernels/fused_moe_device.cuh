@@ -43,14 +43,13 @@ struct KernelArgs {
   float swiglu_limit;
   int debug_stop;  // MEGAMOE_DEBUG_STOP: 0 = full kernel; 1/2/3 stop after tables / phase 0 / the mainloop
   // Measurement switches (wrong outputs when set; for timing the parts of the kernel):
-  int debug_skip;       // MEGAMOE_DEBUG_SKIP: kSkipMma | kSkipLoads | kSkipFold (below)
-  int round_robin;      // MEGAMOE_SCHEDULE=rr: plain round-robin instead of TileSchedule's balance
-  int no_early_loads;   // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
-  int tail_pool;        // GEMM2 tiles a CTA left to claims at the end (kTailPool)
-  int half_tiles;       // FusedMoeConfig::half_tiles (per forward)
-  int pair_weights;     // FusedMoeConfig::pair_weights (per forward; pair tiles only)
-  int ep_overlap;       // expert parallelism: the row pull runs beside the tiles (kEpPullOverlap)
-  int prefetch_shared;  // decode tiles: the shared expert's first GEMM1 tiles into L2 early (kPrefetchShared)
+  int debug_skip;      // MEGAMOE_DEBUG_SKIP: kSkipMma | kSkipLoads | kSkipFold (below)
+  int round_robin;     // MEGAMOE_SCHEDULE=rr: plain round-robin instead of TileSchedule's balance
+  int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
+  int tail_pool;       // GEMM2 tiles a CTA left to claims at the end (kTailPool)
+  int half_tiles;      // FusedMoeConfig::half_tiles (per forward)
+  int pair_weights;    // FusedMoeConfig::pair_weights (per forward; pair tiles only)
+  int ep_overlap;      // expert parallelism: the row pull runs beside the tiles (kEpPullOverlap)
   const int* num_tokens;
   int tokens_cap;  // the forward's host hint: T = device_token_count(num_tokens, tokens_cap)
   const uint16_t* x;
@@ -120,17 +119,17 @@ __device__ __forceinline__ TileIds tile_ids(const KernelArgs& a, const Sched& sc
                         a.pair_weights);
 }
 
-// Tile id -> tile, given the ids' t1s and t1 (tile_ids, computed once: derived
+// Tile id -> tile, given the ids' t1_routed and t1 (tile_ids, computed once: derived
 // again from the tables at each tile, the producer spilled).
 template <int BN>
-__device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc, int tile, int t1s, int t1,
-                                            int sh1, int sh2, int rank) {
+__device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc, int tile, int t1_routed,
+                                            int t1, int sh1, int sh2, int rank) {
   const TileIds ids{a.n1 >> sh1,
                     a.n1s >> sh1,
                     a.n2 >> sh2,
                     a.E,
                     a.E + a.has_shared,
-                    t1s,
+                    t1_routed,
                     t1,
                     0 /* t2: not needed */,
                     kTokenChunk,

@@ -256,12 +256,12 @@ __device__ __forceinline__ void ep_pull(const KernelArgs& a, const EpTables& et)
 // Step 3 overlapped with the GEMMs (KernelArgs::ep_overlap): warps 2 and 3 of the producer
 // warpgroup pull the received rows while the producer and the consumers run the tiles.
 // They walk the ring's routed rows in order, interleaved over the grid's pull warps (the
-// routed GEMM1 tiles go round-robin in the same expert-major order after the shared expert's,
-// TileSchedule, so the rows the first routed tiles need come first), a warp a row as ep_pull, and count each
-// row into its unit's done1 counter: a GEMM1 tile's tokens wait for rows, a GEMM2 tile's for rows plus the
-// unit's GEMM1 tiles (the producer's `need`). The writes are fenced for the TMA reads (async proxy) and
-// released at gpu scope, as the GEMM1 epilogue's act2. (The rank's second grid barrier stays, fused_moe.cu:
-// it now guards only a peer's timeout.)
+// GEMM1 tiles go round-robin in the same expert-major order, TileSchedule, so the rows
+// the first tiles need come first), a warp a row as ep_pull, and count each row into its
+// unit's done1 counter: a GEMM1 tile's tokens wait for rows, a GEMM2 tile's for rows plus
+// the unit's GEMM1 tiles (the producer's `need`). The writes are fenced for the TMA reads
+// (async proxy) and released at gpu scope, as the GEMM1 epilogue's act2. (The rank's
+// second grid barrier stays, fused_moe.cu: it now guards only a peer's timeout.)
 template <int BN>
 __device__ __forceinline__ void ep_pull_overlapped(const KernelArgs& a, const Sched& sc, int* done1,
                                                    int pull_warp, int pull_warps) {

@@ -196,10 +196,6 @@ constexpr bool kEpWideTiles = true;
 // fused kernel start while the kernel before them runs (their prologues, launch latency) and
 // wait for its end (griddepcontrol) before reading what it wrote. MEGAMOE_PDL=0 turns it off.
 constexpr bool kProgrammaticLaunch = true;
-// ... and in that window the decode kernels' first CTAs prefetch the shared expert's first
-// GEMM1 tiles into L2 (fused_moe.cu; its GEMM1 ids come first, TileIds), so the weight stream
-// starts while the routing runs. MEGAMOE_PREFETCH_SHARED=0 turns it off.
-constexpr bool kPrefetchShared = true;
 
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
 // tiles (decode: 64+ blocks stream the router weight at once), up to

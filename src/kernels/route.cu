@@ -379,9 +379,8 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
   __shared__ float sel_s[kTopkWarps][kMaxE];
   __shared__ float group_s[kTopkWarps][32];
   // The fused kernel may be scheduled from here on (its CTAs wait for this grid's end before
-  // reading the routing; before that they prefetch the shared expert's weights). Launched
-  // programmatically (launch_route), route_logits' partials and counters are complete only
-  // after the wait.
+  // reading the routing). Launched programmatically (launch_route), route_logits' partials
+  // and counters are complete only after the wait.
   sm90::launch_dependents();
   sm90::grid_dependency_wait();
   const int T = device_token_count(a.num_tokens, a.tokens_cap);

@@ -77,10 +77,7 @@ MEGAMOE_HD int largest_le(const int* off, int lo, int hi, int mul, int v) {
 }
 
 // Where a tile id sits (plain C++ as well, so the CPU tests check the decode exactly).
-// Tile ids run GEMM1 then GEMM2, expert by expert: GEMM1 the shared expert (E) first, as
-// its weights are known before the routing ends (a decode layer's first CTAs prefetch
-// them into L2 while the routing runs: fused_moe.cu), then the routed ones; GEMM2 the
-// routed experts, then the shared one. Inside
+// Tile ids run GEMM1 then GEMM2, expert by expert (the shared expert, E, last); inside
 // an expert by chunks of `chunk` token blocks (the last one shorter), output block major
 // inside a chunk (the token blocks of one weight tile are neighbours, so concurrently
 // running CTAs share it in L2, and a chunk's tokens stay there). Pair tiles (sh1 = sh2 = 1):
@@ -102,12 +99,12 @@ struct TileCoord {
 };
 
 struct TileIds {
-  int n1, n1s, n2;  // output blocks of a routed expert's GEMM1, the shared one's (>> sh1), a GEMM2 (>> sh2)
-  int E, E_total;   // routed experts; + 1 with a shared expert
-  int t1s, t1;      // the first routed GEMM1 id (the shared expert's come first) and the first GEMM2 id
-  int t2;           // GEMM2 ids
-  int chunk;        // token blocks a chunk
-  int sh1, sh2;     // 1: a GEMM1 / GEMM2 id names a pair of output blocks (pair tiles: both)
+  int n1, n1s, n2;    // output blocks of a routed expert's GEMM1, the shared one's (>> sh1), a GEMM2 (>> sh2)
+  int E, E_total;     // routed experts; + 1 with a shared expert
+  int t1_routed, t1;  // the first shared GEMM1 id and the first GEMM2 id
+  int t2;             // GEMM2 ids
+  int chunk;          // token blocks a chunk
+  int sh1, sh2;       // 1: a GEMM1 / GEMM2 id names a pair of output blocks (pair tiles: both)
   const int* unit_off;  // [E_total + 1] token blocks before expert e
   int wpairs;           // pair tiles: pairs of token blocks share a weight tile (above)
 
@@ -117,14 +114,14 @@ struct TileIds {
   // wpairs needs sh1 = sh2 = 1.
   MEGAMOE_HD static TileIds count(int n1, int n1s, int n2, int E, int E_total, int chunk, int sh1, int sh2,
                                   const int* unit_off, int wpairs = 0) {
-    const int t1s = n1s * (unit_off[E_total] - unit_off[E]);
-    const int t1 = t1s + n1 * unit_off[E];
+    const int t1_routed = n1 * unit_off[E];
+    const int t1 = t1_routed + n1s * (unit_off[E_total] - unit_off[E]);
     return {n1 >> sh1,
             n1s >> sh1,
             n2 >> sh2,
             E,
             E_total,
-            t1s >> sh1,
+            t1_routed >> sh1,
             t1 >> sh1,
             (n2 * unit_off[E_total]) >> sh2,
             chunk,
@@ -140,12 +137,12 @@ struct TileIds {
     int local;
     if (tile < t1) {
       t.gemm = 1;
-      if (tile >= t1s) {
-        t.e = largest_le(unit_off, 0, E - 1, n1, tile - t1s);
-        local = tile - t1s - n1 * unit_off[t.e];
+      if (tile < t1_routed) {
+        t.e = largest_le(unit_off, 0, E - 1, n1, tile);
+        local = tile - n1 * unit_off[t.e];
       } else {
         t.e = E;
-        local = tile;
+        local = tile - t1_routed;
       }
     } else {
       t.gemm = 2;
