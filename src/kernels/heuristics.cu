@@ -51,7 +51,7 @@ FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms, int loc
   if (const char* env = std::getenv("MEGAMOE_WIDE_TILES")) c.wide_tiles = std::atoi(env) != 0;
   c.stages = stages_for(c.block_n, c.wide_tiles);
   c.num_sms = num_sms;
-  c.programmatic_launch = kProgrammaticLaunch;
+  c.programmatic_launch = kProgrammaticLaunch && tokens <= kProgrammaticLaunchMaxTokens;
   if (const char* env = std::getenv("MEGAMOE_PDL")) c.programmatic_launch = std::atoi(env) != 0;
   return c;
 }

@@ -194,8 +194,14 @@ constexpr bool kEpWideTiles = true;
 
 // Programmatic dependent launch (FusedMoeConfig::programmatic_launch): route_topk and the
 // fused kernel start while the kernel before them runs (their prologues, launch latency) and
-// wait for its end (griddepcontrol) before reading what it wrote. MEGAMOE_PDL=0 turns it off.
+// wait for its end (griddepcontrol) before reading what it wrote; up to
+// kProgrammaticLaunchMaxTokens tokens. v37 (H100, bench/results/ab/v37_pdl_only.log, one
+// binary with MEGAMOE_PDL=0 / 1, two interleaved rounds): T = 1 GLM-5 -0.4 %, DeepSeek-V3
+// -1.2 %, GLM-5.3-Flash -0.9 % (v37_pdl.log: -0.6 / -1.1 / -1.2 %), 8 and 64 tokens level to
+// -0.3 %; but 256 and 1024 +0.5..+1.2 % (the routing alone +8 us at 256) and 4096 +19..+23 %
+// (not understood: NOTES v37), so not above 64. MEGAMOE_PDL=0 / 1 overrides the rule.
 constexpr bool kProgrammaticLaunch = true;
+constexpr int kProgrammaticLaunchMaxTokens = 64;
 
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
 // tiles (decode: 64+ blocks stream the router weight at once), up to

@@ -372,6 +372,15 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
           << s.describe() << ": MEGAMOE_HALF_TILES=" << half << " changes the bytes";
     }
     unsetenv("MEGAMOE_HALF_TILES");
+    // route_topk and the fused kernel launched as programmatic dependents (their CTAs start
+    // while the kernel before them runs; the rule takes it up to 64 tokens) and not: the same bytes.
+    for (const char* pdl : {"0", "1"}) {
+      setenv("MEGAMOE_PDL", pdl, 1);
+      const GpuRun c = run_gpu(layer, x, T);
+      EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
+          << s.describe() << ": MEGAMOE_PDL=" << pdl << " changes the bytes";
+    }
+    unsetenv("MEGAMOE_PDL");
     // 128-token tiles in CTA pairs (clusters of two, the token tile multicast) and alone:
     // the same bytes (the odd shape's H / 128 = 9 output blocks cannot pair: it runs alone).
     setenv("MEGAMOE_BLOCK_N", "128", 1);
@@ -582,25 +591,32 @@ TEST_F(FusedMoe, GraphReplayWithDeviceTokenCount) {
   CK(cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-  layer.forward(dx, dy, Tmax, dT, st);
-  CK(cudaStreamEndCapture(st, &graph));
-  CK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int T : {37, 320, 1, 100, 257}) {
-    CK(cudaMemcpy(dT, &T, sizeof(int), cudaMemcpyHostToDevice));
-    CK(cudaMemset(dy, 0xFF, x.size() * 2));
-    CK(cudaGraphLaunch(exec, st));
-    CK(cudaStreamSynchronize(st));
-    std::vector<num::bf16_t> yg(size_t(T) * s.hidden);
-    CK(cudaMemcpy(yg.data(), dy, yg.size() * 2, cudaMemcpyDeviceToHost));
-    std::vector<num::bf16_t> xt(x.begin(), x.begin() + size_t(T) * s.hidden);
-    const GpuRun eager = run_gpu(layer, xt, T);
-    EXPECT_EQ(0, std::memcmp(yg.data(), eager.y.data(), yg.size() * 2)) << "graph replay at T=" << T;
+  // Captured with route_topk and the fused kernel as programmatic dependents (the graph's
+  // edges between them programmatic) and without.
+  for (const char* pdl : {"1", "0"}) {
+    setenv("MEGAMOE_PDL", pdl, 1);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    layer.forward(dx, dy, Tmax, dT, st);
+    CK(cudaStreamEndCapture(st, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    unsetenv("MEGAMOE_PDL");
+    for (int T : {37, 320, 1, 100, 257}) {
+      CK(cudaMemcpy(dT, &T, sizeof(int), cudaMemcpyHostToDevice));
+      CK(cudaMemset(dy, 0xFF, x.size() * 2));
+      CK(cudaGraphLaunch(exec, st));
+      CK(cudaStreamSynchronize(st));
+      std::vector<num::bf16_t> yg(size_t(T) * s.hidden);
+      CK(cudaMemcpy(yg.data(), dy, yg.size() * 2, cudaMemcpyDeviceToHost));
+      std::vector<num::bf16_t> xt(x.begin(), x.begin() + size_t(T) * s.hidden);
+      const GpuRun eager = run_gpu(layer, xt, T);
+      EXPECT_EQ(0, std::memcmp(yg.data(), eager.y.data(), yg.size() * 2))
+          << "graph replay at T=" << T << " (MEGAMOE_PDL=" << pdl << ")";
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(st);
   cudaFree(dx);
   cudaFree(dy);
