@@ -70,6 +70,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -436,8 +437,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // (no tail pool for pairs: both CTAs of a cluster would have to claim the same tile)
     // (costs in weight bytes: a GEMM1 tile reads 256 rows x H, a GEMM2 tile 128 x I, a wide
     // GEMM2 tile 256 x I; a CTA of decode pairs half a GEMM1 tile)
-    sched.init(blockIdx.x >> csh, gridDim.x >> csh, t1, t2, a.H / 128 * (kWide || kHalfPairs ? 1 : 2),
-               a.I / 128, !a.round_robin,
+    // (a.unit_stride: MEGAMOE_UNIT_STRIDE, a measurement switch: unit b * stride mod G)
+    const int G = gridDim.x >> csh;
+    sched.init(int((int64_t(blockIdx.x >> csh) * a.unit_stride) % G), G, t1, t2,
+               a.H / 128 * (kWide || kHalfPairs ? 1 : 2), a.I / 128, !a.round_robin,
                a.round_robin || kPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
     first_tile = next_tile(sched);
   }
@@ -554,7 +557,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           break;
         }
         // (wide GEMM2 tiles: the pair's rank-0 tile, nblk even; the consumers add block nblk + 1)
-        const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1, sh1, sh2, kPairs ? sm90::cluster_ctarank() : 0);
+        const Tile tl =
+            decode_tile<BN>(a, sc, tile, t1_routed, t1, sh1, sh2, kPairs ? sm90::cluster_ctarank() : 0);
         // The tile after this one, chosen now: a pool claim's round trip overlaps this
         // tile's loads (it is used at the end of the loop).
         const int next = next_tile(sched);
@@ -1522,6 +1526,13 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   if (const char* env = std::getenv("MEGAMOE_SCHEDULE")) a.round_robin = std::string(env) == "rr";
   if (const char* env = std::getenv("MEGAMOE_EARLY_WEIGHTS")) a.no_early_loads = std::string(env) == "0";
   a.tail_pool = kTailPool;
+  a.unit_stride = 1;
+  if (const char* env = std::getenv("MEGAMOE_UNIT_STRIDE")) {
+    a.unit_stride = std::max(1, std::atoi(env));
+    MEGAMOE_CHECK(
+        std::gcd(a.unit_stride, plan->num_sms) == 1,
+        "MEGAMOE_UNIT_STRIDE must be coprime to the grid's " + std::to_string(plan->num_sms) + " CTAs");
+  }
   // The overlapped pull keeps its tables beside the schedule's (EpPullTables): where they do
   // not fit, the pull runs before the tiles. MEGAMOE_EP_OVERLAP=0 / 1 chooses (an A/B switch).
   if (ep) {
