@@ -230,6 +230,21 @@ struct CombinePlan {
 // there (nvcc 13.0, v27; 28 in v25): a value of the consumers' start, reloaded at each tile,
 // never in the K loops (checked in the SASS). Chosen: the K loops are what the wide tiles
 // are for. (The expert-parallel wide kernel, kEpWideTiles, allocates without a spill, v32.)
+// This CTA's unit of TileSchedule: blockIdx.x (>> csh: pair tiles' clusters); a measurement
+// switch (KernelArgs::unit_stride, MEGAMOE_UNIT_STRIDE) permutes it, unit b * stride mod G, or
+// with 0 takes the SM's id where the grid holds one CTA on each SM numbered 0..G-1, as on the
+// H100 (v37's placement probe; a CTA on an SM past G traps). Out of line: inlined, it moved
+// the kernels' register allocation into spills.
+__device__ __noinline__ int schedule_unit(int stride, int csh) {
+  const int G = gridDim.x >> csh;
+  if (stride == 0 && csh == 0) {
+    const int unit = int(sm90::smid());
+    if (unit >= G) __trap();
+    return unit;
+  }
+  return int((int64_t(blockIdx.x >> csh) * stride) % G);
+}
+
 template <int BN, bool kEp, bool kPairs = false, bool kWide = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
@@ -437,10 +452,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // (no tail pool for pairs: both CTAs of a cluster would have to claim the same tile)
     // (costs in weight bytes: a GEMM1 tile reads 256 rows x H, a GEMM2 tile 128 x I, a wide
     // GEMM2 tile 256 x I; a CTA of decode pairs half a GEMM1 tile)
-    // (a.unit_stride: MEGAMOE_UNIT_STRIDE, a measurement switch: unit b * stride mod G)
     const int G = gridDim.x >> csh;
-    sched.init(int((int64_t(blockIdx.x >> csh) * a.unit_stride) % G), G, t1, t2,
-               a.H / 128 * (kWide || kHalfPairs ? 1 : 2), a.I / 128, !a.round_robin,
+    sched.init(schedule_unit(a.unit_stride, csh), G, t1, t2, a.H / 128 * (kWide || kHalfPairs ? 1 : 2),
+               a.I / 128, !a.round_robin,
                a.round_robin || kPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
     first_tile = next_tile(sched);
   }
@@ -1528,9 +1542,9 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   a.tail_pool = kTailPool;
   a.unit_stride = 1;
   if (const char* env = std::getenv("MEGAMOE_UNIT_STRIDE")) {
-    a.unit_stride = std::max(1, std::atoi(env));
+    a.unit_stride = std::max(0, std::atoi(env));
     MEGAMOE_CHECK(
-        std::gcd(a.unit_stride, plan->num_sms) == 1,
+        a.unit_stride == 0 || std::gcd(a.unit_stride, plan->num_sms) == 1,
         "MEGAMOE_UNIT_STRIDE must be coprime to the grid's " + std::to_string(plan->num_sms) + " CTAs");
   }
   // The overlapped pull keeps its tables beside the schedule's (EpPullTables): where they do

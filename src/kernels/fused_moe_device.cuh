@@ -47,7 +47,7 @@ struct KernelArgs {
   int round_robin;     // MEGAMOE_SCHEDULE=rr: plain round-robin instead of TileSchedule's balance
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
   int tail_pool;       // GEMM2 tiles a CTA left to claims at the end (kTailPool)
-  int unit_stride;     // MEGAMOE_UNIT_STRIDE: CTA b takes unit b * stride mod G (coprime to G; 1)
+  int unit_stride;     // MEGAMOE_UNIT_STRIDE: CTA b takes unit b * stride mod G (coprime to G; 1; 0: %smid)
   int half_tiles;      // FusedMoeConfig::half_tiles (per forward)
   int pair_weights;    // FusedMoeConfig::pair_weights (per forward; pair tiles only)
   int ep_overlap;      // expert parallelism: the row pull runs beside the tiles (kEpPullOverlap)

@@ -19,6 +19,13 @@ __device__ __forceinline__ int thread_index() {
   return t;
 }
 
+// The SM this CTA runs on (not contiguous in general: %nsmid bounds it).
+__device__ __forceinline__ uint32_t smid() {
+  uint32_t s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return s;
+}
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
