@@ -215,21 +215,6 @@ struct CombinePlan {
   __device__ uint32_t parity(int i) const { return (i / stages) & 1; }
 };
 
-// kEp: expert parallelism (a separate instantiation, so the single-device kernel keeps
-// its registers: the EP paths' extra live values spill four ints at BN = 128, stored
-// once and reloaded once a tile, never inside the K loops -- checked in the SASS).
-// kPairs: pair tiles (FusedMoeConfig::pair_tiles), launched in clusters of two CTAs; its
-// own instantiation, so the other kernels' registers do not move. 128-token tiles share
-// their stages (kPairRing: the token or weight rows multicast); decode pairs (kHalfPairs,
-// BN <= kDecodePairsMaxBlockN) give the two CTAs a GEMM1 tile's two halves, and the
-// epilogues exchange the tokens' amax (so a GEMM1 tile costs a CTA 64 columns' weights,
-// as before v27's 128-column groups), and GEMM2 token pairs (output blocks 2j, 2j + 1).
-// kWide: wide tiles (FusedMoeConfig::wide_tiles): 256 weight rows a stage, a GEMM1 tile's
-// two halves, or a GEMM2 token pair's two tiles (mainloop_tokens_m_blocks); no cluster.
-// NOTE: its consumers hold 128 accumulators through the epilogues, and ptxas spills 4 bytes
-// there (nvcc 13.0, v27; 28 in v25): a value of the consumers' start, reloaded at each tile,
-// never in the K loops (checked in the SASS). Chosen: the K loops are what the wide tiles
-// are for. (The expert-parallel wide kernel, kEpWideTiles, allocates without a spill, v32.)
 // This CTA's unit of TileSchedule: blockIdx.x (>> csh: pair tiles' clusters); a measurement
 // switch (KernelArgs::unit_stride, MEGAMOE_UNIT_STRIDE) permutes it, unit b * stride mod G, or
 // with 0 takes the SM's id where the grid holds one CTA on each SM numbered 0..G-1, as on the
@@ -245,6 +230,21 @@ __device__ __noinline__ int schedule_unit(int stride, int csh) {
   return int((int64_t(blockIdx.x >> csh) * stride) % G);
 }
 
+// kEp: expert parallelism (a separate instantiation, so the single-device kernel keeps
+// its registers: the EP paths' extra live values spill four ints at BN = 128, stored
+// once and reloaded once a tile, never inside the K loops -- checked in the SASS).
+// kPairs: pair tiles (FusedMoeConfig::pair_tiles), launched in clusters of two CTAs; its
+// own instantiation, so the other kernels' registers do not move. 128-token tiles share
+// their stages (kPairRing: the token or weight rows multicast); decode pairs (kHalfPairs,
+// BN <= kDecodePairsMaxBlockN) give the two CTAs a GEMM1 tile's two halves, and the
+// epilogues exchange the tokens' amax (so a GEMM1 tile costs a CTA 64 columns' weights,
+// as before v27's 128-column groups), and GEMM2 token pairs (output blocks 2j, 2j + 1).
+// kWide: wide tiles (FusedMoeConfig::wide_tiles): 256 weight rows a stage, a GEMM1 tile's
+// two halves, or a GEMM2 token pair's two tiles (mainloop_tokens_m_blocks); no cluster.
+// NOTE: its consumers hold 128 accumulators through the epilogues, and ptxas spills 4 bytes
+// there (nvcc 13.0, v27; 28 in v25): a value of the consumers' start, reloaded at each tile,
+// never in the K loops (checked in the SASS). Chosen: the K loops are what the wide tiles
+// are for. (The expert-parallel wide kernel, kEpWideTiles, allocates without a spill, v32.)
 template <int BN, bool kEp, bool kPairs = false, bool kWide = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
