@@ -198,7 +198,7 @@ constexpr bool kEpWideTiles = true;
 // kProgrammaticLaunchMaxTokens tokens. v37 (H100, bench/results/ab/v37_pdl_only.log, one
 // binary with MEGAMOE_PDL=0 / 1, two interleaved rounds): T = 1 GLM-5 -0.4 %, DeepSeek-V3
 // -1.2 %, GLM-5.3-Flash -0.9 % (v37_pdl.log: -0.6 / -1.1 / -1.2 %), 8 and 64 tokens level to
-// -0.3 %; but 256 and 1024 +0.1..+0.9 % and 4096 +19..+25 %. Why 4096: launched while the
+// -0.3 %; but 256 and 1024 +0.5..+1.0 % and 4096 +19..+26 %. Why 4096: launched while the
 // routing holds SMs, the CTAs land on them in another order (ab/v37_placement_probe.log: the
 // plain launch puts blockIdx 2k, 2k + 1 on one TPC, every time; the programmatic one 1-3
 // pairs of 66), and the prefill layer depends on which SM runs which schedule unit (units
