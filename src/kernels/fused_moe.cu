@@ -1712,7 +1712,12 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
   return cfg;
 }
 
-void route_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint, cudaStream_t stream) {
+namespace {
+
+// The routing's two kernels (programmatic: route_topk as a programmatic dependent, the
+// forward's FusedMoeConfig::programmatic_launch).
+void launch_routing(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint, bool programmatic,
+                    cudaStream_t stream) {
   auto* base = static_cast<uint8_t*>(p->workspace);
   RouteArgs r;
   r.zero = reinterpret_cast<int*>(base + p->ws.counters.offset);
@@ -1731,8 +1736,13 @@ void route_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_token
       reinterpret_cast<int*>(base + p->ws.counters.offset) + MoeWorkspaceLayout::kCounterExperts;
   r.max_tokens = p->ws.max_tokens;
   r.epoch = p->args.ep.state;  // expert parallelism: one epoch per forward (null otherwise)
-  launch_route(p->shape, r, host_tokens_hint, p->num_sms,
-               fused_moe_config(p, host_tokens_hint).programmatic_launch, stream);
+  launch_route(p->shape, r, host_tokens_hint, p->num_sms, programmatic, stream);
+}
+
+}  // namespace
+
+void route_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint, cudaStream_t stream) {
+  launch_routing(p, t, host_tokens_hint, fused_moe_config(p, host_tokens_hint).programmatic_launch, stream);
 }
 
 void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint,
@@ -1741,7 +1751,7 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
                 "token count " + std::to_string(host_tokens_hint) + " exceeds the workspace's max_tokens " +
                     std::to_string(p->ws.max_tokens));
   const FusedMoeConfig cfg = fused_moe_config(p, host_tokens_hint);
-  route_forward(p, t, host_tokens_hint, stream);
+  launch_routing(p, t, host_tokens_hint, cfg.programmatic_launch, stream);
   maybe_print_config(p->shape, host_tokens_hint, cfg);
   KernelArgs a = p->args;
   a.half_tiles = cfg.half_tiles;

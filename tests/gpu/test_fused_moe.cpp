@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <random>
 #include <stdexcept>
@@ -344,6 +345,17 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
     const GpuRun a = run_gpu(layer, x, T);
     const GpuRun b = run_gpu(layer, x, T);
     EXPECT_EQ(0, std::memcmp(a.y.data(), b.y.data(), a.y.size() * 2)) << s.describe() << ": two runs differ";
+    // A forward with each value of one switch gives a's bytes; the switch is unset after.
+    auto same_bytes_each = [&](const char* var, std::initializer_list<const char*> values) {
+      for (const char* v : values) {
+        setenv(var, v, 1);
+        const GpuRun c = run_gpu(layer, x, T);
+        EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
+            << s.describe() << ": " << var << "=" << v << " changes the bytes (" << layer.config_for(T)
+            << ")";
+      }
+      unsetenv(var);
+    };
     for (const char* bn : {"8", "16", "32", "48", "64", "128"}) {
       setenv("MEGAMOE_BLOCK_N", bn, 1);
       const GpuRun c = run_gpu(layer, x, T);
@@ -365,22 +377,10 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
     // 128-token tiles with warpgroup 1 idle on tiles of <= 64 rows (T = 200: ~25 rows an
     // expert, so every routed tile) and with both warpgroups computing (without half tiles
     // the heuristic takes wide tiles where the shape allows them): the same bytes.
-    for (const char* half : {"0", "1"}) {
-      setenv("MEGAMOE_HALF_TILES", half, 1);
-      const GpuRun c = run_gpu(layer, x, T);
-      EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
-          << s.describe() << ": MEGAMOE_HALF_TILES=" << half << " changes the bytes";
-    }
-    unsetenv("MEGAMOE_HALF_TILES");
+    same_bytes_each("MEGAMOE_HALF_TILES", {"0", "1"});
     // route_topk and the fused kernel launched as programmatic dependents (their CTAs start
     // while the kernel before them runs; the rule takes it up to 64 tokens) and not: the same bytes.
-    for (const char* pdl : {"0", "1"}) {
-      setenv("MEGAMOE_PDL", pdl, 1);
-      const GpuRun c = run_gpu(layer, x, T);
-      EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
-          << s.describe() << ": MEGAMOE_PDL=" << pdl << " changes the bytes";
-    }
-    unsetenv("MEGAMOE_PDL");
+    same_bytes_each("MEGAMOE_PDL", {"0", "1"});
     // 128-token tiles in CTA pairs (clusters of two, the token tile multicast) and alone:
     // the same bytes (the odd shape's H / 128 = 9 output blocks cannot pair: it runs alone).
     setenv("MEGAMOE_BLOCK_N", "128", 1);
