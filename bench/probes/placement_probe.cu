@@ -6,19 +6,20 @@
 // the CTAs (MEGAMOE_UNIT_STRIDE) and +19..+23 % when launched programmatically: this says
 // what mapping the default launch gives and how the programmatic one differs.
 // Build (here or on the device machine):
-//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a bench/probes/placement_probe.cu -o placement_probe
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a bench/probes/placement_probe.cu -o
+//   placement_probe
 #include <cuda_runtime.h>
 
 #include <cstdio>
 #include <vector>
 
-#define CK(x)                                                                             \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
+#define CK(x)                                                                                 \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      return 1;                                                                           \
-    }                                                                                     \
+      return 1;                                                                               \
+    }                                                                                         \
   } while (0)
 
 constexpr int kSmem = 229888;  // the wide-tile kernel's dynamic shared memory
