@@ -361,9 +361,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int sh1 = kPairRing ? 1 : 0;        // GEMM1 ids count pairs of tiles
   constexpr int sh2 = kPairs || kWide ? 1 : 0;  // GEMM2 ids count pairs of tiles
   constexpr int csh = kPairs ? 1 : 0;           // the schedule's unit is a cluster of two CTAs
-  // Wide tiles in TPC pairs (tile_ids_tpc): the schedule's unit is a pair of CTAs, as with csh.
-  const bool tpc = kWide && !kEp && a.tpc_pairs;
-  const TileIds ids = tpc ? tile_ids_tpc(a, sc) : tile_ids(a, sc, sh1, sh2);
+  const TileIds ids = tile_ids(a, sc, sh1, sh2);
   const int t1_routed = ids.t1_routed, t1 = ids.t1, t2 = ids.t2, tiles = ids.tiles();
 
   // ---- Producer helpers (thread 0 only) ----
@@ -454,11 +452,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // (no tail pool for pairs: both CTAs of a cluster would have to claim the same tile)
     // (costs in weight bytes: a GEMM1 tile reads 256 rows x H, a GEMM2 tile 128 x I, a wide
     // GEMM2 tile 256 x I; a CTA of decode pairs half a GEMM1 tile)
-    const int ush = tpc ? 1 : csh;
-    const int G = gridDim.x >> ush;
-    sched.init(schedule_unit(a.unit_stride, ush), G, t1, t2, a.H / 128 * (kWide || kHalfPairs ? 1 : 2),
+    const int G = gridDim.x >> csh;
+    sched.init(schedule_unit(a.unit_stride, csh), G, t1, t2, a.H / 128 * (kWide || kHalfPairs ? 1 : 2),
                a.I / 128, !a.round_robin,
-               a.round_robin || kPairs || tpc ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
+               a.round_robin || kPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
     first_tile = next_tile(sched);
   }
 
@@ -574,11 +571,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           break;
         }
         // (wide GEMM2 tiles: the pair's rank-0 tile, nblk even; the consumers add block nblk + 1)
-        const Tile tl = decode_tile<BN>(a, sc, tile, t1_routed, t1, sh1, sh2,
-                                        kPairs ? int(sm90::cluster_ctarank())
-                                        : tpc  ? int(blockIdx.x & 1)
-                                               : 0,
-                                        tpc);
+        const Tile tl =
+            decode_tile<BN>(a, sc, tile, t1_routed, t1, sh1, sh2, kPairs ? sm90::cluster_ctarank() : 0);
         // The tile after this one, chosen now: a pool claim's round trip overlaps this
         // tile's loads (it is used at the end of the loop).
         const int next = next_tile(sched);
@@ -1547,14 +1541,6 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   if (const char* env = std::getenv("MEGAMOE_EARLY_WEIGHTS")) a.no_early_loads = std::string(env) == "0";
   a.tail_pool = kTailPool;
   a.unit_stride = 1;
-  // MEGAMOE_TPC_PAIRS=1: wide tiles in TPC pairs (tile_ids_tpc; a measurement switch for now).
-  if (const char* env = std::getenv("MEGAMOE_TPC_PAIRS")) {
-    a.tpc_pairs = std::atoi(env) != 0;
-    MEGAMOE_CHECK(
-        !a.tpc_pairs || (!ep && plan->num_sms % 2 == 0 && (s.inter / 128) % 2 == 0 &&
-                         (s.shared_inter() / 128) % 2 == 0 && (s.hidden / 128) % 4 == 0),
-        "MEGAMOE_TPC_PAIRS=1 needs one device, an even grid, I / 128 and Is / 128 even and H / 128 % 4 == 0");
-  }
   if (const char* env = std::getenv("MEGAMOE_UNIT_STRIDE")) {
     a.unit_stride = std::max(0, std::atoi(env));
     MEGAMOE_CHECK(

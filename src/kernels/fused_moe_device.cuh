@@ -48,7 +48,6 @@ struct KernelArgs {
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
   int tail_pool;       // GEMM2 tiles a CTA left to claims at the end (kTailPool)
   int unit_stride;     // MEGAMOE_UNIT_STRIDE: CTA b takes unit b * stride mod G (coprime to G; 1; 0: %smid)
-  int tpc_pairs;       // MEGAMOE_TPC_PAIRS: wide tiles scheduled in CTA pairs 2k, 2k + 1 (tile_ids_tpc)
   int half_tiles;      // FusedMoeConfig::half_tiles (per forward)
   int pair_weights;    // FusedMoeConfig::pair_weights (per forward; pair tiles only)
   int ep_overlap;      // expert parallelism: the row pull runs beside the tiles (kEpPullOverlap)
@@ -121,43 +120,32 @@ __device__ __forceinline__ TileIds tile_ids(const KernelArgs& a, const Sched& sc
                         a.pair_weights);
 }
 
-// Wide tiles in TPC pairs (a.tpc_pairs): CTAs 2k and 2k + 1 (one TPC on the H100's plain
-// launch, v37's placement probe) take the two tiles of one pair id, as pair tiles' clusters do
-// (TileIds with pairs sharing the weight tile), without a cluster: the two SMs of a TPC read
-// the same bytes from L2 at the cost of one (v37's tpc_share_probe). GEMM2's ids count
-// pairs of wide tiles (H / 128 % 4 == 0), GEMM1's pairs of output blocks.
-__device__ __forceinline__ TileIds tile_ids_tpc(const KernelArgs& a, const Sched& sc) {
-  return TileIds::count(a.n1, a.n1s, a.n2 >> 1, a.E, a.E + a.has_shared, kTokenChunk, 1, 1, sc.unit_off, 1);
-}
-
 // Tile id -> tile, given the ids' t1_routed and t1 (tile_ids, computed once: derived
-// again from the tables at each tile, the producer spilled). tpc: tile_ids_tpc's ids.
+// again from the tables at each tile, the producer spilled).
 template <int BN>
 __device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc, int tile, int t1_routed,
-                                            int t1, int sh1, int sh2, int rank, bool tpc = false) {
-  const TileIds ids{a.n1 >> (tpc ? 1 : sh1),
-                    a.n1s >> (tpc ? 1 : sh1),
-                    a.n2 >> (tpc ? 2 : sh2),
+                                            int t1, int sh1, int sh2, int rank) {
+  const TileIds ids{a.n1 >> sh1,
+                    a.n1s >> sh1,
+                    a.n2 >> sh2,
                     a.E,
                     a.E + a.has_shared,
                     t1_routed,
                     t1,
                     0 /* t2: not needed */,
                     kTokenChunk,
-                    tpc ? 1 : sh1,
-                    tpc ? 1 : sh2,
+                    sh1,
+                    sh2,
                     sc.unit_off,
-                    tpc          ? 1
-                    : sh1 && sh2 ? a.pair_weights
-                                 : 0};
+                    sh1 && sh2 ? a.pair_weights : 0};
   const TileCoord c = ids.decode(tile, rank);
   Tile t;
-  t.gemm = c.gemm, t.e = c.e, t.nblk = tpc && c.gemm == 2 ? 2 * c.nblk : c.nblk;  // (tpc: wide pairs)
+  t.gemm = c.gemm, t.e = c.e, t.nblk = c.nblk;
   t.kblocks = tile_kblocks(a, t.gemm, t.e);
   t.unit = sc.unit_off[t.e] + c.block;
   t.row0 = sc.row_off[t.e] + c.block * BN;
   t.rows = min(BN, sc.cnt[t.e] - c.block * BN);
-  t.wpair = tpc ? 0 : c.wpair;  // (no cluster to share a load with)
+  t.wpair = c.wpair;
   return t;
 }
 

@@ -160,7 +160,6 @@ class FusedMoe : public ::testing::Test {
     unsetenv("MEGAMOE_PAIR_WEIGHTS");
     unsetenv("MEGAMOE_WIDE_TILES");
     unsetenv("MEGAMOE_PDL");
-    unsetenv("MEGAMOE_TPC_PAIRS");
   }
 };
 
@@ -251,23 +250,6 @@ TEST_F(FusedMoe, WideTilesSmall) {
   MoeShape few = reduced_shape();
   few.experts = 8;
   check_against_reference(few, 300, 503);
-}
-
-TEST_F(FusedMoe, WideTilesInTpcPairs) {
-  // Wide tiles scheduled in CTA pairs 2k, 2k + 1 (MEGAMOE_TPC_PAIRS=1, read when a layer is
-  // built: the two tiles of a pair id, sharing the weight tile or an odd last token block)
-  // against the reference, with half tiles and without: 32 experts at T = 200 (one token block
-  // an expert) and 8 at T = 300 (one to three).
-  setenv("MEGAMOE_TPC_PAIRS", "1", 1);
-  setenv("MEGAMOE_BLOCK_N", "128", 1);
-  setenv("MEGAMOE_WIDE_TILES", "1", 1);
-  MoeShape few = reduced_shape();
-  few.experts = 8;
-  for (const char* half : {"1", "0"}) {
-    setenv("MEGAMOE_HALF_TILES", half, 1);
-    check_against_reference(reduced_shape(), 200, 504);
-    check_against_reference(few, 300, 505);
-  }
 }
 
 TEST_F(FusedMoe, WideTilesWhereHalfTilesAreOff) {
