@@ -6,41 +6,26 @@
 // the CTAs (MEGAMOE_UNIT_STRIDE) and +19..+23 % when launched programmatically: this says
 // what mapping the default launch gives and how the programmatic one differs.
 // Build (here or on the device machine):
-//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a bench/probes/placement_probe.cu -o
-//   placement_probe
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Isrc/kernels \
+//        bench/probes/placement_probe.cu -o placement_probe
 #include <cuda_runtime.h>
 
 #include <cstdio>
 #include <vector>
 
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      return 1;                                                                               \
-    }                                                                                         \
-  } while (0)
+#include "cuda_check.h"
+#include "sm90_ptx.cuh"
+
+namespace sm90 = megamoe::sm90;
 
 constexpr int kSmem = 229888;  // the wide-tile kernel's dynamic shared memory
-
-__device__ unsigned smid() {
-  unsigned s;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
-  return s;
-}
-__device__ unsigned long long gtimer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 __global__ void __launch_bounds__(384, 1) occupy(unsigned* sm, unsigned long long* start) {
   extern __shared__ unsigned char smem[];
   if (threadIdx.x == 0) {
-    start[blockIdx.x] = gtimer();
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    sm[blockIdx.x] = smid();
+    start[blockIdx.x] = sm90::globaltimer_ns();
+    sm90::grid_dependency_wait();
+    sm[blockIdx.x] = sm90::smid();
     smem[0] = 1;
   }
 }
@@ -49,23 +34,23 @@ __global__ void __launch_bounds__(384, 1) occupy(unsigned* sm, unsigned long lon
 // letting its dependent launch.
 __global__ void __launch_bounds__(256) busy(int* sink) {
   __shared__ float buf[8448];
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  const unsigned long long t0 = gtimer();
+  sm90::launch_dependents();
+  const uint64_t t0 = sm90::globaltimer_ns();
   float v = threadIdx.x;
-  while (gtimer() - t0 < 40000) v = v * 1.0001f + buf[threadIdx.x];
+  while (sm90::globaltimer_ns() - t0 < 40000) v = v * 1.0001f + buf[threadIdx.x];
   if (v == 12345.f) sink[0] = 1;
 }
 
 int main() {
   int G = 0;
-  CK(cudaDeviceGetAttribute(&G, cudaDevAttrMultiProcessorCount, 0));
-  CK(cudaFuncSetAttribute(occupy, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&G, cudaDevAttrMultiProcessorCount, 0));
+  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(occupy, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   unsigned* d_sm;
   unsigned long long* d_t;
   int* sink;
-  CK(cudaMalloc(&d_sm, G * sizeof(unsigned)));
-  CK(cudaMalloc(&d_t, G * sizeof(unsigned long long)));
-  CK(cudaMalloc(&sink, 4));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&d_sm, G * sizeof(unsigned)));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&d_t, G * sizeof(unsigned long long)));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&sink, 4));
   std::vector<unsigned> sm(G);
   std::vector<unsigned long long> t(G);
   auto report = [&](const char* what) {
@@ -83,7 +68,7 @@ int main() {
   };
   for (int r = 0; r < 3; ++r) {
     occupy<<<G, 384, kSmem>>>(d_sm, d_t);
-    CK(cudaDeviceSynchronize());
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
     char name[64];
     std::snprintf(name, sizeof name, "plain launch %d", r);
     report(name);
@@ -91,19 +76,17 @@ int main() {
   for (int r = 0; r < 2; ++r) {
     busy<<<512, 256>>>(sink);
     cudaLaunchConfig_t cfg{};
-    cudaLaunchAttribute attr[1]{};
+    cudaLaunchAttribute attr = sm90::programmatic_serialization();
     cfg.gridDim = dim3(G), cfg.blockDim = dim3(384), cfg.dynamicSmemBytes = kSmem;
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr, cfg.numAttrs = 1;
-    CK(cudaLaunchKernelEx(&cfg, occupy, d_sm, d_t));
-    CK(cudaDeviceSynchronize());
+    cfg.attrs = &attr, cfg.numAttrs = 1;
+    MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, occupy, d_sm, d_t));
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
     report(r ? "programmatic after busy 1" : "programmatic after busy 0");
   }
   for (int r = 0; r < 1; ++r) {  // the same busy kernel, then a plain launch
     busy<<<512, 256>>>(sink);
     occupy<<<G, 384, kSmem>>>(d_sm, d_t);
-    CK(cudaDeviceSynchronize());
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
     report("plain after busy");
   }
   return 0;

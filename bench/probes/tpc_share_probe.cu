@@ -20,18 +20,10 @@
 #include <cstdio>
 #include <vector>
 
+#include "cuda_check.h"
 #include "sm90_ptx.cuh"
 
 namespace sm90 = megamoe::sm90;
-
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      return 1;                                                                               \
-    }                                                                                         \
-  } while (0)
 
 constexpr int kSmem = 229888;  // the wide-tile kernel's dynamic shared memory (one CTA an SM)
 constexpr int kChunk = 32768;
@@ -69,18 +61,18 @@ __global__ void __launch_bounds__(384, 1)
 
 int main() {
   int G = 0;
-  CK(cudaDeviceGetAttribute(&G, cudaDevAttrMultiProcessorCount, 0));
-  CK(cudaFuncSetAttribute(stream, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&G, cudaDevAttrMultiProcessorCount, 0));
+  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(stream, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const size_t hbm_region = size_t(32) << 20, l2_region = size_t(256) << 10;
   uint8_t *buf = nullptr, *flush = nullptr;
   unsigned long long* cycles = nullptr;
-  CK(cudaMalloc(&buf, size_t(G) * hbm_region));
-  CK(cudaMemset(buf, 1, size_t(G) * hbm_region));
-  CK(cudaMalloc(&flush, size_t(256) << 20));
-  CK(cudaMalloc(&cycles, G * sizeof(unsigned long long)));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&buf, size_t(G) * hbm_region));
+  MEGAMOE_CUDA_CHECK(cudaMemset(buf, 1, size_t(G) * hbm_region));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&flush, size_t(256) << 20));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&cycles, G * sizeof(unsigned long long)));
   cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
+  MEGAMOE_CUDA_CHECK(cudaEventCreate(&e0));
+  MEGAMOE_CUDA_CHECK(cudaEventCreate(&e1));
   const char* names[] = {"own", "tpc", "next", "far"};
   std::printf("%d CTAs, 32 KB bulk copies, %d stages; GB/s = bytes the CTAs received / time\n", G, kStages);
   for (int l2 = 0; l2 < 2; ++l2) {
@@ -90,14 +82,14 @@ int main() {
       for (int mode = 0; mode < 4; ++mode) {
         std::vector<float> us;
         for (int rep = 0; rep < 5; ++rep) {
-          if (!l2) CK(cudaMemset(flush, rep, size_t(256) << 20));           // L2 flushed
-          if (l2) stream<<<G, 384, kSmem>>>(buf, region, 1, mode, cycles);  // L2 warmed
-          CK(cudaEventRecord(e0));
+          if (!l2) MEGAMOE_CUDA_CHECK(cudaMemset(flush, rep, size_t(256) << 20));  // L2 flushed
+          if (l2) stream<<<G, 384, kSmem>>>(buf, region, 1, mode, cycles);         // L2 warmed
+          MEGAMOE_CUDA_CHECK(cudaEventRecord(e0));
           stream<<<G, 384, kSmem>>>(buf, region, loops, mode, cycles);
-          CK(cudaEventRecord(e1));
-          CK(cudaEventSynchronize(e1));
+          MEGAMOE_CUDA_CHECK(cudaEventRecord(e1));
+          MEGAMOE_CUDA_CHECK(cudaEventSynchronize(e1));
           float ms = 0;
-          CK(cudaEventElapsedTime(&ms, e0, e1));
+          MEGAMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
           us.push_back(ms * 1e3f);
         }
         std::sort(us.begin(), us.end());

@@ -1338,11 +1338,7 @@ struct FusedLaunch {
       c.id = cudaLaunchAttributeClusterDimension;
       c.val.clusterDim.x = 2, c.val.clusterDim.y = 1, c.val.clusterDim.z = 1;
     }
-    if (programmatic) {
-      cudaLaunchAttribute& p = attr[cfg.numAttrs++];
-      p.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      p.val.programmaticStreamSerializationAllowed = 1;
-    }
+    if (programmatic) attr[cfg.numAttrs++] = sm90::programmatic_serialization();
   }
   template <typename Kernel>
   void operator()(Kernel kernel, const KernelArgs& args, const TensorMaps& maps) {

@@ -557,11 +557,9 @@ void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int
   const int topk_blocks =
       std::max(1, std::min((host_tokens_hint + kTopkWarps - 1) / kTopkWarps, num_sms * 8));
   cudaLaunchConfig_t cfg{};
-  cudaLaunchAttribute attr[1]{};
+  cudaLaunchAttribute attr = sm90::programmatic_serialization();
   cfg.gridDim = dim3(topk_blocks), cfg.blockDim = dim3(kTopkWarps * 32), cfg.stream = stream;
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr, cfg.numAttrs = programmatic ? 1 : 0;
+  cfg.attrs = &attr, cfg.numAttrs = programmatic ? 1 : 0;
   MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, route_topk_kernel, a, s));
 }
 
