@@ -41,6 +41,12 @@ constexpr int kTileSlots = 4;
 // against a static tail (0) -1.0 to -1.7 % for T = 8..256, T=4096 -1.5 %; 2 gained
 // less, 8 about as much (bench/results/ab/v14_pool.log).
 constexpr int kTailPool = 4;
+// A tile whose tokens are not ready (a GEMM2 tile before its expert's GEMM1 tiles are
+// done) fills the ring with weight-only stages and then waits; meanwhile the weights of its
+// next kDependencyPrefetchStages stages are prefetched into L2, so the wait does not stop
+// this SM's share of the weight stream (decode: the producers waited 5 % of T = 1, v37).
+// MEGAMOE_DEP_PREFETCH overrides it (0: off).
+constexpr int kDependencyPrefetchStages = 8;
 // Tile order inside an expert: output blocks major, its token blocks minor, in chunks of
 // kTokenChunk token blocks (decode_tile in fused_moe_device.cuh). One chunk's tokens stay in L2
 // while the chunk walks the output blocks; a weight block is read once a chunk. With
