@@ -132,6 +132,7 @@ MoeWorkspaceLayout MoeWorkspaceLayout::compute(const MoeShape& s, int max_tokens
   place(w.row_src, R * 4);
   place(w.ep_state, 16);
   place(w.token_status, TokenCountStatus::kWords * 4);
+  place(w.route_arrive, 4);
   w.total_bytes = plan.total();
   return w;
 }
@@ -1619,8 +1620,10 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   a.row_src = reinterpret_cast<int32_t*>(base + ws.row_src.offset);
   a.w13_scale = w.w13_scale, a.w2_scale = w.w2_scale;
   a.sw13_scale = w.shared_w13_scale, a.sw2_scale = w.shared_w2_scale;
-  if (!ep || ep->init_state)
+  if (!ep || ep->init_state) {
     MEGAMOE_CUDA_CHECK(cudaMemset(base + ws.token_status.offset, 0, ws.token_status.bytes));  // (poisoned)
+    MEGAMOE_CUDA_CHECK(cudaMemset(base + ws.route_arrive.offset, 0, ws.route_arrive.bytes));
+  }
   if (ep) {
     EpArgs& e = a.ep;
     e.ranks = ep->layout.ranks;
@@ -1758,10 +1761,10 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
 
 namespace {
 
-// The routing's two kernels (programmatic: route_topk as a programmatic dependent, the
-// forward's FusedMoeConfig::programmatic_launch).
-void launch_routing(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint, bool programmatic,
-                    cudaStream_t stream) {
+// The routing's kernels for the forward's configuration: route_topk as a programmatic
+// dependent (FusedMoeConfig::programmatic_launch), or no route_topk (fused_topk).
+void launch_routing(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint,
+                    const FusedMoeConfig& cfg, cudaStream_t stream) {
   auto* base = static_cast<uint8_t*>(p->workspace);
   RouteArgs r;
   r.zero = reinterpret_cast<int*>(base + p->ws.counters.offset);
@@ -1780,13 +1783,14 @@ void launch_routing(const FusedMoePlan* p, const DeviceTensors& t, int host_toke
       reinterpret_cast<int*>(base + p->ws.counters.offset) + MoeWorkspaceLayout::kCounterExperts;
   r.max_tokens = p->ws.max_tokens;
   r.epoch = p->args.ep.state;  // expert parallelism: one epoch per forward (null otherwise)
-  launch_route(p->shape, r, host_tokens_hint, p->num_sms, programmatic, stream);
+  r.topk_arrive = cfg.fused_topk ? reinterpret_cast<int*>(base + p->ws.route_arrive.offset) : nullptr;
+  launch_route(p->shape, r, host_tokens_hint, p->num_sms, cfg.programmatic_launch, stream);
 }
 
 }  // namespace
 
 void route_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint, cudaStream_t stream) {
-  launch_routing(p, t, host_tokens_hint, fused_moe_config(p, host_tokens_hint).programmatic_launch, stream);
+  launch_routing(p, t, host_tokens_hint, fused_moe_config(p, host_tokens_hint), stream);
 }
 
 void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint,
@@ -1795,7 +1799,7 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
                 "token count " + std::to_string(host_tokens_hint) + " exceeds the workspace's max_tokens " +
                     std::to_string(p->ws.max_tokens));
   const FusedMoeConfig cfg = fused_moe_config(p, host_tokens_hint);
-  launch_routing(p, t, host_tokens_hint, cfg.programmatic_launch, stream);
+  launch_routing(p, t, host_tokens_hint, cfg, stream);
   maybe_print_config(p->shape, host_tokens_hint, cfg);
   KernelArgs a = p->args;
   a.half_tiles = cfg.half_tiles;

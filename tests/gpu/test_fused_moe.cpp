@@ -160,6 +160,7 @@ class FusedMoe : public ::testing::Test {
     unsetenv("MEGAMOE_PAIR_WEIGHTS");
     unsetenv("MEGAMOE_WIDE_TILES");
     unsetenv("MEGAMOE_PDL");
+    unsetenv("MEGAMOE_FUSED_TOPK");
   }
 };
 
@@ -377,6 +378,9 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
     // route_topk and the fused kernel launched as programmatic dependents (their CTAs start
     // while the kernel before them runs; the rule takes it up to 64 tokens) and not: the same bytes.
     same_bytes_each("MEGAMOE_PDL", {"0", "1"});
+    // route_topk's work done by route_logits' last block (every token by one block's warps)
+    // and by route_topk: the same bytes.
+    same_bytes_each("MEGAMOE_FUSED_TOPK", {"0", "1"});
     // 128-token tiles in CTA pairs (clusters of two, the token tile multicast) and alone:
     // the same bytes (the odd shape's H / 128 = 9 output blocks cannot pair: it runs alone).
     setenv("MEGAMOE_BLOCK_N", "128", 1);
@@ -429,8 +433,13 @@ TEST_F(FusedMoe, RoutingBitsIndependentOfRouterTile) {
     CK(cudaMemcpy(dT, &T, sizeof(int), cudaMemcpyHostToDevice));
     std::vector<int32_t> ids0;
     std::vector<float> w0;
-    for (int hint : {T, 256, 512, Tmax}) {
+    // Each hint with route_topk and with the top-k fused into route_logits' last block.
+    for (const auto& [hint, fused] :
+         {std::pair{T, "0"}, std::pair{T, "1"}, std::pair{256, "0"}, std::pair{256, "1"}, std::pair{512, "0"},
+          std::pair{Tmax, "0"}, std::pair{Tmax, "1"}}) {
+      setenv("MEGAMOE_FUSED_TOPK", fused, 1);
       layer.route(dx, hint, dT, nullptr);
+      unsetenv("MEGAMOE_FUSED_TOPK");
       CK(cudaDeviceSynchronize());
       std::vector<int32_t> ids(size_t(T) * s.topk);
       std::vector<float> wts(ids.size());
@@ -444,9 +453,10 @@ TEST_F(FusedMoe, RoutingBitsIndependentOfRouterTile) {
         EXPECT_EQ(ids, ref_ids) << "routing ids differ from the CPU reference";
         continue;
       }
-      EXPECT_EQ(ids, ids0) << "hint " << hint << " changes the routing ids";
+      EXPECT_EQ(ids, ids0) << "hint " << hint << " (MEGAMOE_FUSED_TOPK=" << fused
+                           << ") changes the routing ids";
       EXPECT_EQ(0, std::memcmp(wts.data(), w0.data(), wts.size() * 4))
-          << "hint " << hint << " changes the weights";
+          << "hint " << hint << " (MEGAMOE_FUSED_TOPK=" << fused << ") changes the weights";
     }
     cudaFree(dx);
     cudaFree(dT);
@@ -588,9 +598,11 @@ TEST_F(FusedMoe, GraphReplayWithDeviceTokenCount) {
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
   // Captured with route_topk and the fused kernel as programmatic dependents (the graph's
-  // edges between them programmatic) and without.
-  for (const char* pdl : {"1", "0"}) {
+  // edges between them programmatic) and without, and with the top-k in route_logits' last
+  // block (its arrival count must be back at 0 after every replay, T = 0 included).
+  for (const auto& [pdl, fused] : {std::pair{"1", "0"}, std::pair{"0", "0"}, std::pair{"1", "1"}}) {
     setenv("MEGAMOE_PDL", pdl, 1);
+    setenv("MEGAMOE_FUSED_TOPK", fused, 1);
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
@@ -598,7 +610,8 @@ TEST_F(FusedMoe, GraphReplayWithDeviceTokenCount) {
     CK(cudaStreamEndCapture(st, &graph));
     CK(cudaGraphInstantiate(&exec, graph, 0));
     unsetenv("MEGAMOE_PDL");
-    for (int T : {37, 320, 1, 100, 257}) {
+    unsetenv("MEGAMOE_FUSED_TOPK");
+    for (int T : {37, 320, 0, 1, 100, 257}) {
       CK(cudaMemcpy(dT, &T, sizeof(int), cudaMemcpyHostToDevice));
       CK(cudaMemset(dy, 0xFF, x.size() * 2));
       CK(cudaGraphLaunch(exec, st));
@@ -608,7 +621,7 @@ TEST_F(FusedMoe, GraphReplayWithDeviceTokenCount) {
       std::vector<num::bf16_t> xt(x.begin(), x.begin() + size_t(T) * s.hidden);
       const GpuRun eager = run_gpu(layer, xt, T);
       EXPECT_EQ(0, std::memcmp(yg.data(), eager.y.data(), yg.size() * 2))
-          << "graph replay at T=" << T << " (MEGAMOE_PDL=" << pdl << ")";
+          << "graph replay at T=" << T << " (MEGAMOE_PDL=" << pdl << " MEGAMOE_FUSED_TOPK=" << fused << ")";
     }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);

@@ -72,6 +72,8 @@ struct MoeWorkspaceLayout {
   Region ep_state;        // u64 [2]               expert parallelism: epoch, status (EpStatus)
   Region token_status;    // i32 [TokenCountStatus::kWords]: device token counts out of range
                           //   (sticky until token_count_take; not zeroed per forward)
+  Region route_arrive;    // i32 [1]: route_logits' blocks arriving (FusedMoeConfig::fused_topk); 0
+                          //   between forwards (the last block resets it; not zeroed per forward)
   size_t total_bytes = 0;
 
   int counter_count() const { return kCounterExperts + experts_total + units_cap; }
@@ -108,6 +110,8 @@ struct FusedMoeConfig {
   // route_topk and the fused kernel launched as programmatic dependents of the kernel
   // before them (kProgrammaticLaunch): their CTAs start while it runs and wait for its end.
   bool programmatic_launch = false;
+  // route_topk's work done by route_logits' last block (kFusedTopk): one kernel fewer.
+  bool fused_topk = false;
 };
 
 struct DeviceTensors {
