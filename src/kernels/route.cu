@@ -525,6 +525,11 @@ struct RouteTile {
 // Tile configurations by token hint (see heuristics.h for the thresholds).
 template <typename WT>
 using RouteSmall = RouteTile<WT, 16, 16, kSlicesPerGroup, 1, 2, 6>;  // decode: a warp slice a slice
+// The decode tile on 8 experts a block: twice the blocks (128 for 256 experts, where the small
+// tile leaves half the SMs out of the router weight's stream), half the warps. Only through
+// MEGAMOE_ROUTE_TILE=tiny until measured (v38: predicted -0.5..-1.5 us at T = 1).
+template <typename WT>
+using RouteTiny = RouteTile<WT, 16, 8, kSlicesPerGroup, 1, 1, 6>;
 template <typename WT>
 using RouteMedium = RouteTile<WT, 64, 32, 1, 2, 2, 4>;
 // The medium tile with the group's four slices side by side (16 warps): a quarter of the
@@ -540,12 +545,11 @@ using RouteLarge = RouteTile<WT, 128, 64, 1, 2, 2, 3>;  // prefill: fewer re-rea
 
 template <typename WT>
 void launch_route_logits(const RouteArgs& a, const MoeShape& s, int hint, cudaStream_t stream) {
-  // MEGAMOE_ROUTE_TILE=small|wide|medium|large forces a tile shape (same bits; for timing),
-  // read once per process.
-  static const std::string forced = [] {
-    const char* env = std::getenv("MEGAMOE_ROUTE_TILE");
-    return std::string(env ? env : "");
-  }();
+  // MEGAMOE_ROUTE_TILE=tiny|small|wide|medium|large forces a tile shape (same bits; for
+  // timing and the tests), read each launch.
+  const char* env = std::getenv("MEGAMOE_ROUTE_TILE");
+  const std::string forced = env ? env : "";
+  if (forced == "tiny") return RouteTiny<WT>::launch(a, s, hint, stream);
   if (forced == "small") return RouteSmall<WT>::launch(a, s, hint, stream);
   if (forced == "medium") return RouteMedium<WT>::launch(a, s, hint, stream);
   if (forced == "wide") return RouteMediumWide<WT>::launch(a, s, hint, stream);
@@ -587,6 +591,7 @@ void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int
 static int g_route_parts = kRoutePartLogits | kRoutePartTopk;
 
 void route_prepare() {
+  RouteTiny<float>::prepare(), RouteTiny<uint16_t>::prepare();
   RouteSmall<float>::prepare(), RouteMedium<float>::prepare(), RouteLarge<float>::prepare();
   RouteSmall<uint16_t>::prepare(), RouteMedium<uint16_t>::prepare(), RouteLarge<uint16_t>::prepare();
   RouteMediumWide<float>::prepare(), RouteMediumWide<uint16_t>::prepare();

@@ -161,6 +161,7 @@ class FusedMoe : public ::testing::Test {
     unsetenv("MEGAMOE_WIDE_TILES");
     unsetenv("MEGAMOE_PDL");
     unsetenv("MEGAMOE_FUSED_TOPK");
+    unsetenv("MEGAMOE_ROUTE_TILE");
   }
 };
 
@@ -433,13 +434,22 @@ TEST_F(FusedMoe, RoutingBitsIndependentOfRouterTile) {
     CK(cudaMemcpy(dT, &T, sizeof(int), cudaMemcpyHostToDevice));
     std::vector<int32_t> ids0;
     std::vector<float> w0;
-    // Each hint with route_topk and with the top-k fused into route_logits' last block.
-    for (const auto& [hint, fused] :
-         {std::pair{T, "0"}, std::pair{T, "1"}, std::pair{256, "0"}, std::pair{256, "1"}, std::pair{512, "0"},
-          std::pair{Tmax, "0"}, std::pair{Tmax, "1"}}) {
+    // Each hint with route_topk and with the top-k fused into route_logits' last block, then
+    // every router tile forced (MEGAMOE_ROUTE_TILE; "" = the rule's).
+    struct Variant {
+      int hint;
+      const char *fused, *tile;
+    };
+    for (const auto& [hint, fused, tile] :
+         {Variant{T, "0", ""}, Variant{T, "1", ""}, Variant{256, "0", ""}, Variant{256, "1", ""},
+          Variant{512, "0", ""}, Variant{Tmax, "0", ""}, Variant{Tmax, "1", ""}, Variant{T, "0", "tiny"},
+          Variant{T, "1", "tiny"}, Variant{T, "0", "small"}, Variant{T, "0", "wide"},
+          Variant{T, "0", "medium"}, Variant{T, "0", "large"}, Variant{T, "1", "large"}}) {
       setenv("MEGAMOE_FUSED_TOPK", fused, 1);
+      setenv("MEGAMOE_ROUTE_TILE", tile, 1);
       layer.route(dx, hint, dT, nullptr);
       unsetenv("MEGAMOE_FUSED_TOPK");
+      unsetenv("MEGAMOE_ROUTE_TILE");
       CK(cudaDeviceSynchronize());
       std::vector<int32_t> ids(size_t(T) * s.topk);
       std::vector<float> wts(ids.size());
@@ -454,9 +464,10 @@ TEST_F(FusedMoe, RoutingBitsIndependentOfRouterTile) {
         continue;
       }
       EXPECT_EQ(ids, ids0) << "hint " << hint << " (MEGAMOE_FUSED_TOPK=" << fused
-                           << ") changes the routing ids";
+                           << " MEGAMOE_ROUTE_TILE=" << tile << ") changes the routing ids";
       EXPECT_EQ(0, std::memcmp(wts.data(), w0.data(), wts.size() * 4))
-          << "hint " << hint << " (MEGAMOE_FUSED_TOPK=" << fused << ") changes the weights";
+          << "hint " << hint << " (MEGAMOE_FUSED_TOPK=" << fused << " MEGAMOE_ROUTE_TILE=" << tile
+          << ") changes the weights";
     }
     cudaFree(dx);
     cudaFree(dT);
