@@ -52,6 +52,7 @@ struct KernelArgs {
   int unit_stride;     // MEGAMOE_UNIT_STRIDE: CTA b takes unit b * stride mod G (coprime to G; 1; 0: %smid)
   int half_tiles;      // FusedMoeConfig::half_tiles (per forward)
   int pair_weights;    // FusedMoeConfig::pair_weights (per forward; pair tiles only)
+  int phase0_overlap;  // FusedMoeConfig::phase0_overlap (per forward; one device, not pair tiles)
   int ep_overlap;      // expert parallelism: the row pull runs beside the tiles (kEpPullOverlap)
   const int* num_tokens;
   int tokens_cap;  // the forward's host hint: T = device_token_count(num_tokens, tokens_cap)

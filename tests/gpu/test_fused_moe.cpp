@@ -162,6 +162,7 @@ class FusedMoe : public ::testing::Test {
     unsetenv("MEGAMOE_PDL");
     unsetenv("MEGAMOE_FUSED_TOPK");
     unsetenv("MEGAMOE_ROUTE_TILE");
+    unsetenv("MEGAMOE_PHASE0_OVERLAP");
   }
 };
 
@@ -382,6 +383,23 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
     // route_topk's work done by route_logits' last block (every token by one block's warps)
     // and by route_topk: the same bytes.
     same_bytes_each("MEGAMOE_FUSED_TOPK", {"0", "1"});
+    // Phase 0 overlapped with the tiles (no grid barrier; each tile's tokens wait for its
+    // unit's rows) in every tile shape that takes it, decode pairs included: the same bytes.
+    setenv("MEGAMOE_PHASE0_OVERLAP", "1", 1);
+    setenv("MEGAMOE_WIDE_TILES", "0", 1);
+    for (const char* bn : {"8", "16", "32", "48", "64", "128"})
+      for (const char* pairs : {"0", "1"}) {
+        setenv("MEGAMOE_BLOCK_N", bn, 1);
+        setenv("MEGAMOE_PAIR_TILES", pairs, 1);
+        const GpuRun c = run_gpu(layer, x, T);
+        EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
+            << s.describe() << ": block_n " << bn << " MEGAMOE_PAIR_TILES=" << pairs
+            << " with phase 0 overlapped changes the bytes (" << layer.config_for(T) << ")";
+      }
+    unsetenv("MEGAMOE_PHASE0_OVERLAP");
+    unsetenv("MEGAMOE_WIDE_TILES");
+    unsetenv("MEGAMOE_PAIR_TILES");
+    unsetenv("MEGAMOE_BLOCK_N");
     // 128-token tiles in CTA pairs (clusters of two, the token tile multicast) and alone:
     // the same bytes (the odd shape's H / 128 = 9 output blocks cannot pair: it runs alone).
     setenv("MEGAMOE_BLOCK_N", "128", 1);
@@ -611,9 +629,15 @@ TEST_F(FusedMoe, GraphReplayWithDeviceTokenCount) {
   // Captured with route_topk and the fused kernel as programmatic dependents (the graph's
   // edges between them programmatic) and without, and with the top-k in route_logits' last
   // block (its arrival count must be back at 0 after every replay, T = 0 included).
-  for (const auto& [pdl, fused] : {std::pair{"1", "0"}, std::pair{"0", "0"}, std::pair{"1", "1"}}) {
+  // And with phase 0 overlapped with the tiles.
+  struct Variant {
+    const char *pdl, *fused, *overlap;
+  };
+  for (const auto& [pdl, fused, overlap] :
+       {Variant{"1", "0", "0"}, Variant{"0", "0", "0"}, Variant{"1", "1", "0"}, Variant{"1", "1", "1"}}) {
     setenv("MEGAMOE_PDL", pdl, 1);
     setenv("MEGAMOE_FUSED_TOPK", fused, 1);
+    setenv("MEGAMOE_PHASE0_OVERLAP", overlap, 1);
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
@@ -622,6 +646,7 @@ TEST_F(FusedMoe, GraphReplayWithDeviceTokenCount) {
     CK(cudaGraphInstantiate(&exec, graph, 0));
     unsetenv("MEGAMOE_PDL");
     unsetenv("MEGAMOE_FUSED_TOPK");
+    unsetenv("MEGAMOE_PHASE0_OVERLAP");
     for (int T : {37, 320, 0, 1, 100, 257}) {
       CK(cudaMemcpy(dT, &T, sizeof(int), cudaMemcpyHostToDevice));
       CK(cudaMemset(dy, 0xFF, x.size() * 2));
@@ -632,7 +657,8 @@ TEST_F(FusedMoe, GraphReplayWithDeviceTokenCount) {
       std::vector<num::bf16_t> xt(x.begin(), x.begin() + size_t(T) * s.hidden);
       const GpuRun eager = run_gpu(layer, xt, T);
       EXPECT_EQ(0, std::memcmp(yg.data(), eager.y.data(), yg.size() * 2))
-          << "graph replay at T=" << T << " (MEGAMOE_PDL=" << pdl << " MEGAMOE_FUSED_TOPK=" << fused << ")";
+          << "graph replay at T=" << T << " (MEGAMOE_PDL=" << pdl << " MEGAMOE_FUSED_TOPK=" << fused
+          << " MEGAMOE_PHASE0_OVERLAP=" << overlap << ")";
     }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);

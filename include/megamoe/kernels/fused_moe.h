@@ -112,6 +112,10 @@ struct FusedMoeConfig {
   bool programmatic_launch = false;
   // route_topk's work done by route_logits' last block (kFusedTopk): one kernel fewer.
   bool fused_topk = false;
+  // One device, decode tiles (block_n <= 64): no grid barrier after phase 0; each GEMM1
+  // tile's tokens wait for its unit's rows instead (counted into its done1 counter), so the
+  // weights stream from the start (kPhase0Overlap).
+  bool phase0_overlap = false;
 };
 
 struct DeviceTensors {
