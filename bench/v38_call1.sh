@@ -2,7 +2,7 @@
 # v38 device call 1 (prepared; v38 itself got no device): the GPU tests first (the cases of
 # the fused top-k, the tiny router tile and the overlapped phase 0 are new and have never
 # run), then the decode switches' A/B if they all pass.
-# Build: scripts/build_devbin.sh devbinA; run with carry ["devbinA"].
+# Build: scripts/build_devbin.sh devbinA old=72e44f1; run with carry ["devbinA"].
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib
 nvidia-smi --query-gpu=name --format=csv,noheader

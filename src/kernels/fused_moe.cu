@@ -351,6 +351,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the routing's outputs, the counters and the token count are read from here on.
   sm90::grid_dependency_wait();
   const int T = device_token_count(a.num_tokens, a.tokens_cap);
+  // The fused top-k's arrival word is back at 0 after route_logits; zeroed again here (the
+  // router has ended) so that a word disturbed from outside, e.g. a plan created on a shared
+  // workspace mid-forward, heals at the next forward instead of skewing every later routing.
+  if (blockIdx.x == 0 && tid == 0) *a.route_arrive = 0;
 
   // ---- Schedule tables: rows and token blocks per expert (one warp scans). ----
   // Expert parallelism: this rank's local experts, from the counts its sources send
@@ -521,6 +525,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // warp-wide amax and four 4-byte stores a group and row). The next task's loads (its x
   // columns and its slot rows) are issued before this task is quantized and stored.
   if (!kEp) {
+    if ((a.debug_skip & kDelayPhase0) && (blockIdx.x & 1)) {
+      const uint64_t until = sm90::globaltimer_ns() + 20000;
+      while (sm90::globaltimer_ns() < until) {
+      }
+    }
     const int hb = a.H / 128;
     const int warps_total = gridDim.x * (kThreads / 32);
     const int chunks = phase0_chunks(a.H);
@@ -1654,6 +1663,7 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   a.act2_scale = reinterpret_cast<float*>(base + ws.act2_scale.offset);
   a.y_rows = reinterpret_cast<uint16_t*>(base + ws.y_rows.offset);
   a.row_src = reinterpret_cast<int32_t*>(base + ws.row_src.offset);
+  a.route_arrive = reinterpret_cast<int*>(base + ws.route_arrive.offset);
   a.w13_scale = w.w13_scale, a.w2_scale = w.w2_scale;
   a.sw13_scale = w.shared_w13_scale, a.sw2_scale = w.shared_w2_scale;
   if (!ep || ep->init_state) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "cuda_check.h"
@@ -548,14 +549,14 @@ void launch_route_logits(const RouteArgs& a, const MoeShape& s, int hint, cudaSt
   // MEGAMOE_ROUTE_TILE=tiny|small|wide|medium|large forces a tile shape (same bits; for
   // timing and the tests), read each launch.
   const char* env = std::getenv("MEGAMOE_ROUTE_TILE");
-  const std::string forced = env ? env : "";
-  if (forced == "tiny") return RouteTiny<WT>::launch(a, s, hint, stream);
-  if (forced == "small") return RouteSmall<WT>::launch(a, s, hint, stream);
-  if (forced == "medium") return RouteMedium<WT>::launch(a, s, hint, stream);
-  if (forced == "wide") return RouteMediumWide<WT>::launch(a, s, hint, stream);
+  auto forced = [&](const char* tile) { return env && std::strcmp(env, tile) == 0; };
+  if (forced("tiny")) return RouteTiny<WT>::launch(a, s, hint, stream);
+  if (forced("small")) return RouteSmall<WT>::launch(a, s, hint, stream);
+  if (forced("medium")) return RouteMedium<WT>::launch(a, s, hint, stream);
+  if (forced("wide")) return RouteMediumWide<WT>::launch(a, s, hint, stream);
   // (the fused top-k takes the medium tile where the rule or the switch says large)
   const bool fused = a.topk_arrive != nullptr;
-  if (forced == "large" && !fused) return RouteLarge<WT>::launch(a, s, hint, stream);
+  if (forced("large") && !fused) return RouteLarge<WT>::launch(a, s, hint, stream);
   if (hint <= kRouteSmallTokens)
     RouteSmall<WT>::launch(a, s, hint, stream);
   else if (hint <= kRouteWideTokens)

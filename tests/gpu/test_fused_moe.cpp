@@ -163,6 +163,9 @@ class FusedMoe : public ::testing::Test {
     unsetenv("MEGAMOE_FUSED_TOPK");
     unsetenv("MEGAMOE_ROUTE_TILE");
     unsetenv("MEGAMOE_PHASE0_OVERLAP");
+    unsetenv("MEGAMOE_DEP_PREFETCH");
+    unsetenv("MEGAMOE_EARLY_PREFETCH");
+    unsetenv("MEGAMOE_DEBUG_SKIP");
   }
 };
 
@@ -384,13 +387,15 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
     // and by route_topk: the same bytes.
     same_bytes_each("MEGAMOE_FUSED_TOPK", {"0", "1"});
     // Phase 0 overlapped with the tiles (no grid barrier; each tile's tokens wait for its
-    // unit's rows) in every tile shape that takes it, decode pairs included: the same bytes.
+    // unit's rows) in every decode tile shape (the ones that take it), decode pairs
+    // included where the shape pairs: the same bytes.
     setenv("MEGAMOE_PHASE0_OVERLAP", "1", 1);
     setenv("MEGAMOE_WIDE_TILES", "0", 1);
-    for (const char* bn : {"8", "16", "32", "48", "64", "128"})
+    for (const char* bn : {"8", "16", "32", "48", "64"})
       for (const char* pairs : {"0", "1"}) {
         setenv("MEGAMOE_BLOCK_N", bn, 1);
         setenv("MEGAMOE_PAIR_TILES", pairs, 1);
+        EXPECT_NE(layer.config_for(T).find("phase0_overlap"), std::string::npos) << layer.config_for(T);
         const GpuRun c = run_gpu(layer, x, T);
         EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
             << s.describe() << ": block_n " << bn << " MEGAMOE_PAIR_TILES=" << pairs
@@ -608,6 +613,56 @@ TEST_F(FusedMoe, LayersShareOneWorkspace) {
   cudaFree(ws);
 }
 
+// Captures one forward of `layer` at `hint` tokens into a graph with the MEGAMOE_* switches
+// `env` set (for the capture only), replays it at each T of Ts with the count in device
+// memory, and expects each replay's bytes (y poisoned first) to be an eager forward's at T
+// under the defaults.
+void expect_graph_replays_match(api::CudaMoeLayer& layer, const std::vector<num::bf16_t>& x, int hint,
+                                std::initializer_list<std::pair<const char*, const char*>> env,
+                                std::initializer_list<int> Ts) {
+  const MoeShape& s = layer.shape();
+  const size_t n = size_t(hint) * s.hidden;
+  ASSERT_GE(x.size(), n);
+  num::bf16_t *dx = nullptr, *dy = nullptr;
+  int* dT = nullptr;
+  CK(cudaMalloc(&dx, n * 2));
+  CK(cudaMalloc(&dy, n * 2));
+  CK(cudaMalloc(&dT, sizeof(int)));
+  CK(cudaMemcpy(dx, x.data(), n * 2, cudaMemcpyHostToDevice));
+  cudaStream_t st;
+  CK(cudaStreamCreate(&st));
+  std::string label;
+  for (const auto& [var, value] : env) {
+    setenv(var, value, 1);
+    label += std::string(" ") + var + "=" + value;
+  }
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  layer.forward(dx, dy, hint, dT, st);
+  CK(cudaStreamEndCapture(st, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  for (const auto& [var, value] : env) unsetenv(var);
+  for (int T : Ts) {
+    CK(cudaMemcpy(dT, &T, sizeof(int), cudaMemcpyHostToDevice));
+    CK(cudaMemset(dy, 0xFF, n * 2));
+    CK(cudaGraphLaunch(exec, st));
+    CK(cudaStreamSynchronize(st));
+    std::vector<num::bf16_t> yg(size_t(T) * s.hidden);
+    CK(cudaMemcpy(yg.data(), dy, yg.size() * 2, cudaMemcpyDeviceToHost));
+    std::vector<num::bf16_t> xt(x.begin(), x.begin() + size_t(T) * s.hidden);
+    const GpuRun eager = run_gpu(layer, xt, T);
+    EXPECT_EQ(0, std::memcmp(yg.data(), eager.y.data(), yg.size() * 2))
+        << "graph captured at " << hint << " tokens, replayed at T=" << T << " (" << label << " )";
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
+  cudaFree(dx);
+  cudaFree(dy);
+  cudaFree(dT);
+}
+
 TEST_F(FusedMoe, GraphReplayWithDeviceTokenCount) {
   const MoeShape s = reduced_shape();
   HostMoeWeights w = make_random_weights(s, 31);
@@ -618,55 +673,73 @@ TEST_F(FusedMoe, GraphReplayWithDeviceTokenCount) {
   api::MoeLayerOptions opt;
   opt.max_tokens = Tmax;
   api::CudaMoeLayer layer(w, opt);
-  num::bf16_t *dx = nullptr, *dy = nullptr;
-  int* dT = nullptr;
-  CK(cudaMalloc(&dx, x.size() * 2));
-  CK(cudaMalloc(&dy, x.size() * 2));
-  CK(cudaMalloc(&dT, sizeof(int)));
-  CK(cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
-  cudaStream_t st;
-  CK(cudaStreamCreate(&st));
   // Captured with route_topk and the fused kernel as programmatic dependents (the graph's
   // edges between them programmatic) and without, and with the top-k in route_logits' last
   // block (its arrival count must be back at 0 after every replay, T = 0 included).
-  // And with phase 0 overlapped with the tiles.
-  struct Variant {
-    const char *pdl, *fused, *overlap;
-  };
-  for (const auto& [pdl, fused, overlap] :
-       {Variant{"1", "0", "0"}, Variant{"0", "0", "0"}, Variant{"1", "1", "0"}, Variant{"1", "1", "1"}}) {
-    setenv("MEGAMOE_PDL", pdl, 1);
-    setenv("MEGAMOE_FUSED_TOPK", fused, 1);
-    setenv("MEGAMOE_PHASE0_OVERLAP", overlap, 1);
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-    layer.forward(dx, dy, Tmax, dT, st);
-    CK(cudaStreamEndCapture(st, &graph));
-    CK(cudaGraphInstantiate(&exec, graph, 0));
-    unsetenv("MEGAMOE_PDL");
-    unsetenv("MEGAMOE_FUSED_TOPK");
-    unsetenv("MEGAMOE_PHASE0_OVERLAP");
-    for (int T : {37, 320, 0, 1, 100, 257}) {
-      CK(cudaMemcpy(dT, &T, sizeof(int), cudaMemcpyHostToDevice));
-      CK(cudaMemset(dy, 0xFF, x.size() * 2));
-      CK(cudaGraphLaunch(exec, st));
-      CK(cudaStreamSynchronize(st));
-      std::vector<num::bf16_t> yg(size_t(T) * s.hidden);
-      CK(cudaMemcpy(yg.data(), dy, yg.size() * 2, cudaMemcpyDeviceToHost));
-      std::vector<num::bf16_t> xt(x.begin(), x.begin() + size_t(T) * s.hidden);
-      const GpuRun eager = run_gpu(layer, xt, T);
-      EXPECT_EQ(0, std::memcmp(yg.data(), eager.y.data(), yg.size() * 2))
-          << "graph replay at T=" << T << " (MEGAMOE_PDL=" << pdl << " MEGAMOE_FUSED_TOPK=" << fused
-          << " MEGAMOE_PHASE0_OVERLAP=" << overlap << ")";
+  for (const char* pdl : {"1", "0"})
+    expect_graph_replays_match(layer, x, Tmax, {{"MEGAMOE_PDL", pdl}}, {37, 320, 0, 1, 100, 257});
+  expect_graph_replays_match(layer, x, Tmax, {{"MEGAMOE_PDL", "1"}, {"MEGAMOE_FUSED_TOPK", "1"}},
+                             {37, 320, 0, 1, 100, 257});
+}
+
+// The decode switches (off by default; v38) keep the default bytes at decode sizes: the fused
+// top-k and phase 0 overlapped with the tiles (per forward), in every decode tile shape; the
+// same on a layer built with the L2 prefetches on (read when a layer is built) and the odd
+// CTAs' phase 0 delayed (kDelayPhase0: the overlapped tiles then wait for their rows); and a
+// graph captured at 16 tokens with the fused top-k and the overlap.
+TEST_F(FusedMoe, DecodeSwitchesKeepTheBytes) {
+  for (const MoeShape& s : {reduced_shape(), odd_blocks_shape()}) {
+    const int Tmax = 40;
+    const TestCase tc = make_case(s, 71, Tmax, Tmax);
+    api::MoeLayerOptions opt;
+    opt.max_tokens = Tmax;
+    setenv("MEGAMOE_DEP_PREFETCH", "8", 1);
+    setenv("MEGAMOE_EARLY_PREFETCH", "4", 1);
+    setenv("MEGAMOE_DEBUG_SKIP", "128", 1);
+    api::CudaMoeLayer switched(tc.w, opt);
+    unsetenv("MEGAMOE_DEP_PREFETCH");
+    unsetenv("MEGAMOE_EARLY_PREFETCH");
+    unsetenv("MEGAMOE_DEBUG_SKIP");
+    struct Variant {
+      const char *name, *fused, *overlap, *block_n, *pairs;  // block_n "": the rule's
+    };
+    for (int T : {1, 5, 16, 40}) {
+      const std::vector<num::bf16_t> x(tc.x.begin(), tc.x.begin() + size_t(T) * s.hidden);
+      const GpuRun want = run_gpu(*tc.layer, x, T);
+      for (const Variant& v :
+           {Variant{"defaults", "0", "0", "", ""}, Variant{"fused top-k", "1", "0", "", ""},
+            Variant{"overlap", "0", "1", "", ""}, Variant{"both", "1", "1", "", ""},
+            Variant{"overlap, block_n 8", "0", "1", "8", "0"},
+            Variant{"overlap, block_n 8 pairs", "0", "1", "8", "1"},
+            Variant{"overlap, block_n 16 pairs", "1", "1", "16", "1"},
+            Variant{"overlap, block_n 32", "0", "1", "32", "0"},
+            Variant{"overlap, block_n 64", "1", "1", "64", "0"}})
+        for (api::CudaMoeLayer* layer : {tc.layer.get(), &switched}) {
+          setenv("MEGAMOE_FUSED_TOPK", v.fused, 1);
+          setenv("MEGAMOE_PHASE0_OVERLAP", v.overlap, 1);
+          if (*v.block_n) setenv("MEGAMOE_BLOCK_N", v.block_n, 1), setenv("MEGAMOE_PAIR_TILES", v.pairs, 1);
+          const std::string cfg = layer->config_for(T);
+          const GpuRun got = run_gpu(*layer, x, T);
+          unsetenv("MEGAMOE_FUSED_TOPK");
+          unsetenv("MEGAMOE_PHASE0_OVERLAP");
+          unsetenv("MEGAMOE_BLOCK_N");
+          unsetenv("MEGAMOE_PAIR_TILES");
+          const std::string where = s.describe() + " T=" + std::to_string(T) + " " + v.name +
+                                    (layer == &switched ? " (prefetches, delayed phase 0)" : "") + ": " + cfg;
+          if (*v.overlap == '1') {
+            EXPECT_NE(cfg.find("phase0_overlap"), std::string::npos) << where;
+          }
+          if (*v.fused == '1') {
+            EXPECT_NE(cfg.find("fused_topk"), std::string::npos) << where;
+          }
+          EXPECT_EQ(0, std::memcmp(want.y.data(), got.y.data(), want.y.size() * 2))
+              << where << " changes the bytes";
+        }
     }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
+    expect_graph_replays_match(switched, tc.x, 16,
+                               {{"MEGAMOE_FUSED_TOPK", "1"}, {"MEGAMOE_PHASE0_OVERLAP", "1"}},
+                               {16, 1, 0, 5, 16});
   }
-  cudaStreamDestroy(st);
-  cudaFree(dx);
-  cudaFree(dy);
-  cudaFree(dT);
 }
 
 // A device token count outside [0, tokens_hint] is a caller's bug: the kernels clamp it
