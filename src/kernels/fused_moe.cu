@@ -347,8 +347,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (kWide) sm90::tma_prefetch_desc(&tm.w13w), sm90::tma_prefetch_desc(&tm.w2w);
   }
   // Launched programmatically (FusedMoeConfig::programmatic_launch), the CTA got here while
-  // route_topk ran: everything above touches only shared memory and the kernel's parameters;
-  // the routing's outputs, the counters and the token count are read from here on.
+  // the routing ran (route_topk; route_logits with the fused top-k): everything above touches
+  // only shared memory and the kernel's parameters; the routing's outputs, the counters and
+  // the token count are read from here on.
   sm90::grid_dependency_wait();
   const int T = device_token_count(a.num_tokens, a.tokens_cap);
   // The fused top-k's arrival word is back at 0 after route_logits; zeroed again here (the
@@ -1416,7 +1417,7 @@ void set_smem_attr() {
 }
 
 // A fused kernel's launch: pair tiles in clusters of two CTAs along x (cluster rank =
-// blockIdx.x % 2); programmatic: the CTAs may start while route_topk runs.
+// blockIdx.x % 2); programmatic: the CTAs may start while the routing's last kernel runs.
 struct FusedLaunch {
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr[2]{};
