@@ -132,7 +132,6 @@ MoeWorkspaceLayout MoeWorkspaceLayout::compute(const MoeShape& s, int max_tokens
   place(w.row_src, R * 4);
   place(w.ep_state, 16);
   place(w.token_status, TokenCountStatus::kWords * 4);
-  place(w.route_arrive, 4);
   w.total_bytes = plan.total();
   return w;
 }
@@ -347,15 +346,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (kWide) sm90::tma_prefetch_desc(&tm.w13w), sm90::tma_prefetch_desc(&tm.w2w);
   }
   // Launched programmatically (FusedMoeConfig::programmatic_launch), the CTA got here while
-  // the routing ran (route_topk; route_logits with the fused top-k): everything above touches
-  // only shared memory and the kernel's parameters; the routing's outputs, the counters and
-  // the token count are read from here on.
+  // route_topk ran: everything above touches only shared memory and the kernel's parameters;
+  // the routing's outputs, the counters and the token count are read from here on.
   sm90::grid_dependency_wait();
   const int T = device_token_count(a.num_tokens, a.tokens_cap);
-  // The fused top-k's arrival word is back at 0 after route_logits; zeroed again here (the
-  // router has ended) so that a word disturbed from outside, e.g. a plan created on a shared
-  // workspace mid-forward, heals at the next forward instead of skewing every later routing.
-  if (blockIdx.x == 0 && tid == 0) *a.route_arrive = 0;
 
   // ---- Schedule tables: rows and token blocks per expert (one warp scans). ----
   // Expert parallelism: this rank's local experts, from the counts its sources send
@@ -400,59 +394,37 @@ __global__ void __launch_bounds__(kThreads, 1)
   // w_tag (std::bool_constant): the tile's pair shares its weights (Tile::wpair); g_tag
   // (std::integral_constant): the tile's GEMM; both decided once a tile (the producer's fill
   // below) so a stage's path has no branch on them. h: a GEMM1 tile's half (one-block stages).
-  // The stage's weight box (this CTA's part of it) handed to box(offset in the stage, multicast,
-  // map, coordinates...): issue_weights loads it into the stage, prefetch_weights into L2.
-  auto weight_box = [&](auto w_tag, auto g_tag, const Tile& tl, int kb, int h, auto&& box) {
+  auto issue_weights = [&](auto w_tag, auto g_tag, const Tile& tl, int kb, int h, int stage) {
     constexpr bool kGemm1 = decltype(g_tag)::value == 1;
+    if (no_loads) return;
+    uint8_t* w_s = smem + stage * kStageBytes;
     const bool shared = tl.e == a.E;
-    const int e = shared ? 0 : tl.e;
     if constexpr (kWide) {
       // Two blocks in one box: GEMM1 the tile's 16 8-row gate / up groups (both halves), GEMM2
       // output blocks nblk (even) and nblk + 1, 256 rows; block 1's rows start at 16 KB.
       if constexpr (kGemm1)
-        box(0, std::false_type{}, shared ? &tm.sw13w : &tm.w13w, kb * 128, 0, 0, tl.nblk * 16, e);
+        sm90::tma_load_5d(w_s, shared ? &tm.sw13w : &tm.w13w, &full_bar[stage], kb * 128, 0, 0, tl.nblk * 16,
+                          shared ? 0 : tl.e);
       else
-        box(0, std::false_type{}, shared ? &tm.sw2w : &tm.w2w, kb * 128, tl.nblk * 128, e);
+        sm90::tma_load_3d(w_s, shared ? &tm.sw2w : &tm.w2w, &full_bar[stage], kb * 128, tl.nblk * 128,
+                          shared ? 0 : tl.e);
     } else if constexpr (decltype(w_tag)::value) {
       // A pair sharing its weights: this CTA's 64 of the stage's 128 weight rows into both
       // CTAs' stage (GEMM1: 4 of the half's 8 gate / up row groups of 16).
       const int half = int(sm90::cluster_ctarank());
       if constexpr (kGemm1)
-        box(half * 64 * 128, std::true_type{}, shared ? &tm.sw13h : &tm.w13h, kb * 128, 0, 0,
-            tl.nblk * 16 + h * 8 + half * 4, e);
+        sm90::tma_load_5d_multicast(w_s + half * 64 * 128, shared ? &tm.sw13h : &tm.w13h, &full_bar[stage],
+                                    kb * 128, 0, 0, tl.nblk * 16 + h * 8 + half * 4, shared ? 0 : tl.e, 0x3);
       else
-        box(half * 64 * 128, std::true_type{}, shared ? &tm.sw2h : &tm.w2h, kb * 128,
-            tl.nblk * 128 + half * 64, e);
+        sm90::tma_load_3d_multicast(w_s + half * 64 * 128, shared ? &tm.sw2h : &tm.w2h, &full_bar[stage],
+                                    kb * 128, tl.nblk * 128 + half * 64, shared ? 0 : tl.e, 0x3);
     } else if constexpr (kGemm1) {
-      box(0, std::false_type{}, shared ? &tm.sw13 : &tm.w13, kb * 128, 0, 0, tl.nblk * 16 + h * 8, e);
+      sm90::tma_load_5d(w_s, shared ? &tm.sw13 : &tm.w13, &full_bar[stage], kb * 128, 0, 0,
+                        tl.nblk * 16 + h * 8, shared ? 0 : tl.e);
     } else {
-      box(0, std::false_type{}, shared ? &tm.sw2 : &tm.w2, kb * 128, tl.nblk * 128, e);
+      sm90::tma_load_3d(w_s, shared ? &tm.sw2 : &tm.w2, &full_bar[stage], kb * 128, tl.nblk * 128,
+                        shared ? 0 : tl.e);
     }
-  };
-  auto issue_weights = [&](auto w_tag, auto g_tag, const Tile& tl, int kb, int h, int stage) {
-    if (no_loads) return;
-    uint8_t* w_s = smem + stage * kStageBytes;
-    weight_box(w_tag, g_tag, tl, kb, h, [&](int off, auto multicast, const CUtensorMap* map, auto... c) {
-      if constexpr (decltype(multicast)::value) {
-        if constexpr (sizeof...(c) == 5)
-          sm90::tma_load_5d_multicast(w_s + off, map, &full_bar[stage], c..., 0x3);
-        else
-          sm90::tma_load_3d_multicast(w_s + off, map, &full_bar[stage], c..., 0x3);
-      } else if constexpr (sizeof...(c) == 5) {
-        sm90::tma_load_5d(w_s + off, map, &full_bar[stage], c...);
-      } else {
-        sm90::tma_load_3d(w_s + off, map, &full_bar[stage], c...);
-      }
-    });
-  };
-  auto prefetch_weights = [&](auto w_tag, auto g_tag, const Tile& tl, int kb, int h) {
-    if (no_loads) return;
-    weight_box(w_tag, g_tag, tl, kb, h, [&](int, auto, const CUtensorMap* map, auto... c) {
-      if constexpr (sizeof...(c) == 5)
-        sm90::tma_prefetch_l2_5d(map, c...);
-      else
-        sm90::tma_prefetch_l2_3d(map, c...);
-    });
   };
   auto issue_tokens = [&](auto w_tag, auto g_tag, const Tile& tl, int kb, int stage) {
     if (no_loads) return;
@@ -503,20 +475,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                a.I / 128, !a.round_robin,
                a.round_robin || kPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
     first_tile = next_tile(sched);
-    // Measurement switch (MEGAMOE_EARLY_PREFETCH): the first tile's first K blocks' weights
-    // into L2 now, before phase 0 and its grid barrier (v14: loads into the ring here
-    // delayed the barrier; a prefetch holds no stage).
-    if (a.early_prefetch > 0 && first_tile < tiles) {
-      const Tile tl =
-          decode_tile<BN>(a, sc, first_tile, t1_routed, t1, sh1, sh2, kPairs ? sm90::cluster_ctarank() : 0);
-      const int h = kHalfPairs ? int(sm90::cluster_ctarank()) : 0;
-      for (int kb = 0; kb < min(a.early_prefetch, tl.kblocks); ++kb) {
-        if (tl.gemm == 1)
-          prefetch_weights(std::false_type{}, std::integral_constant<int, 1>{}, tl, kb, h);
-        else
-          prefetch_weights(std::false_type{}, std::integral_constant<int, 2>{}, tl, kb, h);
-      }
-    }
   }
 
   // ---- Phase 0: quantize x (1x128 E4M3) and scatter each token to its rows. ----
@@ -697,15 +655,6 @@ __global__ void __launch_bounds__(kThreads, 1)
             // whose tokens were issued, or the consumers could never free it.
             if (!ready && (deferred == kStages || i == stages)) {
               t0 = pf.now();
-              // The ring is full of stages waiting for their tokens: the weights of the tile's
-              // next a.dep_prefetch stages go to L2 meanwhile, so the wait does not stop this
-              // SM's share of the weight stream (kDependencyPrefetchStages).
-              // (one device: in the expert-parallel kernels it cost a spill, and no multi-GPU
-              // run has measured what the wait costs there)
-              if (!kEp && i < stages && a.dep_prefetch > 0 && sm90::ld_acquire_gpu(&done1[tl.unit]) < need) {
-                const int end = min(stages, i + a.dep_prefetch);
-                for (int j = i; j < end; ++j) prefetch_weights(w_tag, g_tag, tl, kblock_of(j), half_of(j));
-              }
               sm90::wait_geq_acquire_gpu(&done1[tl.unit], need);
               pf.add(kPfProdDep, t0);
               ready = true;
@@ -1627,9 +1576,6 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   if (const char* env = std::getenv("MEGAMOE_DEBUG_SKIP")) a.debug_skip = std::atoi(env);
   if (const char* env = std::getenv("MEGAMOE_SCHEDULE")) a.round_robin = std::string(env) == "rr";
   if (const char* env = std::getenv("MEGAMOE_EARLY_WEIGHTS")) a.no_early_loads = std::string(env) == "0";
-  a.dep_prefetch = kDependencyPrefetchStages;
-  if (const char* env = std::getenv("MEGAMOE_DEP_PREFETCH")) a.dep_prefetch = std::max(0, std::atoi(env));
-  if (const char* env = std::getenv("MEGAMOE_EARLY_PREFETCH")) a.early_prefetch = std::max(0, std::atoi(env));
   a.tail_pool = kTailPool;
   a.unit_stride = 1;
   if (const char* env = std::getenv("MEGAMOE_UNIT_STRIDE")) {
@@ -1664,13 +1610,10 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   a.act2_scale = reinterpret_cast<float*>(base + ws.act2_scale.offset);
   a.y_rows = reinterpret_cast<uint16_t*>(base + ws.y_rows.offset);
   a.row_src = reinterpret_cast<int32_t*>(base + ws.row_src.offset);
-  a.route_arrive = reinterpret_cast<int*>(base + ws.route_arrive.offset);
   a.w13_scale = w.w13_scale, a.w2_scale = w.w2_scale;
   a.sw13_scale = w.shared_w13_scale, a.sw2_scale = w.shared_w2_scale;
-  if (!ep || ep->init_state) {
+  if (!ep || ep->init_state)
     MEGAMOE_CUDA_CHECK(cudaMemset(base + ws.token_status.offset, 0, ws.token_status.bytes));  // (poisoned)
-    MEGAMOE_CUDA_CHECK(cudaMemset(base + ws.route_arrive.offset, 0, ws.route_arrive.bytes));
-  }
   if (ep) {
     EpArgs& e = a.ep;
     e.ranks = ep->layout.ranks;
@@ -1811,10 +1754,10 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
 
 namespace {
 
-// The routing's kernels for the forward's configuration: route_topk as a programmatic
-// dependent (FusedMoeConfig::programmatic_launch), or no route_topk (fused_topk).
-void launch_routing(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint,
-                    const FusedMoeConfig& cfg, cudaStream_t stream) {
+// The routing's two kernels (programmatic: route_topk as a programmatic dependent, the
+// forward's FusedMoeConfig::programmatic_launch).
+void launch_routing(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint, bool programmatic,
+                    cudaStream_t stream) {
   auto* base = static_cast<uint8_t*>(p->workspace);
   RouteArgs r;
   r.zero = reinterpret_cast<int*>(base + p->ws.counters.offset);
@@ -1833,14 +1776,13 @@ void launch_routing(const FusedMoePlan* p, const DeviceTensors& t, int host_toke
       reinterpret_cast<int*>(base + p->ws.counters.offset) + MoeWorkspaceLayout::kCounterExperts;
   r.max_tokens = p->ws.max_tokens;
   r.epoch = p->args.ep.state;  // expert parallelism: one epoch per forward (null otherwise)
-  r.topk_arrive = cfg.fused_topk ? reinterpret_cast<int*>(base + p->ws.route_arrive.offset) : nullptr;
-  launch_route(p->shape, r, host_tokens_hint, p->num_sms, cfg.programmatic_launch, stream);
+  launch_route(p->shape, r, host_tokens_hint, p->num_sms, programmatic, stream);
 }
 
 }  // namespace
 
 void route_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint, cudaStream_t stream) {
-  launch_routing(p, t, host_tokens_hint, fused_moe_config(p, host_tokens_hint), stream);
+  launch_routing(p, t, host_tokens_hint, fused_moe_config(p, host_tokens_hint).programmatic_launch, stream);
 }
 
 void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint,
@@ -1849,7 +1791,7 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
                 "token count " + std::to_string(host_tokens_hint) + " exceeds the workspace's max_tokens " +
                     std::to_string(p->ws.max_tokens));
   const FusedMoeConfig cfg = fused_moe_config(p, host_tokens_hint);
-  launch_routing(p, t, host_tokens_hint, cfg, stream);
+  launch_routing(p, t, host_tokens_hint, cfg.programmatic_launch, stream);
   maybe_print_config(p->shape, host_tokens_hint, cfg);
   KernelArgs a = p->args;
   a.half_tiles = cfg.half_tiles;

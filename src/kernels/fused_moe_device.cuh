@@ -47,13 +47,10 @@ struct KernelArgs {
   int round_robin;     // MEGAMOE_SCHEDULE=rr: plain round-robin instead of TileSchedule's balance
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
   int tail_pool;       // GEMM2 tiles a CTA left to claims at the end (kTailPool)
-  int early_prefetch;  // MEGAMOE_EARLY_PREFETCH: first tile's K blocks prefetched into L2 before phase 0
-  int dep_prefetch;    // stages of weights prefetched into L2 while a tile waits (kDependencyPrefetchStages)
   int unit_stride;     // MEGAMOE_UNIT_STRIDE: CTA b takes unit b * stride mod G (coprime to G; 1; 0: %smid)
   int half_tiles;      // FusedMoeConfig::half_tiles (per forward)
   int pair_weights;    // FusedMoeConfig::pair_weights (per forward; pair tiles only)
   int phase0_overlap;  // FusedMoeConfig::phase0_overlap (per forward; one device, decode tiles)
-  int* route_arrive;   // MoeWorkspaceLayout::route_arrive: zeroed again by each forward (the fused top-k)
   int ep_overlap;      // expert parallelism: the row pull runs beside the tiles (kEpPullOverlap)
   const int* num_tokens;
   int tokens_cap;  // the forward's host hint: T = device_token_count(num_tokens, tokens_cap)

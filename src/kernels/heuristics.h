@@ -41,13 +41,6 @@ constexpr int kTileSlots = 4;
 // against a static tail (0) -1.0 to -1.7 % for T = 8..256, T=4096 -1.5 %; 2 gained
 // less, 8 about as much (bench/results/ab/v14_pool.log).
 constexpr int kTailPool = 4;
-// A tile whose tokens are not ready (a GEMM2 tile before its expert's GEMM1 tiles are
-// done) fills the ring with weight-only stages and then waits; meanwhile the weights of its
-// next kDependencyPrefetchStages stages are prefetched into L2, so the wait does not stop
-// this SM's share of the weight stream (decode: the producers waited 5 % of T = 1, v37).
-// Predicted T = 1 -0.5..-2 %, nothing from 256 tokens. Not measured yet (v38 had no device),
-// so 0 (off); MEGAMOE_DEP_PREFETCH=n sets it (bench/results/ab/v38_prefetch.txt: 4, 8, 16).
-constexpr int kDependencyPrefetchStages = 0;
 // Tile order inside an expert: output blocks major, its token blocks minor, in chunks of
 // kTokenChunk token blocks (decode_tile in fused_moe_device.cuh). One chunk's tokens stay in L2
 // while the chunk walks the output blocks; a weight block is read once a chunk. With
@@ -215,15 +208,6 @@ constexpr bool kEpWideTiles = true;
 // MEGAMOE_PDL=0 / 1 overrides the rule.
 constexpr bool kProgrammaticLaunch = true;
 constexpr int kProgrammaticLaunchMaxTokens = 64;
-
-// route_topk's work done by route_logits' last block (FusedMoeConfig::fused_topk; route.cu's
-// fused_topk_tail): one kernel boundary fewer before the fused kernel, but one block's warps
-// take every token, so only up to kFusedTopkMaxTokens (two tokens a warp of the decode router
-// tile). At T = 1 route_topk alone took 8.6 us and the routing 15.0 us against route_logits'
-// 9.6 (v36): predicted -2..-4 us at T = 1 and 8. Not measured yet (v38 had no device), so
-// off; MEGAMOE_FUSED_TOPK=0 / 1 overrides it at any T.
-constexpr bool kFusedTopk = false;
-constexpr int kFusedTopkMaxTokens = 16;
 
 // Phase 0 overlapped with the tiles on one device (FusedMoeConfig::phase0_overlap): the
 // grid barrier after phase 0 goes; a phase-0 task counts each slot row it wrote into the

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cfloat>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "cuda_check.h"
@@ -15,200 +14,6 @@
 
 namespace megamoe::kernels {
 namespace {
-
-// ============================================================================
-// top-k helpers (route_topk, and route_logits' last block with RouteArgs::topk_arrive)
-// ============================================================================
-constexpr int kTopkWarps = 4;
-constexpr int kMaxE = 512;
-
-// (value, id) max with ties to the lower id.
-__device__ __forceinline__ void argmax_merge(float& v, int& id, float ov, int oid) {
-  if (ov > v || (ov == v && oid < id)) {
-    v = ov;
-    id = oid;
-  }
-}
-
-__device__ __forceinline__ void warp_argmax(float& v, int& id) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-    const int oid = __shfl_xor_sync(0xffffffffu, id, o);
-    argmax_merge(v, id, ov, oid);
-  }
-}
-
-// An unsigned key ordered as the floats (NaN excluded); + 0.0f makes -0 equal to +0.
-__device__ __forceinline__ uint32_t order_key(float v) {
-  const uint32_t u = __float_as_uint(v + 0.0f);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// The top-k of token t (SPEC §6) by one warp: the split-K partials summed in group order,
-// scores, correction bias, group selection, top-k, weights and positions. score and sel
-// hold kMaxE floats, group 32, of the warp's shared memory.
-__device__ __forceinline__ void topk_token(const RouteArgs& a, const MoeShape& s, int t, float* score,
-                                           float* sel, float* group, int lane) {
-  const int E = s.experts, K = s.topk;
-  // Logits: sum the split-K partials in split order.
-  // NOTE: all loads of a token first (unrolled, up to kMaxE / 32 experts a lane):
-  // one round trip instead of one per expert and slice (v6: ~30 us at T=1).
-  float zmax = -FLT_MAX;
-  float part[kMaxE / 32][kRouterGroups];
-  float bias[kMaxE / 32];  // with the partials: one round trip (v8 loaded it per expert below)
-#pragma unroll
-  for (int i = 0; i < kMaxE / 32; ++i) {
-    const int e = lane + 32 * i;
-#pragma unroll
-    for (int k = 0; k < kRouterGroups; ++k)
-      part[i][k] = e < E ? __ldcg(a.partial + (size_t(k) * a.max_tokens + t) * E + e) : 0.0f;
-    bias[i] = e < E && a.bias ? __ldg(a.bias + e) : 0.0f;
-  }
-#pragma unroll
-  for (int i = 0; i < kMaxE / 32; ++i) {
-    const int e = lane + 32 * i;
-    if (e < E) {
-      float z = 0.0f;
-#pragma unroll
-      for (int k = 0; k < kRouterGroups; ++k) z += part[i][k];
-      score[e] = z;
-      sel[e] = bias[i];
-      zmax = fmaxf(zmax, z);
-    }
-  }
-  __syncwarp();
-  float denom = 1.0f;
-  if (s.score == ScoreFunc::kSoftmax) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) zmax = fmaxf(zmax, __shfl_xor_sync(0xffffffffu, zmax, o));
-    float sum = 0.0f;
-    for (int e = lane; e < E; e += 32) sum += expf(score[e] - zmax);
-    denom = warp_sum(sum);
-  }
-  for (int e = lane; e < E; e += 32) {
-    const float z = score[e];
-    float p;
-    if (s.score == ScoreFunc::kSigmoid) {
-      p = 1.0f / (1.0f + expf(-z));
-    } else if (s.score == ScoreFunc::kSoftmax) {
-      p = expf(z - zmax) / denom;
-    } else {
-      const float sp = z > 20.0f ? z : log1pf(expf(z));
-      p = sqrtf(sp);
-    }
-    score[e] = p;
-    sel[e] += p;  // sel holds the bias (stored with the logits above)
-  }
-  __syncwarp();
-  if (s.n_group > 1) {
-    const int gsize = E / s.n_group;
-    if (lane < s.n_group) {
-      float b1 = -FLT_MAX, b2 = -FLT_MAX;
-      for (int i = 0; i < gsize; ++i) {
-        const float v = sel[lane * gsize + i];
-        if (v > b1) {
-          b2 = b1;
-          b1 = v;
-        } else if (v > b2) {
-          b2 = v;
-        }
-      }
-      group[lane] = b1 + b2;
-    }
-    __syncwarp();
-    // Keep the topk_group best groups (ties to the lower group id).
-    float gv = lane < s.n_group ? group[lane] : -FLT_MAX;
-    bool keep = false;
-    for (int r = 0; r < s.topk_group; ++r) {
-      float v = keep ? -FLT_MAX : gv;
-      int id = lane < s.n_group && !keep ? lane : 1 << 30;
-      if (lane >= s.n_group) v = -FLT_MAX;
-      warp_argmax(v, id);
-      if (lane == id) keep = true;
-    }
-    const unsigned keep_mask = __ballot_sync(0xffffffffu, keep);
-    for (int e = lane; e < E; e += 32)
-      if (!((keep_mask >> (e / gsize)) & 1u)) sel[e] = -FLT_MAX;
-    __syncwarp();
-  }
-  // Top-K by selection score, ties to the lower id. The candidates stay in registers as
-  // order-preserving keys (a lane's experts lane, lane + 32, ...) with each lane's best
-  // kept: a pick is two warp reductions (the largest key, then the lowest id holding it)
-  // and a rescan by the one lane that gave it (v12; five shuffle rounds a pick before).
-  uint32_t cand[kMaxE / 32];
-#pragma unroll
-  for (int i = 0; i < kMaxE / 32; ++i)
-    cand[i] = order_key(lane + 32 * i < E ? sel[lane + 32 * i] : -INFINITY);
-  auto lane_best = [&](uint32_t& key, int& at) {  // the first of the largest: the lowest id
-    key = cand[0], at = 0;
-#pragma unroll
-    for (int i = 1; i < kMaxE / 32; ++i)
-      if (cand[i] > key) key = cand[i], at = i;
-  };
-  uint32_t best;
-  int best_at;
-  lane_best(best, best_at);
-  float wsum = 0.0f;
-  int my_id = -1;
-  float my_w = 0.0f;
-  for (int k = 0; k < K; ++k) {
-    const uint32_t top = __reduce_max_sync(0xffffffffu, best);
-    const int id = int(__reduce_min_sync(0xffffffffu, best == top ? uint32_t(lane + 32 * best_at) : ~0u));
-    const float w = score[id];
-    wsum += w;
-    if (lane == k) {
-      my_id = id;
-      my_w = w;
-    }
-    if (lane == id % 32) {
-#pragma unroll
-      for (int i = 0; i < kMaxE / 32; ++i)
-        if (i == best_at) cand[i] = 0u;  // below every key of a number
-      lane_best(best, best_at);
-    }
-  }
-  if (lane < K) {
-    float w = my_w;
-    if (s.norm_topk_prob) w = w / (wsum + 1e-20f);
-    w *= s.routed_scaling;
-    a.ids[size_t(t) * K + lane] = my_id;
-    a.weights[size_t(t) * K + lane] = w;
-    a.pos[size_t(t) * K + lane] = atomicAdd(&a.expert_counts[my_id], 1);
-  }
-  __syncwarp();
-}
-
-// RouteArgs::topk_arrive (FusedMoeConfig::fused_topk): route_topk's work done by route_logits'
-// last block, one kernel boundary fewer before the fused kernel. Every block arrives once its
-// partials and its slice of the zeroed counters are written, so the top-k's atomics on the
-// expert counts follow every zeroing; the last block resets the count (the next forward's
-// blocks find 0: no memset node) and takes the T tokens a warp at a time in `smem`, the
-// block's ring (free by now), 2 kMaxE + 32 floats a warp (RouteTile::smem).
-// NOTE: the pattern of a last block: stores, bar.sync, fence + atomic by one thread; the last
-// one fences again before the block reads what the others wrote (__ldcg: from L2).
-__device__ __forceinline__ void fused_topk_tail(const RouteArgs& a, const MoeShape& s, int T, uint8_t* smem) {
-  __shared__ int last;
-  __syncthreads();  // the block's stores before thread 0's fence
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const int blocks = int(gridDim.x * gridDim.y * gridDim.z);
-    last = atomicAdd(a.topk_arrive, 1) == blocks - 1;
-    if (last) atomicExch(a.topk_arrive, 0);
-    __threadfence();
-  }
-  __syncthreads();
-  if (!last) return;
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, warps = int(blockDim.x) / 32;
-  float* w = reinterpret_cast<float*>(smem) + warp * (2 * kMaxE + 32);
-  for (int t = warp; t < T; t += warps) topk_token(a, s, t, w, w + kMaxE, w + 2 * kMaxE, lane);
-}
 
 // ============================================================================
 // route_logits: partial[slice][t][e] = sum over the slice's columns of x[t][h] * w[e][h]
@@ -265,12 +70,8 @@ __device__ __forceinline__ void router_b_frags(const uint16_t* w, uint32_t (&b)[
 // Block tile BT tokens x BE experts x one group of K slices; WK x WM x WN warps, each
 // MI x NI fragments of 16 x 8 of one slice (warp slice wk takes slices wk, wk + WK, ...
 // of the group); `kStages`-deep cp.async ring, a stage kRouteStepK columns of WK slices.
-// kTopk: the fused top-k (RouteArgs::topk_arrive set; its own instantiation, so the plain
-// kernels keep their registers: the tail's live values cost the F32 prefill tile 32 more
-// bytes of spill stores).
-template <typename WT, int BT, int BE, int WK, int WM, int WN, int kStages, bool kTopk>
-__global__ void __launch_bounds__(WK* WM* WN * 32) route_logits_kernel(RouteArgs a, MoeShape s) {
-  const int H = s.hidden, E = s.experts;
+template <typename WT, int BT, int BE, int WK, int WM, int WN, int kStages>
+__global__ void __launch_bounds__(WK* WM* WN * 32) route_logits_kernel(RouteArgs a, int H, int E) {
   constexpr int kThreads = WK * WM * WN * 32;
   // A group's slices side by side (one a warp slice) or one after the other (a running sum).
   static_assert(WK == 1 || WK == kSlicesPerGroup, "one warp slice, or one a slice");
@@ -304,13 +105,9 @@ __global__ void __launch_bounds__(WK* WM* WN * 32) route_logits_kernel(RouteArgs
       }
     }
   }
-  extern __shared__ __align__(16) uint8_t route_smem[];
   const int T = device_token_count(a.num_tokens, a.tokens_cap);
   const int t0 = blockIdx.y * BT;
-  if (t0 >= T) {
-    if constexpr (kTopk) fused_topk_tail(a, s, T, route_smem);  // (every block arrives)
-    return;
-  }
+  if (t0 >= T) return;
   const int e0 = blockIdx.x * BE;
   const int hs = H / kRouterSlices;
   const int h_begin = blockIdx.z * kSlicesPerGroup * hs;
@@ -320,6 +117,7 @@ __global__ void __launch_bounds__(WK* WM* WN * 32) route_logits_kernel(RouteArgs
 
   // A stage holds kRouteStepK columns of each of the WK slices: rows [WK][BT] of x and
   // [WK][BE] of W.
+  extern __shared__ __align__(16) uint8_t route_smem[];
   auto* xs = reinterpret_cast<uint16_t*>(route_smem);                                 // [kStages][WK*BT][XP]
   auto* ws = reinterpret_cast<WT*>(route_smem + size_t(kStages) * WK * BT * XP * 2);  // [kStages][WK*BE][WP]
 
@@ -481,44 +279,27 @@ __global__ void __launch_bounds__(WK* WM* WN * 32) route_logits_kernel(RouteArgs
       if (t < T && e < E) out[size_t(t) * E + e] = zsum[kSeq ? mi : 0][kSeq ? ni : 0][q];
     });
   }
-  if constexpr (kTopk) fused_topk_tail(a, s, T, route_smem);
 }
 
 template <typename WT, int BT, int BE, int WK, int WM, int WN, int kStages>
 struct RouteTile {
-  // The fused top-k (kTopk) in every tile but the prefill one, whose F32 instantiation spilled
-  // 32 more bytes with it: launch_route_logits takes the medium tile there instead.
-  static constexpr bool kTopkTile = BT < 128;
   static constexpr size_t smem() {
     const size_t ring =
         size_t(kStages) * WK *
         (size_t(BT) * (kRouteStepK + kRoutePad) * 2 + size_t(BE) * (kRouteStepK + kRoutePad) * sizeof(WT));
-    const size_t red = WK > 1 ? size_t(WK) * BT * BE * 4 : 0;         // the block's slice sum
-    const size_t topk = size_t(WK) * WM * WN * (2 * kMaxE + 32) * 4;  // fused_topk_tail
-    return std::max({ring, red, topk});
-  }
-  template <bool kTopk>
-  static constexpr auto kernel() {
-    return route_logits_kernel<WT, BT, BE, WK, WM, WN, kStages, kTopk>;
+    const size_t red = WK > 1 ? size_t(WK) * BT * BE * 4 : 0;  // the block's slice sum
+    return ring > red ? ring : red;
   }
   static void prepare() {
-    MEGAMOE_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel<false>(), cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem())));
-    if constexpr (kTopkTile)
-      MEGAMOE_CUDA_CHECK(
-          cudaFuncSetAttribute(kernel<true>(), cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem())));
+    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(route_logits_kernel<WT, BT, BE, WK, WM, WN, kStages>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem())));
   }
   static void launch(const RouteArgs& a, const MoeShape& s, int hint, cudaStream_t stream) {
-    auto kernel = RouteTile::kernel<false>();
-    if constexpr (kTopkTile) {
-      if (a.topk_arrive) kernel = RouteTile::kernel<true>();
-    } else {
-      MEGAMOE_CHECK(!a.topk_arrive, "the prefill router tile has no fused top-k");
-    }
+    auto kernel = route_logits_kernel<WT, BT, BE, WK, WM, WN, kStages>;
     // NOTE: the grid covers the host hint, an upper bound of the device token count: blocks
     // past the device count exit at once, so a graph captured at a hint serves any count below it.
     const dim3 grid((s.experts + BE - 1) / BE, std::max(1, (hint + BT - 1) / BT), kRouterGroups);
-    kernel<<<grid, WK * WM * WN * 32, smem(), stream>>>(a, s);
+    kernel<<<grid, WK * WM * WN * 32, smem(), stream>>>(a, s.hidden, s.experts);
     MEGAMOE_CUDA_CHECK_LAUNCH();
   }
 };
@@ -526,11 +307,6 @@ struct RouteTile {
 // Tile configurations by token hint (see heuristics.h for the thresholds).
 template <typename WT>
 using RouteSmall = RouteTile<WT, 16, 16, kSlicesPerGroup, 1, 2, 6>;  // decode: a warp slice a slice
-// The decode tile on 8 experts a block: twice the blocks (128 for 256 experts, where the small
-// tile leaves half the SMs out of the router weight's stream), half the warps. Only through
-// MEGAMOE_ROUTE_TILE=tiny until measured (v38: predicted -0.5..-1.5 us at T = 1).
-template <typename WT>
-using RouteTiny = RouteTile<WT, 16, 8, kSlicesPerGroup, 1, 1, 6>;
 template <typename WT>
 using RouteMedium = RouteTile<WT, 64, 32, 1, 2, 2, 4>;
 // The medium tile with the group's four slices side by side (16 warps): a quarter of the
@@ -539,32 +315,62 @@ template <typename WT>
 using RouteMediumWide = RouteTile<WT, 64, 32, kSlicesPerGroup, 2, 2, 3>;
 template <typename WT>
 using RouteLarge = RouteTile<WT, 128, 64, 1, 2, 2, 3>;  // prefill: fewer re-reads
-// NOTE: with the running sum of the slices the F32 router's 2 x 2 warps spill four ints (six
-// before v38 passed the MoeShape), reloaded once per 64-column step (~1100 instructions);
-// 2 x 4 warps (no spill) measured slower (v13: GLM-5 16384 tokens 745 vs 721 us,
-// DeepSeek-V3 567 vs 477).
+// NOTE: with the running sum of the slices the F32 router's 2 x 2 warps spill six ints,
+// reloaded once per 64-column step (~1100 instructions); 2 x 4 warps (no spill) measured
+// slower (v13: GLM-5 16384 tokens 745 vs 721 us, DeepSeek-V3 567 vs 477).
 
 template <typename WT>
 void launch_route_logits(const RouteArgs& a, const MoeShape& s, int hint, cudaStream_t stream) {
-  // MEGAMOE_ROUTE_TILE=tiny|small|wide|medium|large forces a tile shape (same bits; for
-  // timing and the tests), read each launch.
-  const char* env = std::getenv("MEGAMOE_ROUTE_TILE");
-  auto forced = [&](const char* tile) { return env && std::strcmp(env, tile) == 0; };
-  if (forced("tiny")) return RouteTiny<WT>::launch(a, s, hint, stream);
-  if (forced("small")) return RouteSmall<WT>::launch(a, s, hint, stream);
-  if (forced("medium")) return RouteMedium<WT>::launch(a, s, hint, stream);
-  if (forced("wide")) return RouteMediumWide<WT>::launch(a, s, hint, stream);
-  // (the fused top-k takes the medium tile where the rule or the switch says large)
-  const bool fused = a.topk_arrive != nullptr;
-  if (forced("large") && !fused) return RouteLarge<WT>::launch(a, s, hint, stream);
+  // MEGAMOE_ROUTE_TILE=small|wide|medium|large forces a tile shape (same bits; for timing),
+  // read once per process.
+  static const std::string forced = [] {
+    const char* env = std::getenv("MEGAMOE_ROUTE_TILE");
+    return std::string(env ? env : "");
+  }();
+  if (forced == "small") return RouteSmall<WT>::launch(a, s, hint, stream);
+  if (forced == "medium") return RouteMedium<WT>::launch(a, s, hint, stream);
+  if (forced == "wide") return RouteMediumWide<WT>::launch(a, s, hint, stream);
+  if (forced == "large") return RouteLarge<WT>::launch(a, s, hint, stream);
   if (hint <= kRouteSmallTokens)
     RouteSmall<WT>::launch(a, s, hint, stream);
   else if (hint <= kRouteWideTokens)
     RouteMediumWide<WT>::launch(a, s, hint, stream);
-  else if (hint <= route_medium_max_tokens(s.experts) || fused)
+  else if (hint <= route_medium_max_tokens(s.experts))
     RouteMedium<WT>::launch(a, s, hint, stream);
   else
     RouteLarge<WT>::launch(a, s, hint, stream);
+}
+
+constexpr int kTopkWarps = 4;
+constexpr int kMaxE = 512;
+
+// (value, id) max with ties to the lower id.
+__device__ __forceinline__ void argmax_merge(float& v, int& id, float ov, int oid) {
+  if (ov > v || (ov == v && oid < id)) {
+    v = ov;
+    id = oid;
+  }
+}
+
+__device__ __forceinline__ void warp_argmax(float& v, int& id) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oid = __shfl_xor_sync(0xffffffffu, id, o);
+    argmax_merge(v, id, ov, oid);
+  }
+}
+
+// An unsigned key ordered as the floats (NaN excluded); + 0.0f makes -0 equal to +0.
+__device__ __forceinline__ uint32_t order_key(float v) {
+  const uint32_t u = __float_as_uint(v + 0.0f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
 }
 
 // One warp per token.
@@ -579,8 +385,137 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
   sm90::grid_dependency_wait();
   const int T = device_token_count(a.num_tokens, a.tokens_cap);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int t = blockIdx.x * kTopkWarps + warp; t < T; t += gridDim.x * kTopkWarps)
-    topk_token(a, s, t, score_s[warp], sel_s[warp], group_s[warp], lane);
+  const int E = s.experts, K = s.topk;
+  float* score = score_s[warp];
+  float* sel = sel_s[warp];
+  for (int t = blockIdx.x * kTopkWarps + warp; t < T; t += gridDim.x * kTopkWarps) {
+    // Logits: sum the split-K partials in split order.
+    // NOTE: all loads of a token first (unrolled, up to kMaxE / 32 experts a lane):
+    // one round trip instead of one per expert and slice (v6: ~30 us at T=1).
+    float zmax = -FLT_MAX;
+    float part[kMaxE / 32][kRouterGroups];
+    float bias[kMaxE / 32];  // with the partials: one round trip (v8 loaded it per expert below)
+#pragma unroll
+    for (int i = 0; i < kMaxE / 32; ++i) {
+      const int e = lane + 32 * i;
+#pragma unroll
+      for (int k = 0; k < kRouterGroups; ++k)
+        part[i][k] = e < E ? __ldcg(a.partial + (size_t(k) * a.max_tokens + t) * E + e) : 0.0f;
+      bias[i] = e < E && a.bias ? __ldg(a.bias + e) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kMaxE / 32; ++i) {
+      const int e = lane + 32 * i;
+      if (e < E) {
+        float z = 0.0f;
+#pragma unroll
+        for (int k = 0; k < kRouterGroups; ++k) z += part[i][k];
+        score[e] = z;
+        sel[e] = bias[i];
+        zmax = fmaxf(zmax, z);
+      }
+    }
+    __syncwarp();
+    float denom = 1.0f;
+    if (s.score == ScoreFunc::kSoftmax) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) zmax = fmaxf(zmax, __shfl_xor_sync(0xffffffffu, zmax, o));
+      float sum = 0.0f;
+      for (int e = lane; e < E; e += 32) sum += expf(score[e] - zmax);
+      denom = warp_sum(sum);
+    }
+    for (int e = lane; e < E; e += 32) {
+      const float z = score[e];
+      float p;
+      if (s.score == ScoreFunc::kSigmoid) {
+        p = 1.0f / (1.0f + expf(-z));
+      } else if (s.score == ScoreFunc::kSoftmax) {
+        p = expf(z - zmax) / denom;
+      } else {
+        const float sp = z > 20.0f ? z : log1pf(expf(z));
+        p = sqrtf(sp);
+      }
+      score[e] = p;
+      sel[e] += p;  // sel holds the bias (stored with the logits above)
+    }
+    __syncwarp();
+    if (s.n_group > 1) {
+      const int gsize = E / s.n_group;
+      if (lane < s.n_group) {
+        float b1 = -FLT_MAX, b2 = -FLT_MAX;
+        for (int i = 0; i < gsize; ++i) {
+          const float v = sel[lane * gsize + i];
+          if (v > b1) {
+            b2 = b1;
+            b1 = v;
+          } else if (v > b2) {
+            b2 = v;
+          }
+        }
+        group_s[warp][lane] = b1 + b2;
+      }
+      __syncwarp();
+      // Keep the topk_group best groups (ties to the lower group id).
+      float gv = lane < s.n_group ? group_s[warp][lane] : -FLT_MAX;
+      bool keep = false;
+      for (int r = 0; r < s.topk_group; ++r) {
+        float v = keep ? -FLT_MAX : gv;
+        int id = lane < s.n_group && !keep ? lane : 1 << 30;
+        if (lane >= s.n_group) v = -FLT_MAX;
+        warp_argmax(v, id);
+        if (lane == id) keep = true;
+      }
+      const unsigned keep_mask = __ballot_sync(0xffffffffu, keep);
+      for (int e = lane; e < E; e += 32)
+        if (!((keep_mask >> (e / gsize)) & 1u)) sel[e] = -FLT_MAX;
+      __syncwarp();
+    }
+    // Top-K by selection score, ties to the lower id. The candidates stay in registers as
+    // order-preserving keys (a lane's experts lane, lane + 32, ...) with each lane's best
+    // kept: a pick is two warp reductions (the largest key, then the lowest id holding it)
+    // and a rescan by the one lane that gave it (v12; five shuffle rounds a pick before).
+    uint32_t cand[kMaxE / 32];
+#pragma unroll
+    for (int i = 0; i < kMaxE / 32; ++i)
+      cand[i] = order_key(lane + 32 * i < E ? sel[lane + 32 * i] : -INFINITY);
+    auto lane_best = [&](uint32_t& key, int& at) {  // the first of the largest: the lowest id
+      key = cand[0], at = 0;
+#pragma unroll
+      for (int i = 1; i < kMaxE / 32; ++i)
+        if (cand[i] > key) key = cand[i], at = i;
+    };
+    uint32_t best;
+    int best_at;
+    lane_best(best, best_at);
+    float wsum = 0.0f;
+    int my_id = -1;
+    float my_w = 0.0f;
+    for (int k = 0; k < K; ++k) {
+      const uint32_t top = __reduce_max_sync(0xffffffffu, best);
+      const int id = int(__reduce_min_sync(0xffffffffu, best == top ? uint32_t(lane + 32 * best_at) : ~0u));
+      const float w = score[id];
+      wsum += w;
+      if (lane == k) {
+        my_id = id;
+        my_w = w;
+      }
+      if (lane == id % 32) {
+#pragma unroll
+        for (int i = 0; i < kMaxE / 32; ++i)
+          if (i == best_at) cand[i] = 0u;  // below every key of a number
+        lane_best(best, best_at);
+      }
+    }
+    if (lane < K) {
+      float w = my_w;
+      if (s.norm_topk_prob) w = w / (wsum + 1e-20f);
+      w *= s.routed_scaling;
+      a.ids[size_t(t) * K + lane] = my_id;
+      a.weights[size_t(t) * K + lane] = w;
+      a.pos[size_t(t) * K + lane] = atomicAdd(&a.expert_counts[my_id], 1);
+    }
+    __syncwarp();
+  }
 }
 
 }  // namespace
@@ -592,7 +527,6 @@ void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int
 static int g_route_parts = kRoutePartLogits | kRoutePartTopk;
 
 void route_prepare() {
-  RouteTiny<float>::prepare(), RouteTiny<uint16_t>::prepare();
   RouteSmall<float>::prepare(), RouteMedium<float>::prepare(), RouteLarge<float>::prepare();
   RouteSmall<uint16_t>::prepare(), RouteMedium<uint16_t>::prepare(), RouteLarge<uint16_t>::prepare();
   RouteMediumWide<float>::prepare(), RouteMediumWide<uint16_t>::prepare();
@@ -607,18 +541,13 @@ void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, i
   MEGAMOE_CHECK(
       s.hidden % (kRouterSlices * 8) == 0,
       "the router splits H into " + std::to_string(kRouterSlices) + " slices of a multiple of 8 columns");
-  // (timing one part alone: route_logits without the fused top-k, or route_topk itself)
-  const bool fused = a.topk_arrive && g_route_parts == (kRoutePartLogits | kRoutePartTopk);
-  RouteArgs la = a;
-  if (!fused) la.topk_arrive = nullptr;
   if (g_route_parts & kRoutePartLogits) {
     if (s.router_dtype == RouterDtype::kBF16)
-      launch_route_logits<uint16_t>(la, s, host_tokens_hint, stream);
+      launch_route_logits<uint16_t>(a, s, host_tokens_hint, stream);
     else
-      launch_route_logits<float>(la, s, host_tokens_hint, stream);
+      launch_route_logits<float>(a, s, host_tokens_hint, stream);
   }
-  if ((g_route_parts & kRoutePartTopk) && !fused)
-    route_topk(s, la, host_tokens_hint, num_sms, programmatic, stream);
+  if (g_route_parts & kRoutePartTopk) route_topk(s, a, host_tokens_hint, num_sms, programmatic, stream);
 }
 
 void set_route_parts_for_timing(int parts) { g_route_parts = parts; }

@@ -34,9 +34,6 @@ struct RouteArgs {
   int zero_words = 0;
   int max_tokens = 0;
   uint64_t* epoch = nullptr;  // expert parallelism: bumped once per forward (ep_layout.h)
-  // Non-null (FusedMoeConfig::fused_topk): route_logits' last block does route_topk's work
-  // (launch_route then launches no route_topk). A word that is 0 between forwards.
-  int* topk_arrive = nullptr;
 };
 
 // T of a forward: the device count clamped into [0, cap] (cap = the host hint the launch

@@ -160,11 +160,7 @@ class FusedMoe : public ::testing::Test {
     unsetenv("MEGAMOE_PAIR_WEIGHTS");
     unsetenv("MEGAMOE_WIDE_TILES");
     unsetenv("MEGAMOE_PDL");
-    unsetenv("MEGAMOE_FUSED_TOPK");
-    unsetenv("MEGAMOE_ROUTE_TILE");
     unsetenv("MEGAMOE_PHASE0_OVERLAP");
-    unsetenv("MEGAMOE_DEP_PREFETCH");
-    unsetenv("MEGAMOE_EARLY_PREFETCH");
     unsetenv("MEGAMOE_DEBUG_SKIP");
   }
 };
@@ -396,9 +392,6 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
     // route_topk and the fused kernel launched as programmatic dependents (their CTAs start
     // while the kernel before them runs; the rule takes it up to 64 tokens) and not: the same bytes.
     same_bytes_each("MEGAMOE_PDL", {"0", "1"});
-    // route_topk's work done by route_logits' last block (every token by one block's warps)
-    // and by route_topk: the same bytes.
-    same_bytes_each("MEGAMOE_FUSED_TOPK", {"0", "1"});
     // 128-token tiles in CTA pairs (clusters of two, the token tile multicast) and alone:
     // the same bytes (the odd shape's H / 128 = 9 output blocks cannot pair: it runs alone).
     setenv("MEGAMOE_BLOCK_N", "128", 1);
@@ -451,22 +444,8 @@ TEST_F(FusedMoe, RoutingBitsIndependentOfRouterTile) {
     CK(cudaMemcpy(dT, &T, sizeof(int), cudaMemcpyHostToDevice));
     std::vector<int32_t> ids0;
     std::vector<float> w0;
-    // Each hint with route_topk and with the top-k fused into route_logits' last block, then
-    // every router tile forced (MEGAMOE_ROUTE_TILE; "" = the rule's).
-    struct Variant {
-      int hint;
-      const char *fused, *tile;
-    };
-    for (const auto& [hint, fused, tile] :
-         {Variant{T, "0", ""}, Variant{T, "1", ""}, Variant{256, "0", ""}, Variant{256, "1", ""},
-          Variant{512, "0", ""}, Variant{Tmax, "0", ""}, Variant{Tmax, "1", ""}, Variant{T, "0", "tiny"},
-          Variant{T, "1", "tiny"}, Variant{T, "0", "small"}, Variant{T, "0", "wide"},
-          Variant{T, "0", "medium"}, Variant{T, "0", "large"}, Variant{T, "1", "large"}}) {
-      setenv("MEGAMOE_FUSED_TOPK", fused, 1);
-      setenv("MEGAMOE_ROUTE_TILE", tile, 1);
+    for (int hint : {T, 256, 512, Tmax}) {
       layer.route(dx, hint, dT, nullptr);
-      unsetenv("MEGAMOE_FUSED_TOPK");
-      unsetenv("MEGAMOE_ROUTE_TILE");
       CK(cudaDeviceSynchronize());
       std::vector<int32_t> ids(size_t(T) * s.topk);
       std::vector<float> wts(ids.size());
@@ -480,11 +459,9 @@ TEST_F(FusedMoe, RoutingBitsIndependentOfRouterTile) {
         EXPECT_EQ(ids, ref_ids) << "routing ids differ from the CPU reference";
         continue;
       }
-      EXPECT_EQ(ids, ids0) << "hint " << hint << " (MEGAMOE_FUSED_TOPK=" << fused
-                           << " MEGAMOE_ROUTE_TILE=" << tile << ") changes the routing ids";
+      EXPECT_EQ(ids, ids0) << "hint " << hint << " changes the routing ids";
       EXPECT_EQ(0, std::memcmp(wts.data(), w0.data(), wts.size() * 4))
-          << "hint " << hint << " (MEGAMOE_FUSED_TOPK=" << fused << " MEGAMOE_ROUTE_TILE=" << tile
-          << ") changes the weights";
+          << "hint " << hint << " changes the weights";
     }
     cudaFree(dx);
     cudaFree(dT);
@@ -668,71 +645,53 @@ TEST_F(FusedMoe, GraphReplayWithDeviceTokenCount) {
   opt.max_tokens = Tmax;
   api::CudaMoeLayer layer(w, opt);
   // Captured with route_topk and the fused kernel as programmatic dependents (the graph's
-  // edges between them programmatic) and without, and with the top-k in route_logits' last
-  // block (its arrival count must be back at 0 after every replay, T = 0 included).
+  // edges between them programmatic) and without.
   for (const char* pdl : {"1", "0"})
     expect_graph_replays_match(layer, x, Tmax, {{"MEGAMOE_PDL", pdl}}, {37, 320, 0, 1, 100, 257});
-  expect_graph_replays_match(layer, x, Tmax, {{"MEGAMOE_PDL", "1"}, {"MEGAMOE_FUSED_TOPK", "1"}},
-                             {37, 320, 0, 1, 100, 257});
 }
 
-// The decode switches (off by default; v38) keep the default bytes at decode sizes: the fused
-// top-k and phase 0 overlapped with the tiles (per forward), in every decode tile shape; the
-// same on a layer built with the L2 prefetches on (read when a layer is built) and the odd
-// CTAs' phase 0 delayed (kDelayPhase0: the overlapped tiles then wait for their rows); and a
-// graph captured at 16 tokens with the fused top-k and the overlap.
-TEST_F(FusedMoe, DecodeSwitchesKeepTheBytes) {
+// Phase 0 overlapped with the decode tiles (MEGAMOE_PHASE0_OVERLAP, per forward) keeps the
+// default bytes at decode sizes in every decode tile shape, also on a layer whose odd CTAs
+// start phase 0 late (kDelayPhase0, read when a layer is built: the overlapped tiles then wait
+// for their rows), and in a graph captured at 16 tokens.
+TEST_F(FusedMoe, Phase0OverlapKeepsTheBytes) {
   for (const MoeShape& s : {reduced_shape(), odd_blocks_shape()}) {
     const int Tmax = 40;
     const TestCase tc = make_case(s, 71, Tmax, Tmax);
     api::MoeLayerOptions opt;
     opt.max_tokens = Tmax;
-    setenv("MEGAMOE_DEP_PREFETCH", "8", 1);
-    setenv("MEGAMOE_EARLY_PREFETCH", "4", 1);
     setenv("MEGAMOE_DEBUG_SKIP", "128", 1);
-    api::CudaMoeLayer switched(tc.w, opt);
-    unsetenv("MEGAMOE_DEP_PREFETCH");
-    unsetenv("MEGAMOE_EARLY_PREFETCH");
+    api::CudaMoeLayer delayed(tc.w, opt);
     unsetenv("MEGAMOE_DEBUG_SKIP");
     struct Variant {
-      const char *name, *fused, *overlap, *block_n, *pairs;  // block_n "": the rule's
+      const char *name, *overlap, *block_n, *pairs;  // block_n "": the rule's
     };
     for (int T : {1, 5, 16, 40}) {
       const std::vector<num::bf16_t> x(tc.x.begin(), tc.x.begin() + size_t(T) * s.hidden);
       const GpuRun want = run_gpu(*tc.layer, x, T);
       for (const Variant& v :
-           {Variant{"defaults", "0", "0", "", ""}, Variant{"fused top-k", "1", "0", "", ""},
-            Variant{"overlap", "0", "1", "", ""}, Variant{"both", "1", "1", "", ""},
-            Variant{"overlap, block_n 8", "0", "1", "8", "0"},
-            Variant{"overlap, block_n 8 pairs", "0", "1", "8", "1"},
-            Variant{"overlap, block_n 16 pairs", "1", "1", "16", "1"},
-            Variant{"overlap, block_n 32", "0", "1", "32", "0"},
-            Variant{"overlap, block_n 64", "1", "1", "64", "0"}})
-        for (api::CudaMoeLayer* layer : {tc.layer.get(), &switched}) {
-          setenv("MEGAMOE_FUSED_TOPK", v.fused, 1);
+           {Variant{"defaults", "0", "", ""}, Variant{"overlap", "1", "", ""},
+            Variant{"overlap, block_n 8", "1", "8", "0"}, Variant{"overlap, block_n 8 pairs", "1", "8", "1"},
+            Variant{"overlap, block_n 16 pairs", "1", "16", "1"},
+            Variant{"overlap, block_n 32", "1", "32", "0"}, Variant{"overlap, block_n 64", "1", "64", "0"}})
+        for (api::CudaMoeLayer* layer : {tc.layer.get(), &delayed}) {
           setenv("MEGAMOE_PHASE0_OVERLAP", v.overlap, 1);
           if (*v.block_n) setenv("MEGAMOE_BLOCK_N", v.block_n, 1), setenv("MEGAMOE_PAIR_TILES", v.pairs, 1);
           const std::string cfg = layer->config_for(T);
           const GpuRun got = run_gpu(*layer, x, T);
-          unsetenv("MEGAMOE_FUSED_TOPK");
           unsetenv("MEGAMOE_PHASE0_OVERLAP");
           unsetenv("MEGAMOE_BLOCK_N");
           unsetenv("MEGAMOE_PAIR_TILES");
           const std::string where = s.describe() + " T=" + std::to_string(T) + " " + v.name +
-                                    (layer == &switched ? " (prefetches, delayed phase 0)" : "") + ": " + cfg;
+                                    (layer == &delayed ? " (delayed phase 0)" : "") + ": " + cfg;
           if (*v.overlap == '1') {
             EXPECT_NE(cfg.find("phase0_overlap"), std::string::npos) << where;
-          }
-          if (*v.fused == '1') {
-            EXPECT_NE(cfg.find("fused_topk"), std::string::npos) << where;
           }
           EXPECT_EQ(0, std::memcmp(want.y.data(), got.y.data(), want.y.size() * 2))
               << where << " changes the bytes";
         }
     }
-    expect_graph_replays_match(switched, tc.x, 16,
-                               {{"MEGAMOE_FUSED_TOPK", "1"}, {"MEGAMOE_PHASE0_OVERLAP", "1"}},
-                               {16, 1, 0, 5, 16});
+    expect_graph_replays_match(delayed, tc.x, 16, {{"MEGAMOE_PHASE0_OVERLAP", "1"}}, {16, 1, 0, 5, 16});
   }
 }
 

@@ -72,8 +72,6 @@ struct MoeWorkspaceLayout {
   Region ep_state;        // u64 [2]               expert parallelism: epoch, status (EpStatus)
   Region token_status;    // i32 [TokenCountStatus::kWords]: device token counts out of range
                           //   (sticky until token_count_take; not zeroed per forward)
-  Region route_arrive;    // i32 [1]: route_logits' blocks arriving (FusedMoeConfig::fused_topk); 0
-                          //   between forwards (the last block resets it; not zeroed per forward)
   size_t total_bytes = 0;
 
   int counter_count() const { return kCounterExperts + experts_total + units_cap; }
@@ -110,8 +108,6 @@ struct FusedMoeConfig {
   // route_topk and the fused kernel launched as programmatic dependents of the kernel
   // before them (kProgrammaticLaunch): their CTAs start while it runs and wait for its end.
   bool programmatic_launch = false;
-  // route_topk's work done by route_logits' last block (kFusedTopk): one kernel fewer.
-  bool fused_topk = false;
   // One device, decode tiles (block_n <= 64): no grid barrier after phase 0; each GEMM1
   // tile's tokens wait for its unit's rows instead (counted into its done1 counter), so the
   // weights stream from the start (kPhase0Overlap).
