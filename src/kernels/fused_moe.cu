@@ -230,14 +230,6 @@ __device__ __noinline__ int schedule_unit(int stride, int csh) {
   return int((int64_t(blockIdx.x >> csh) * stride) % G);
 }
 
-// A phase-0 warp task: 512 columns of one token (four 128-column groups, 32 lanes x 16
-// columns); a token takes phase0_chunks(H) tasks (each counts the token's slot rows once
-// with phase 0 overlapped: FusedMoeConfig::phase0_overlap).
-constexpr int kPhase0TaskGroups = 4;
-__device__ __forceinline__ int phase0_chunks(int H) {
-  return (H / 128 + kPhase0TaskGroups - 1) / kPhase0TaskGroups;
-}
-
 // kEp: expert parallelism (a separate instantiation, so the single-device kernel keeps
 // its registers: the EP paths' extra live values spill four ints at BN = 128, stored
 // once and reloaded once a tile, never inside the K loops -- checked in the SASS).
@@ -308,16 +300,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = tid / 32, lane = tid % 32;
   const int E_total = a.E + a.has_shared;
   int* done1 = a.counters + a.units_base;
-  // Phase 0 overlapped with the tiles (FusedMoeConfig::phase0_overlap): no grid barrier; a
-  // GEMM1 tile's tokens wait for its unit's rows, counted into done1 by the phase-0 tasks.
-  // Decode tiles only (kSwapAB): the 128-token kernels keep a stage path without a branch on
-  // it (v24: a per-stage branch in the producer cost prefill up to 4 %; in the wide kernel the
-  // flag cost 4 more bytes of spill), and prefill does phase 0 on the consumers before their
-  // tiles either way.
-  const bool overlap0 = !kEp && kSwapAB && a.phase0_overlap;
-  // The stages of a deferred tile arrive with their tokens, after the acquire of the count
-  // (expert parallelism, overlapped phase 0): see the producer's fill.
-  const bool split_arrive = kEp || overlap0;
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -484,37 +466,28 @@ __global__ void __launch_bounds__(kThreads, 1)
   // warp-wide amax and four 4-byte stores a group and row). The next task's loads (its x
   // columns and its slot rows) are issued before this task is quantized and stored.
   if (!kEp) {
-    if ((a.debug_skip & kDelayPhase0) && (blockIdx.x & 1)) {
-      const uint64_t until = sm90::globaltimer_ns() + 20000;
-      while (sm90::globaltimer_ns() < until) {
-      }
-    }
+    constexpr int kTaskGroups = 4;  // 32 lanes x 16 columns
     const int hb = a.H / 128;
     const int warps_total = gridDim.x * (kThreads / 32);
-    const int chunks = phase0_chunks(a.H);
+    const int chunks = (hb + kTaskGroups - 1) / kTaskGroups;
     const int tasks = T * chunks;
     const int slots = a.K + a.has_shared;
     const int lg = lane / 8;  // this lane's group within the task
     struct Task {
       int t, g;  // token; this lane's group (>= hb: none)
       uint4 raw[2];
-      int row;   // this lane's slot row (-1: none)
-      float w;   // its routing weight
-      int unit;  // the row's (expert, token block) unit (overlap0 only)
+      int row;  // this lane's slot row (-1: none)
+      float w;  // its routing weight
     };
     auto load_task = [&](int task) {
       Task k;
       k.t = task / chunks;
-      k.g = (task - k.t * chunks) * kPhase0TaskGroups + lg;
+      k.g = (task - k.t * chunks) * kTaskGroups + lg;
       const uint4* src =
           reinterpret_cast<const uint4*>(a.x + size_t(k.t) * a.H + k.g * 128 + (lane % 8) * 16);
       k.raw[0] = k.g < hb ? src[0] : make_uint4(0, 0, 0, 0);
       k.raw[1] = k.g < hb ? src[1] : make_uint4(0, 0, 0, 0);
       k.row = slot_row<kEp>(a, sc, k.t, lane, k.w);
-      if (overlap0 && k.row >= 0) {
-        const int e = lane < a.K ? a.topk_ids[k.t * a.K + lane] : a.E;  // (lane K: the shared expert)
-        k.unit = sc.unit_off[e] + (k.row - sc.row_off[e]) / BN;
-      }
       return k;
     };
     int task = blockIdx.x * (kThreads / 32) + warp;
@@ -544,14 +517,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           a.row_src[r] = cur.t * slots + k;  // the token's slot in y_rows
         }
       }
-      if (overlap0) {
-        // Each slot row's part of this task counted into its unit (a unit is complete at
-        // rows x chunks): the warp's stores fenced for the TMA reads (async proxy) and
-        // released at gpu scope, as ep_pull_overlapped counts a pulled row.
-        sm90::fence_proxy_async_global();
-        __syncwarp();
-        if (cur.row >= 0) sm90::red_release_gpu_add(&done1[cur.unit], 1);
-      }
       cur = nxt;
     }
   } else if (!a.ep_overlap) {
@@ -567,7 +532,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __threadfence();
   __syncthreads();
   if (!kEp) {
-    if (tid == 0 && !overlap0) {
+    if (tid == 0) {
       atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterBarrier], 1);
       sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterBarrier], int(gridDim.x));
     }
@@ -615,16 +580,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         // (decode pairs: each CTA publishes its half of a GEMM1 tile)
         // Expert parallelism with the pull overlapped: the unit's done1 counts its pulled rows
         // first (ep_pull_overlapped), so both GEMMs of a routed unit wait for those too.
-        // Overlapped phase 0: both GEMMs also wait for the unit's rows, each counted once a
-        // phase-0 task (chunks of 512 columns) a row.
         int need = (tl.e == a.E ? a.Is : a.I) / 128 * (kHalfPairs ? 2 : 1);
-        if constexpr (kEp)
-          need = (tl.gemm == 1 ? 0 : need) + (a.ep_overlap && tl.e < a.E ? tl.rows : 0);
-        else if (overlap0)
-          need = (tl.gemm == 1 ? 0 : need) + tl.rows * phase0_chunks(a.H);
+        if constexpr (kEp) need = (tl.gemm == 1 ? 0 : need) + (a.ep_overlap && tl.e < a.E ? tl.rows : 0);
         uint32_t t0 = pf.now();
-        bool ready =
-            (split_arrive ? need == 0 : tl.gemm == 1) || sm90::ld_acquire_gpu(&done1[tl.unit]) >= need;
+        bool ready = (kEp ? need == 0 : tl.gemm == 1) || sm90::ld_acquire_gpu(&done1[tl.unit]) >= need;
         if (a.no_early_loads && !ready) {
           sm90::wait_geq_acquire_gpu(&done1[tl.unit], need);
           ready = true;
@@ -635,9 +594,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         auto fill = [&](auto w_tag, auto g_tag) {
           // Stage i of the tile: K block i (of this CTA's half of a decode pair's GEMM1 tile), or
           // for a GEMM1 tile on one-block stages (kHalves) one K block of one half: decode tiles
-          // half 0's K blocks, then half 1's; tokens in M the halves of a K block in turn. (A
-          // GEMM2 tile defers its tokens, one stage a K block; with the expert-parallel pull or
-          // phase 0 overlapped a GEMM1 tile also waits for its rows.)
+          // half 0's K blocks, then half 1's; tokens in M the halves of a K block in turn. (On
+          // one device only a GEMM2 tile defers its tokens, one stage a K block; with the
+          // expert-parallel pull overlapped a routed GEMM1 tile also waits for its rows.)
           constexpr bool kHalves = decltype(g_tag)::value == 1 && !kWide && !kHalfPairs;
           const int stages = (kHalves ? 2 : 1) * tl.kblocks;
           // Stage i's half and K block.
@@ -664,8 +623,9 @@ __global__ void __launch_bounds__(kThreads, 1)
               for (int d = 0; d < deferred; ++d) {
                 int st = rp.stage - deferred + d;
                 if (st < 0) st += kStages;
-                if (split_arrive) sm90::mbar_arrive_expect_tx(&full_bar[st], stage_tx - weight_tx());
-                issue_tokens(w_tag, g_tag, tl, kblock_of(i - deferred + d), st);
+                if constexpr (kEp) sm90::mbar_arrive_expect_tx(&full_bar[st], stage_tx - weight_tx());
+                // (on one device only GEMM2 tiles defer: their stage is their K block)
+                issue_tokens(w_tag, g_tag, tl, kEp ? kblock_of(i - deferred + d) : i - deferred + d, st);
               }
               deferred = 0;
             }
@@ -675,20 +635,19 @@ __global__ void __launch_bounds__(kThreads, 1)
             sm90::mbar_wait(&empty_bar[stage], rp.phase ^ 1);
             pf.add(kPfProdEmpty, t0);
             if (i == 0) stage_tile[stage] = tl;  // published by the full barrier's completion
-            // Expert parallelism and overlapped phase 0 (split_arrive): a stage arrives with its
-            // tokens (below, or when deferred ones go out), so the arrival follows the acquire
-            // of their unit's count and the consumers' generic reads of what the pull or phase 0
-            // wrote beside the TMA data (row weights, sources) are ordered after it. (Otherwise
-            // only GEMM2 tiles defer, whose generic reads phase 0 wrote before its grid barrier:
-            // one arrival with every byte.)
-            if (split_arrive)
+            // Expert parallelism: a stage arrives with its tokens (below, or when deferred ones
+            // go out), so the arrival follows the acquire of their unit's count and the
+            // consumers' generic reads of what the pull wrote beside the TMA data (row weights,
+            // sources) are ordered after it. (One device defers only GEMM2 tiles, whose generic
+            // reads phase 0 wrote before its grid barrier: one arrival with every byte.)
+            if constexpr (kEp)
               sm90::mbar_expect_tx(&full_bar[stage], weight_tx());
             else
               sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx);
             const int h = half_of(i), kb = kblock_of(i);
             issue_weights(w_tag, g_tag, tl, kb, h, stage);
             if (ready) {
-              if (split_arrive) sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx - weight_tx());
+              if constexpr (kEp) sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx - weight_tx());
               issue_tokens(w_tag, g_tag, tl, kb, stage);
             } else {
               ++deferred;
@@ -1366,7 +1325,7 @@ void set_smem_attr() {
 }
 
 // A fused kernel's launch: pair tiles in clusters of two CTAs along x (cluster rank =
-// blockIdx.x % 2); programmatic: the CTAs may start while the routing's last kernel runs.
+// blockIdx.x % 2); programmatic: the CTAs may start while route_topk runs.
 struct FusedLaunch {
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr[2]{};
@@ -1746,9 +1705,6 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
   cfg.pair_tiles = cfg.pair_tiles && p->pairs_ok[block_n_index(cfg.block_n)] && !cfg.wide_tiles;
   cfg.stages = stages_for(cfg.block_n, cfg.wide_tiles);
   cfg.ep_overlap = p->args.ep_overlap != 0;
-  // (decode tiles on one device: expert parallelism has its own pull counts, fused_moe_kernel's
-  // overlap0)
-  cfg.phase0_overlap = cfg.phase0_overlap && !p->args.ep.ranks && swap_ab(cfg.block_n);
   return cfg;
 }
 
@@ -1796,7 +1752,6 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
   KernelArgs a = p->args;
   a.half_tiles = cfg.half_tiles;
   a.pair_weights = cfg.pair_tiles && cfg.pair_weights && cfg.block_n == 128;
-  a.phase0_overlap = cfg.phase0_overlap;
   a.num_tokens = t.num_tokens;
   a.tokens_cap = host_tokens_hint;
   a.x = t.x;

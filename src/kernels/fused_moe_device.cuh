@@ -50,7 +50,6 @@ struct KernelArgs {
   int unit_stride;     // MEGAMOE_UNIT_STRIDE: CTA b takes unit b * stride mod G (coprime to G; 1; 0: %smid)
   int half_tiles;      // FusedMoeConfig::half_tiles (per forward)
   int pair_weights;    // FusedMoeConfig::pair_weights (per forward; pair tiles only)
-  int phase0_overlap;  // FusedMoeConfig::phase0_overlap (per forward; one device, decode tiles)
   int ep_overlap;      // expert parallelism: the row pull runs beside the tiles (kEpPullOverlap)
   const int* num_tokens;
   int tokens_cap;  // the forward's host hint: T = device_token_count(num_tokens, tokens_cap)
@@ -81,10 +80,6 @@ struct KernelArgs {
 constexpr int kSkipMma = 1;    // no wgmma and no fold
 constexpr int kSkipLoads = 4;  // no TMA loads (stages complete at once: the consumers' own speed)
 constexpr int kSkipFold = 8;   // mainloop_tokens_m without the fold (wgmma, stages; not the two-block loop)
-// A test switch in the same word, outputs right: the odd CTAs start phase 0 ~20 us late, so
-// with phase 0 overlapped (FusedMoeConfig::phase0_overlap) tiles find their rows missing and
-// take the deferred path (GPU test DecodeSwitchesKeepTheBytes).
-constexpr int kDelayPhase0 = 128;
 
 struct TensorMaps {
   CUtensorMap w13, sw13, w2, sw2;      // weights (shared by every block_n)

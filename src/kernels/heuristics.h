@@ -209,19 +209,6 @@ constexpr bool kEpWideTiles = true;
 constexpr bool kProgrammaticLaunch = true;
 constexpr int kProgrammaticLaunchMaxTokens = 64;
 
-// Phase 0 overlapped with the tiles on one device (FusedMoeConfig::phase0_overlap): the
-// grid barrier after phase 0 goes; a phase-0 task counts each slot row it wrote into the
-// row's unit (done1), a GEMM1 tile's tokens wait for its unit's rows (rows x task chunks)
-// and a GEMM2 tile's for those plus its GEMM1 tiles, as the expert-parallel pull does
-// (kEpPullOverlap). So the weights stream while the tokens are quantized and scattered
-// (T = 1: the barrier and its skew were ~3 us of the kernel, the first tiles' weights wait
-// behind them, v37). Predicted T = 1 -2..-3 %, T = 8 -0.5 %; up to
-// kPhase0OverlapMaxTokens (prefill: the consumers do phase 0 before their tiles either
-// way). Not measured yet (v38 had no device), so off; MEGAMOE_PHASE0_OVERLAP=0 / 1
-// overrides it at any T.
-constexpr bool kPhase0Overlap = false;
-constexpr int kPhase0OverlapMaxTokens = 64;
-
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
 // tiles (decode: 64+ blocks stream the router weight at once), up to
 // kRouteMediumTokens 64x32, above 128x64 (fewer L2 re-reads). Every tile computes

@@ -160,8 +160,6 @@ class FusedMoe : public ::testing::Test {
     unsetenv("MEGAMOE_PAIR_WEIGHTS");
     unsetenv("MEGAMOE_WIDE_TILES");
     unsetenv("MEGAMOE_PDL");
-    unsetenv("MEGAMOE_PHASE0_OVERLAP");
-    unsetenv("MEGAMOE_DEBUG_SKIP");
   }
 };
 
@@ -361,27 +359,20 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
     };
     same_bytes_each("MEGAMOE_BLOCK_N", {"8", "16", "32", "48", "64", "128"});
     // Decode tiles with decode pairs (block_n 8 and 16; the odd shape's H / 128 = 9 output
-    // blocks cannot pair) and alone, each also with phase 0 overlapped (no grid barrier; each
-    // tile's tokens wait for its unit's rows; asserted on in the configuration): the same bytes.
+    // blocks cannot pair) and alone: the same bytes.
     for (const char* bn : {"8", "16", "32", "48", "64"})
-      for (const char* pairs : {"0", "1"})
-        for (const char* overlap : {"0", "1"}) {
-          if (*pairs == '1' && std::atoi(bn) > 16)
-            continue;  // (no decode pairs above 16: kDecodePairsMaxBlockN)
-          setenv("MEGAMOE_BLOCK_N", bn, 1);
-          setenv("MEGAMOE_PAIR_TILES", pairs, 1);
-          setenv("MEGAMOE_PHASE0_OVERLAP", overlap, 1);
-          const std::string cfg = layer.config_for(T);
-          if (*overlap == '1') {
-            EXPECT_NE(cfg.find("phase0_overlap"), std::string::npos) << cfg;
-          }
-          const GpuRun c = run_gpu(layer, x, T);
-          EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
-              << s.describe() << ": block_n " << bn << " MEGAMOE_PAIR_TILES=" << pairs
-              << " MEGAMOE_PHASE0_OVERLAP=" << overlap << " changes the bytes (" << cfg << ")";
-        }
+      for (const char* pairs : {"0", "1"}) {
+        if (*pairs == '1' && std::atoi(bn) > 16)
+          continue;  // (no decode pairs above 16: kDecodePairsMaxBlockN)
+        setenv("MEGAMOE_BLOCK_N", bn, 1);
+        setenv("MEGAMOE_PAIR_TILES", pairs, 1);
+        const std::string cfg = layer.config_for(T);
+        const GpuRun c = run_gpu(layer, x, T);
+        EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
+            << s.describe() << ": block_n " << bn << " MEGAMOE_PAIR_TILES=" << pairs << " changes the bytes ("
+            << cfg << ")";
+      }
     unsetenv("MEGAMOE_PAIR_TILES");
-    unsetenv("MEGAMOE_PHASE0_OVERLAP");
     // 128-token tiles with warpgroup 1 idle on tiles of <= 64 rows (T = 200: ~25 rows an
     // expert, so every routed tile) and with both warpgroups computing (without half tiles
     // the heuristic takes wide tiles where the shape allows them): the same bytes. (Until
@@ -648,51 +639,6 @@ TEST_F(FusedMoe, GraphReplayWithDeviceTokenCount) {
   // edges between them programmatic) and without.
   for (const char* pdl : {"1", "0"})
     expect_graph_replays_match(layer, x, Tmax, {{"MEGAMOE_PDL", pdl}}, {37, 320, 0, 1, 100, 257});
-}
-
-// Phase 0 overlapped with the decode tiles (MEGAMOE_PHASE0_OVERLAP, per forward) keeps the
-// default bytes at decode sizes in every decode tile shape, also on a layer whose odd CTAs
-// start phase 0 late (kDelayPhase0, read when a layer is built: the overlapped tiles then wait
-// for their rows), and in a graph captured at 16 tokens.
-TEST_F(FusedMoe, Phase0OverlapKeepsTheBytes) {
-  for (const MoeShape& s : {reduced_shape(), odd_blocks_shape()}) {
-    const int Tmax = 40;
-    const TestCase tc = make_case(s, 71, Tmax, Tmax);
-    api::MoeLayerOptions opt;
-    opt.max_tokens = Tmax;
-    setenv("MEGAMOE_DEBUG_SKIP", "128", 1);
-    api::CudaMoeLayer delayed(tc.w, opt);
-    unsetenv("MEGAMOE_DEBUG_SKIP");
-    struct Variant {
-      const char *name, *overlap, *block_n, *pairs;  // block_n "": the rule's
-    };
-    for (int T : {1, 5, 16, 40}) {
-      const std::vector<num::bf16_t> x(tc.x.begin(), tc.x.begin() + size_t(T) * s.hidden);
-      const GpuRun want = run_gpu(*tc.layer, x, T);
-      for (const Variant& v :
-           {Variant{"defaults", "0", "", ""}, Variant{"overlap", "1", "", ""},
-            Variant{"overlap, block_n 8", "1", "8", "0"}, Variant{"overlap, block_n 8 pairs", "1", "8", "1"},
-            Variant{"overlap, block_n 16 pairs", "1", "16", "1"},
-            Variant{"overlap, block_n 32", "1", "32", "0"}, Variant{"overlap, block_n 64", "1", "64", "0"}})
-        for (api::CudaMoeLayer* layer : {tc.layer.get(), &delayed}) {
-          setenv("MEGAMOE_PHASE0_OVERLAP", v.overlap, 1);
-          if (*v.block_n) setenv("MEGAMOE_BLOCK_N", v.block_n, 1), setenv("MEGAMOE_PAIR_TILES", v.pairs, 1);
-          const std::string cfg = layer->config_for(T);
-          const GpuRun got = run_gpu(*layer, x, T);
-          unsetenv("MEGAMOE_PHASE0_OVERLAP");
-          unsetenv("MEGAMOE_BLOCK_N");
-          unsetenv("MEGAMOE_PAIR_TILES");
-          const std::string where = s.describe() + " T=" + std::to_string(T) + " " + v.name +
-                                    (layer == &delayed ? " (delayed phase 0)" : "") + ": " + cfg;
-          if (*v.overlap == '1') {
-            EXPECT_NE(cfg.find("phase0_overlap"), std::string::npos) << where;
-          }
-          EXPECT_EQ(0, std::memcmp(want.y.data(), got.y.data(), want.y.size() * 2))
-              << where << " changes the bytes";
-        }
-    }
-    expect_graph_replays_match(delayed, tc.x, 16, {{"MEGAMOE_PHASE0_OVERLAP", "1"}}, {16, 1, 0, 5, 16});
-  }
 }
 
 // A device token count outside [0, tokens_hint] is a caller's bug: the kernels clamp it

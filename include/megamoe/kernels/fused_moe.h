@@ -108,10 +108,6 @@ struct FusedMoeConfig {
   // route_topk and the fused kernel launched as programmatic dependents of the kernel
   // before them (kProgrammaticLaunch): their CTAs start while it runs and wait for its end.
   bool programmatic_launch = false;
-  // One device, decode tiles (block_n <= 64): no grid barrier after phase 0; each GEMM1
-  // tile's tokens wait for its unit's rows instead (counted into its done1 counter), so the
-  // weights stream from the start (kPhase0Overlap).
-  bool phase0_overlap = false;
 };
 
 struct DeviceTensors {
