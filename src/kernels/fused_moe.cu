@@ -230,6 +230,92 @@ __device__ __noinline__ int schedule_unit(int stride, int csh) {
   return int((int64_t(blockIdx.x >> csh) * stride) % G);
 }
 
+// The gather (FusedMoeConfig::gather_tokens, kGather): warp kGatherWarp of the producer
+// warpgroup fills the token rows and scales of each GEMM1 stage thread 0 hands it (a
+// GatherRec and an arrival on gather_bar, after the stage's empty-wait), from phase 0's one
+// copy of each token (x_sorted's first T rows, x_sorted_scale's first T columns) by each
+// sorted row's source token (row_src / slots). Lane l copies 16-byte chunk c = l % 8 of rows
+// 4j + l / 8 (a warp instruction: four whole 128-byte rows) to c ^ (row % 8), the 128-byte
+// swizzle of the TMA box it replaces; rows past the tile's are zeros. Each lane arrives on the
+// stage's full barrier itself (1 + 32 arrivals with thread 0's) once its copies have landed:
+// cp.async.wait_group, fence.proxy.async (cp.async writes through the generic proxy, wgmma
+// reads through the async one), then the arrive (release). It arrives one stage behind its
+// copies, so the wait overlaps the next stage's; but it never blocks on the next record with a
+// stage held back (thread 0 fills a stage only once the consumers free it).
+struct GatherRec {
+  int kb;  // the stage's K block; kGatherNone: no gather (a GEMM2 stage); kGatherEnd: no further stage
+  int row0, rows;
+  int pad;
+};
+static_assert(sizeof(GatherRec) <= sizeof(Tile), "a GatherRec in a stage record's place");
+constexpr int kGatherWarp = 2;  // of the producer warpgroup: idle after phase 0 on one device
+constexpr int kGatherNone = -1, kGatherEnd = -2;
+template <int kStages, int kStageBytes, int kWBytes>
+__device__ __forceinline__ void gather_stages(const KernelArgs& a, uint8_t* smem, uint64_t* full_bar,
+                                              uint64_t* gather_bar, const GatherRec* rec, int lane) {
+  constexpr int kRows = 128;  // a wide stage's token rows
+  const int slots = a.K + a.has_shared;
+  const bool no_loads = a.debug_skip & kSkipLoads;
+  RingPos<kStages> rp;
+  int pending = -1;          // the stage whose copies are in flight and not yet arrived for
+  int row0 = -1;             // the sorted rows tok[] holds the source tokens of
+  int tok[kRows / 32] = {};  // source token of row lane + 32 i (-1: past the tile's rows)
+  auto arrive_pending = [&] {
+    sm90::fence_proxy_async_shared();
+    sm90::mbar_arrive(&full_bar[pending]);
+    pending = -1;
+  };
+  for (;;) {
+    if (pending >= 0 && !sm90::mbar_test(&gather_bar[rp.stage], rp.phase)) {
+      sm90::cp_async_wait<0>();
+      arrive_pending();
+    }
+    sm90::mbar_wait(&gather_bar[rp.stage], rp.phase);
+    const GatherRec r = rec[rp.stage];
+    if (r.kb >= 0 && !no_loads) {
+      if (r.row0 != row0) {  // (a tile's stages share its rows: once a tile)
+        row0 = r.row0;
+#pragma unroll
+        for (int i = 0; i < kRows / 32; ++i) {
+          const int row = lane + 32 * i;
+          tok[i] = row < r.rows ? __ldcg(a.row_src + row0 + row) / slots : -1;
+        }
+      }
+      uint8_t* x_s = smem + rp.stage * kStageBytes + kWBytes;
+      float* s_s = reinterpret_cast<float*>(x_s + kRows * 128);
+      const int c = lane % 8;
+      const uint8_t* src0 = a.x_sorted + r.kb * 128 + c * 16;
+#pragma unroll
+      for (int i = 0; i < kRows / 32; ++i) {
+        // (rows 32 i .. 32 i + 31: their tokens are tok[i] of lanes 0..31)
+#pragma unroll 2
+        for (int q = 0; q < 8; ++q) {
+          const int row = 32 * i + 4 * q + lane / 8;
+          const int t = __shfl_sync(0xffffffffu, tok[i], row % 32);
+          sm90::cp_async_16(x_s + row * 128 + (c ^ (row % 8)) * 16, src0 + size_t(max(t, 0)) * a.H,
+                            t >= 0 ? 16 : 0);
+        }
+        const float* scale = a.x_sorted_scale + size_t(r.kb) * a.rows_cap + max(tok[i], 0);
+        sm90::cp_async_4(s_s + lane + 32 * i, scale, tok[i] >= 0 ? 4 : 0);
+      }
+      sm90::cp_async_commit();
+      if (pending >= 0) {
+        sm90::cp_async_wait<1>();  // (the pending stage's group; this stage's stays in flight)
+        arrive_pending();
+      }
+      pending = rp.stage;
+    } else {
+      if (pending >= 0) {
+        sm90::cp_async_wait<0>();
+        arrive_pending();
+      }
+      sm90::mbar_arrive(&full_bar[rp.stage]);  // (nothing to copy)
+      if (r.kb == kGatherEnd) return;
+    }
+    rp.advance();
+  }
+}
+
 // kEp: expert parallelism (a separate instantiation, so the single-device kernel keeps
 // its registers: the EP paths' extra live values spill four ints at BN = 128, stored
 // once and reloaded once a tile, never inside the K loops -- checked in the SASS).
@@ -245,9 +331,12 @@ __device__ __noinline__ int schedule_unit(int stride, int csh) {
 // there (nvcc 13.0, v27; 28 in v25): a value of the consumers' start, reloaded at each tile,
 // never in the K loops (checked in the SASS). Chosen: the K loops are what the wide tiles
 // are for. (The expert-parallel wide kernel, kEpWideTiles, allocates without a spill, v32.)
-template <int BN, bool kEp, bool kPairs = false, bool kWide = false>
+// kGather: GEMM1's token rows gathered by warp kGatherWarp from one quantized copy of each
+// token (FusedMoeConfig::gather_tokens; the one-device wide kernel only): see gather_stages.
+template <int BN, bool kEp, bool kPairs = false, bool kWide = false, bool kGather = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
+  static_assert(!kGather || (kWide && !kEp), "the gather: the one-device wide kernel");
   constexpr int kStages = stages_for(BN, kWide);
   constexpr int kStageBytes = stage_bytes(BN, kWide);
   constexpr int kWBytes = (kWide ? 2 : 1) * kBlockM * kBlockK;  // a stage's weight rows
@@ -280,6 +369,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The tile a stage starts, decoded by the producer (v19: the consumers decoded it again,
   // a binary search over the experts and a division on their path at every tile).
   Tile* stage_tile = reinterpret_cast<Tile*>(tail + SmemTail::kStageTile);
+  // The gather (kGather): thread 0 hands each stage to the gather warp in the full barriers'
+  // and stage records' slots the ring leaves unused (16 of each).
+  static_assert(!kGather || 2 * kStages <= 16, "the gather's barriers and records after the ring's");
+  uint64_t* gather_bar = full_bar + kStages;
+  GatherRec* gather_rec = reinterpret_cast<GatherRec*>(stage_tile + kStages);
   uint64_t* comb_full = reinterpret_cast<uint64_t*>(tail + SmemTail::kCombFull);
   uint64_t* comb_empty = reinterpret_cast<uint64_t*>(tail + SmemTail::kCombEmpty);
   uint32_t* comb_mask = reinterpret_cast<uint32_t*>(tail + SmemTail::kCombMask);
@@ -303,9 +397,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      sm90::mbar_init(&full_bar[s], 1);
+      // (the gather: thread 0 and each lane of the gather warp, gather_stages)
+      sm90::mbar_init(&full_bar[s], kGather ? 1 + 32 : 1);
       // One arrival per consumer warp (pair tiles: of both CTAs, release_stage_pair).
       sm90::mbar_init(&empty_bar[s], (kPairRing ? 2 : 1) * kConsumerThreads / 32);
+      if (kGather) sm90::mbar_init(&gather_bar[s], 1);
     }
     for (int s = 0; s < kTileSlots; ++s) {
       sm90::mbar_init(&done_bar[s], kConsumerThreads / 32);
@@ -508,7 +604,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int r = __shfl_sync(0xffffffffu, cur.row, k);
         const float w = __shfl_sync(0xffffffffu, cur.w, k);
         if (r < 0) continue;
-        if (mine) {
+        if (!kGather && mine) {
           *reinterpret_cast<uint4*>(a.x_sorted + size_t(r) * a.H + cur.g * 128 + (lane % 8) * 16) = q;
           if (lane % 8 == 0) a.x_sorted_scale[size_t(cur.g) * a.rows_cap + r] = scale;
         }
@@ -516,6 +612,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           a.row_weight[r] = w;
           a.row_src[r] = cur.t * slots + k;  // the token's slot in y_rows
         }
+      }
+      // The gather: the token's one copy, at x_sorted's row t (gather_stages).
+      if (kGather && mine) {
+        *reinterpret_cast<uint4*>(a.x_sorted + size_t(cur.t) * a.H + cur.g * 128 + (lane % 8) * 16) = q;
+        if (lane % 8 == 0) a.x_sorted_scale[size_t(cur.g) * a.rows_cap + cur.t] = scale;
       }
       cur = nxt;
     }
@@ -565,6 +666,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           // Sentinel stage: tells the consumers there is no further tile.
           sm90::mbar_wait(&empty_bar[rp.stage], rp.phase ^ 1);
           stage_tile[rp.stage].gemm = 0;
+          if constexpr (kGather) {
+            gather_rec[rp.stage].kb = kGatherEnd;
+            sm90::mbar_arrive(&gather_bar[rp.stage]);
+          }
           sm90::mbar_arrive(&full_bar[rp.stage]);
           pf.add(kPfProdTotal, t_prod);
           pf.store(kPfProdTotal, kPfSlots);
@@ -640,15 +745,24 @@ __global__ void __launch_bounds__(kThreads, 1)
             // consumers' generic reads of what the pull wrote beside the TMA data (row weights,
             // sources) are ordered after it. (One device defers only GEMM2 tiles, whose generic
             // reads phase 0 wrote before its grid barrier: one arrival with every byte.)
+            // (the gather: a GEMM1 stage's token bytes arrive with the gather warp's lanes)
+            constexpr bool kGathered = kGather && decltype(g_tag)::value == 1;
             if constexpr (kEp)
               sm90::mbar_expect_tx(&full_bar[stage], weight_tx());
             else
-              sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx);
+              sm90::mbar_arrive_expect_tx(&full_bar[stage], kGathered ? weight_tx() : stage_tx);
             const int h = half_of(i), kb = kblock_of(i);
             issue_weights(w_tag, g_tag, tl, kb, h, stage);
+            if constexpr (kGather) {
+              // (one device: a GEMM1 tile is always ready)
+              GatherRec& rec = gather_rec[stage];
+              rec.kb = kGathered ? kb : kGatherNone;
+              rec.row0 = tl.row0, rec.rows = tl.rows;
+              sm90::mbar_arrive(&gather_bar[stage]);
+            }
             if (ready) {
               if constexpr (kEp) sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx - weight_tx());
-              issue_tokens(w_tag, g_tag, tl, kb, stage);
+              if constexpr (!kGathered) issue_tokens(w_tag, g_tag, tl, kb, stage);
             } else {
               ++deferred;
             }
@@ -673,6 +787,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     } else if (kEp && a.ep_overlap && warp >= 2) {
       ep_pull_overlapped<BN>(a, sc, done1, warp - 2, 2);  // step 3, beside the tiles
+    } else if (kGather && warp == kGatherWarp) {
+      gather_stages<kStages, kStageBytes, kWBytes>(a, smem, full_bar, gather_bar, gather_rec, lane);
     } else if (tid == 32) {
       // ---- Signal thread: publishes each finished tile to the other CTAs. ----
       // NOTE: the release runs here, off the consumers' path: they arrive on done_bar
@@ -1321,6 +1437,9 @@ void set_smem_attr() {
     MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<128, true, false, true>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             smem_bytes(128, true)));
+    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<128, false, false, true, true>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            smem_bytes(128, true)));
   }
 }
 
@@ -1355,6 +1474,8 @@ void launch_fused(const KernelArgs& args, const TensorMaps& maps, int grid, cons
       FusedLaunch launch(grid, smem_bytes(128, true), false, pdl, stream);
       if (args.ep.ranks)
         launch(fused_moe_kernel<128, true, false, true>, args, maps);
+      else if (cfg.gather_tokens)
+        launch(fused_moe_kernel<128, false, false, true, true>, args, maps);
       else
         launch(fused_moe_kernel<128, false, false, true>, args, maps);
       return;
@@ -1705,6 +1826,8 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
   cfg.pair_tiles = cfg.pair_tiles && p->pairs_ok[block_n_index(cfg.block_n)] && !cfg.wide_tiles;
   cfg.stages = stages_for(cfg.block_n, cfg.wide_tiles);
   cfg.ep_overlap = p->args.ep_overlap != 0;
+  // (the gather is built into the one-device wide kernel only)
+  cfg.gather_tokens = cfg.gather_tokens && cfg.wide_tiles && !p->args.ep.ranks;
   return cfg;
 }
 

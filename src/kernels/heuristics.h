@@ -209,6 +209,16 @@ constexpr bool kEpWideTiles = true;
 constexpr bool kProgrammaticLaunch = true;
 constexpr int kProgrammaticLaunchMaxTokens = 64;
 
+// GEMM1's token rows gathered from one quantized copy of each token (FusedMoeConfig::
+// gather_tokens; wide tiles on one device, the prefill kernel): phase 0 writes each token once
+// instead of once a slot (K + shared = 9 copies: 906 MB at 16384 GLM-5 tokens, 57 MB at 1024),
+// and warp kGatherWarp of the producer warpgroup copies a GEMM1 stage's token rows and scales
+// with cp.async, by each row's source token, where thread 0 had one TMA box of sorted rows.
+// Predicted 16384 -2..-3 %, 4096 -1..-2 % (phase 0 was 4.2 % of 16384 in v25's profile); a
+// miss if one warp cannot keep the four wide stages ahead of the consumers. Not measured yet
+// (v39 had no device left), so off; MEGAMOE_GATHER=0 / 1 overrides it.
+constexpr bool kGatherTokens = false;
+
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
 // tiles (decode: 64+ blocks stream the router weight at once), up to
 // kRouteMediumTokens 64x32, above 128x64 (fewer L2 re-reads). Every tile computes
