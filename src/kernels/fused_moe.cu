@@ -703,6 +703,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           // one device only a GEMM2 tile defers its tokens, one stage a K block; with the
           // expert-parallel pull overlapped a routed GEMM1 tile also waits for its rows.)
           constexpr bool kHalves = decltype(g_tag)::value == 1 && !kWide && !kHalfPairs;
+          // The gather: a GEMM1 stage's token rows and scales come from the gather warp, its
+          // bytes with that warp's arrivals (gather_stages).
+          constexpr bool kGathered = kGather && decltype(g_tag)::value == 1;
           const int stages = (kHalves ? 2 : 1) * tl.kblocks;
           // Stage i's half and K block.
           auto half_of = [&](int i) {
@@ -729,8 +732,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                 int st = rp.stage - deferred + d;
                 if (st < 0) st += kStages;
                 if constexpr (kEp) sm90::mbar_arrive_expect_tx(&full_bar[st], stage_tx - weight_tx());
-                // (on one device only GEMM2 tiles defer: their stage is their K block)
-                issue_tokens(w_tag, g_tag, tl, kEp ? kblock_of(i - deferred + d) : i - deferred + d, st);
+                // (on one device only GEMM2 tiles defer: their stage is their K block; so never a
+                // gathered stage)
+                if constexpr (!kGathered)
+                  issue_tokens(w_tag, g_tag, tl, kEp ? kblock_of(i - deferred + d) : i - deferred + d, st);
               }
               deferred = 0;
             }
@@ -745,8 +750,6 @@ __global__ void __launch_bounds__(kThreads, 1)
             // consumers' generic reads of what the pull wrote beside the TMA data (row weights,
             // sources) are ordered after it. (One device defers only GEMM2 tiles, whose generic
             // reads phase 0 wrote before its grid barrier: one arrival with every byte.)
-            // (the gather: a GEMM1 stage's token bytes arrive with the gather warp's lanes)
-            constexpr bool kGathered = kGather && decltype(g_tag)::value == 1;
             if constexpr (kEp)
               sm90::mbar_expect_tx(&full_bar[stage], weight_tx());
             else

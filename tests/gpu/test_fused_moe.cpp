@@ -154,13 +154,14 @@ class FusedMoe : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!have_device()) GTEST_SKIP() << "no sm_90 device";
-    unsetenv("MEGAMOE_BLOCK_N");
-    unsetenv("MEGAMOE_HALF_TILES");
-    unsetenv("MEGAMOE_PAIR_TILES");
-    unsetenv("MEGAMOE_PAIR_WEIGHTS");
-    unsetenv("MEGAMOE_WIDE_TILES");
-    unsetenv("MEGAMOE_PDL");
-    unsetenv("MEGAMOE_GATHER");
+    clear_switches();
+  }
+  // (also after each test: a failed assertion can leave a switch set for the next suite)
+  void TearDown() override { clear_switches(); }
+  static void clear_switches() {
+    for (const char* var : {"MEGAMOE_BLOCK_N", "MEGAMOE_HALF_TILES", "MEGAMOE_PAIR_TILES",
+                            "MEGAMOE_PAIR_WEIGHTS", "MEGAMOE_WIDE_TILES", "MEGAMOE_PDL", "MEGAMOE_GATHER"})
+      unsetenv(var);
   }
 };
 
