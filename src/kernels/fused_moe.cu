@@ -244,8 +244,7 @@ __device__ __noinline__ int schedule_unit(int stride, int csh) {
 // stage held back (thread 0 fills a stage only once the consumers free it).
 struct GatherRec {
   int kb;  // the stage's K block; kGatherNone: no gather (a GEMM2 stage); kGatherEnd: no further stage
-  int row0, rows;
-  int pad;
+  int row0, rows;  // the tile's sorted rows (a gathered stage only)
 };
 static_assert(sizeof(GatherRec) <= sizeof(Tile), "a GatherRec in a stage record's place");
 constexpr int kGatherWarp = 2;  // of the producer warpgroup: idle after phase 0 on one device
@@ -760,7 +759,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               // (one device: a GEMM1 tile is always ready)
               GatherRec& rec = gather_rec[stage];
               rec.kb = kGathered ? kb : kGatherNone;
-              rec.row0 = tl.row0, rec.rows = tl.rows;
+              if constexpr (kGathered) rec.row0 = tl.row0, rec.rows = tl.rows;
               sm90::mbar_arrive(&gather_bar[stage]);
             }
             if (ready) {
