@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: check the carried binaries start, run the GPU
 # tests, the demo and the benchmark, logging everything under $OUT.
-# Usage (from the repo root there): scripts/device_run.sh BIN_DIR [tests] [sanitize] [example] [demo] [bench ARGS...]
+# Usage (from the repo root there): scripts/device_run.sh BIN_DIR [tests] [sanitize] [sanitize-gather] [example] [demo] [bench ARGS...]
 # A failing test step ends the call (KEEP_GOING=1 runs the later steps anyway).
 set -uo pipefail
 bin=$1; shift
@@ -21,6 +21,9 @@ while [ $# -gt 0 ]; do
            if [ $rc -ne 0 ] && [ "${KEEP_GOING:-0}" != 1 ]; then echo "gpu tests failed (rc $rc)"; tail -40 "$out/gpu_tests.log"; exit 1; fi ;;
     sanitize) shift; timeout 300 compute-sanitizer --tool memcheck "$bin/megamoe_gpu_tests" --gtest_filter='FusedMoe.ReducedShapeSmallT:FusedMoe.DeviceTokenCountOutOfRangeIsClampedAndReported' > "$out/memcheck.log" 2>&1; tail -3 "$out/memcheck.log"
               timeout 300 compute-sanitizer --tool racecheck "$bin/megamoe_gpu_tests" --gtest_filter='FusedMoe.ZeroTokens:FusedMoe.ReducedShapeSmallT' > "$out/racecheck.log" 2>&1; tail -3 "$out/racecheck.log" ;;
+    sanitize-gather) shift  # (the gathered GEMM1 rows: cp.async into the ring beside the TMA loads)
+              timeout 300 compute-sanitizer --tool memcheck "$bin/megamoe_gpu_tests" --gtest_filter='FusedMoe.GatheredTokens' > "$out/memcheck_gather.log" 2>&1; tail -3 "$out/memcheck_gather.log"
+              timeout 300 compute-sanitizer --tool racecheck "$bin/megamoe_gpu_tests" --gtest_filter='FusedMoe.GatheredTokens' > "$out/racecheck_gather.log" 2>&1; tail -3 "$out/racecheck_gather.log" ;;
     example) shift; rm -rf /tmp/megamoe_example_ckpt
              "$bin/megamoe" make-checkpoint --preset glm-5.3-flash --layers 1 --hidden 1024 --inter 512 --experts 32 \
                --topk 8 --out /tmp/megamoe_example_ckpt > "$out/example.log" 2>&1
