@@ -236,12 +236,16 @@ __device__ __noinline__ int schedule_unit(int stride, int csh) {
 // copy of each token (x_sorted's first T rows, x_sorted_scale's first T columns) by each
 // sorted row's source token (row_src / slots). Lane l copies 16-byte chunk c = l % 8 of rows
 // 4j + l / 8 (a warp instruction: four whole 128-byte rows) to c ^ (row % 8), the 128-byte
-// swizzle of the TMA box it replaces; rows past the tile's are zeros. Each lane arrives on the
-// stage's full barrier itself (1 + 32 arrivals with thread 0's) once its copies have landed:
-// cp.async.wait_group, fence.proxy.async (cp.async writes through the generic proxy, wgmma
-// reads through the async one), then the arrive (release). It arrives one stage behind its
-// copies, so the wait overlaps the next stage's; but it never blocks on the next record with a
-// stage held back (thread 0 fills a stage only once the consumers free it).
+// swizzle of the TMA box it replaces; rows past the tile's are zeros. Each lane's arrival on
+// the stage's full barrier (1 + 32 with thread 0's) is asynchronous:
+// cp.async.mbarrier.arrive.noinc, which the hardware performs once every cp.async the lane
+// issued before it has landed, so the warp never waits for its copies and keeps as many stages
+// in flight as the ring holds. (v40: arriving from the lanes after cp.async.wait_group and a
+// proxy fence, one stage behind, held at most two stages in flight and made the layer
+// 44-72 % slower: the gather's latency, ~2 us a stage, exceeded the 0.8 us of a stage's
+// wgmma.) No proxy fence between the copies and the consumers' wgmma: the pattern of
+// CUTLASS's SM90 cp.async + GMMA mainloops (the barrier's completion orders them), checked
+// bit for bit by GatheredTokens.
 struct GatherRec {
   int kb;  // the stage's K block; kGatherNone: no gather (a GEMM2 stage); kGatherEnd: no further stage
   int row0, rows;  // the tile's sorted rows (a gathered stage only)
@@ -256,63 +260,45 @@ __device__ __forceinline__ void gather_stages(const KernelArgs& a, uint8_t* smem
   const int slots = a.K + a.has_shared;
   const bool no_loads = a.debug_skip & kSkipLoads;
   RingPos<kStages> rp;
-  int pending = -1;          // the stage whose copies are in flight and not yet arrived for
   int row0 = -1;             // the sorted rows tok[] holds the source tokens of
   int tok[kRows / 32] = {};  // source token of row lane + 32 i (-1: past the tile's rows)
-  auto arrive_pending = [&] {
-    sm90::fence_proxy_async_shared();
-    sm90::mbar_arrive(&full_bar[pending]);
-    pending = -1;
-  };
-  for (;;) {
-    if (pending >= 0 && !sm90::mbar_test(&gather_bar[rp.stage], rp.phase)) {
-      sm90::cp_async_wait<0>();
-      arrive_pending();
-    }
+  for (;; rp.advance()) {
     sm90::mbar_wait(&gather_bar[rp.stage], rp.phase);
     const GatherRec r = rec[rp.stage];
-    if (r.kb >= 0 && !no_loads) {
-      if (r.row0 != row0) {  // (a tile's stages share its rows: once a tile)
-        row0 = r.row0;
-#pragma unroll
-        for (int i = 0; i < kRows / 32; ++i) {
-          const int row = lane + 32 * i;
-          tok[i] = row < r.rows ? __ldcg(a.row_src + row0 + row) / slots : -1;
-        }
-      }
-      uint8_t* x_s = smem + rp.stage * kStageBytes + kWBytes;
-      float* s_s = reinterpret_cast<float*>(x_s + kRows * 128);
-      const int c = lane % 8;
-      const uint8_t* src0 = a.x_sorted + r.kb * 128 + c * 16;
+    if (r.kb < 0 || no_loads) {
+      sm90::mbar_arrive(&full_bar[rp.stage]);  // (nothing to copy)
+      if (r.kb == kGatherEnd) break;
+      continue;
+    }
+    if (r.row0 != row0) {  // (a tile's stages share its rows: once a tile)
+      row0 = r.row0;
 #pragma unroll
       for (int i = 0; i < kRows / 32; ++i) {
-        // (rows 32 i .. 32 i + 31: their tokens are tok[i] of lanes 0..31)
-#pragma unroll 2
-        for (int q = 0; q < 8; ++q) {
-          const int row = 32 * i + 4 * q + lane / 8;
-          const int t = __shfl_sync(0xffffffffu, tok[i], row % 32);
-          sm90::cp_async_16(x_s + row * 128 + (c ^ (row % 8)) * 16, src0 + size_t(max(t, 0)) * a.H,
-                            t >= 0 ? 16 : 0);
-        }
-        const float* scale = a.x_sorted_scale + size_t(r.kb) * a.rows_cap + max(tok[i], 0);
-        sm90::cp_async_4(s_s + lane + 32 * i, scale, tok[i] >= 0 ? 4 : 0);
+        const int row = lane + 32 * i;
+        tok[i] = row < r.rows ? __ldcg(a.row_src + row0 + row) / slots : -1;
       }
-      sm90::cp_async_commit();
-      if (pending >= 0) {
-        sm90::cp_async_wait<1>();  // (the pending stage's group; this stage's stays in flight)
-        arrive_pending();
-      }
-      pending = rp.stage;
-    } else {
-      if (pending >= 0) {
-        sm90::cp_async_wait<0>();
-        arrive_pending();
-      }
-      sm90::mbar_arrive(&full_bar[rp.stage]);  // (nothing to copy)
-      if (r.kb == kGatherEnd) return;
     }
-    rp.advance();
+    uint8_t* x_s = smem + rp.stage * kStageBytes + kWBytes;
+    float* s_s = reinterpret_cast<float*>(x_s + kRows * 128);
+    const int c = lane % 8;
+    const uint8_t* src0 = a.x_sorted + r.kb * 128 + c * 16;
+#pragma unroll
+    for (int i = 0; i < kRows / 32; ++i) {
+      // (rows 32 i .. 32 i + 31: their tokens are tok[i] of lanes 0..31)
+#pragma unroll 2
+      for (int q = 0; q < 8; ++q) {
+        const int row = 32 * i + 4 * q + lane / 8;
+        const int t = __shfl_sync(0xffffffffu, tok[i], row % 32);
+        sm90::cp_async_16(x_s + row * 128 + (c ^ (row % 8)) * 16, src0 + size_t(max(t, 0)) * a.H,
+                          t >= 0 ? 16 : 0);
+      }
+      const float* scale = a.x_sorted_scale + size_t(r.kb) * a.rows_cap + max(tok[i], 0);
+      sm90::cp_async_4(s_s + lane + 32 * i, scale, tok[i] >= 0 ? 4 : 0);
+    }
+    sm90::cp_async_mbar_arrive_noinc(&full_bar[rp.stage]);
   }
+  sm90::cp_async_commit();  // (the warp's last copies land before it leaves)
+  sm90::cp_async_wait<0>();
 }
 
 // kEp: expert parallelism (a separate instantiation, so the single-device kernel keeps
