@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# v40 device call 3: the gather with asynchronous arrivals (cp.async.mbarrier.arrive.noinc):
+# v40 device call 4: the gather with asynchronous arrivals (cp.async.mbarrier.arrive.noinc):
 # its tests (GatheredTokens, DeterministicAndTileIndependent), memcheck and racecheck of
 # GatheredTokens, then two rounds of ab/v40_gather.txt. Carry ["devbinB"] (head; old = 1d206e9).
 set -uo pipefail
