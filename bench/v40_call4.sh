@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # v40 device call 4: the gather with asynchronous arrivals (cp.async.mbarrier.arrive.noinc):
 # its tests (GatheredTokens, DeterministicAndTileIndependent), memcheck and racecheck of
-# GatheredTokens, then two rounds of ab/v40_gather.txt. Carry ["devbinB"] (head; old = 1d206e9).
+# GatheredTokens, then two rounds of ab/v40_gather.txt.
+# Build: scripts/build_devbin.sh devbinB old=1d206e9; carry ["devbinB"].
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib
 nvidia-smi --query-gpu=name --format=csv,noheader

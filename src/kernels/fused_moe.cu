@@ -244,8 +244,9 @@ __device__ __noinline__ int schedule_unit(int stride, int csh) {
 // proxy fence, one stage behind, held at most two stages in flight and made the layer
 // 44-72 % slower: the gather's latency, ~2 us a stage, exceeded the 0.8 us of a stage's
 // wgmma.) No proxy fence between the copies and the consumers' wgmma: the pattern of
-// CUTLASS's SM90 cp.async + GMMA mainloops (the barrier's completion orders them), checked
-// bit for bit by GatheredTokens.
+// CUTLASS's SM90 cp.async + GMMA mainloops (the barrier's completion orders them).
+// NOTE: this asynchronous form has not run on a GPU yet (v40 had no device left for it);
+// GatheredTokens checks it bit for bit against the reference, and the switch stays off.
 struct GatherRec {
   int kb;  // the stage's K block; kGatherNone: no gather (a GEMM2 stage); kGatherEnd: no further stage
   int row0, rows;  // the tile's sorted rows (a gathered stage only)

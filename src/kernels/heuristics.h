@@ -214,9 +214,11 @@ constexpr int kProgrammaticLaunchMaxTokens = 64;
 // instead of once a slot (K + shared = 9 copies: 906 MB at 16384 GLM-5 tokens, 57 MB at 1024),
 // and warp kGatherWarp of the producer warpgroup copies a GEMM1 stage's token rows and scales
 // with cp.async, by each row's source token, where thread 0 had one TMA box of sorted rows.
-// Predicted 16384 -2..-3 %, 4096 -1..-2 % (phase 0 was 4.2 % of 16384 in v25's profile); a
-// miss if one warp cannot keep the four wide stages ahead of the consumers. Not measured yet
-// (v39 had no device left), so off; MEGAMOE_GATHER=0 / 1 overrides it.
+// Measured (v40, H100): +44..72 % at 4096 and 16384 when the gather warp waited for each
+// stage's copies before arriving (one stage in flight, ~2 us a stage against the wgmma's ~0.8);
+// without its loads the gathered layer was 2.7 / 4.7 % faster (phase 0's one copy). Its lanes
+// now arrive asynchronously (cp.async.mbarrier.arrive.noinc), not yet measured, so off;
+// MEGAMOE_GATHER=0 / 1 overrides it.
 constexpr bool kGatherTokens = false;
 
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
