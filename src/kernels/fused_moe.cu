@@ -236,15 +236,19 @@ __device__ __noinline__ int schedule_unit(int stride, int csh) {
 // copy of each token (x_sorted's first T rows, x_sorted_scale's first T columns) by each
 // sorted row's source token (row_src / slots). Lane l copies 16-byte chunk c = l % 8 of rows
 // 4j + l / 8 (a warp instruction: four whole 128-byte rows) to c ^ (row % 8), the 128-byte
-// swizzle of the TMA box it replaces; rows past the tile's are zeros. Each lane's arrival on
-// the stage's full barrier (1 + 32 with thread 0's) is asynchronous:
+// swizzle of the TMA box it replaces; rows past the tile's are zeros. On a gathered stage each
+// lane's arrival on the stage's full barrier (1 + 32 with thread 0's) is asynchronous:
 // cp.async.mbarrier.arrive.noinc, which the hardware performs once every cp.async the lane
 // issued before it has landed, so the warp never waits for its copies and keeps as many stages
 // in flight as the ring holds. (v40: arriving from the lanes after cp.async.wait_group and a
 // proxy fence, one stage behind, held at most two stages in flight and made the layer
 // 44-72 % slower: the gather's latency, ~2 us a stage, exceeded the 0.8 us of a stage's
-// wgmma.) No proxy fence between the copies and the consumers' wgmma: the pattern of
-// CUTLASS's SM90 cp.async + GMMA mainloops (the barrier's completion orders them).
+// wgmma.) The copies write through the generic proxy and the wgmma reads through the async
+// one, so the consumers fence after the full barrier (mainloop_tokens_m's kProxyFence; CUTLASS's
+// SM90 cp.async + GMMA mainloops go without, outside the PTX rule). GEMM2 stages, the no-loads
+// mode and the end record arrive plainly. The lanes' reads of the record are ordered before
+// thread 0's next write of it by the asynchronous arrival's completion only in practice (the
+// branch and the addresses depend on them).
 // NOTE: this asynchronous form has not run on a GPU yet (v40 had no device left for it);
 // GatheredTokens checks it bit for bit against the reference, and the switch stays off.
 struct GatherRec {
@@ -1019,12 +1023,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float rw1 = n0p + 8 < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p + 8) : 0.0f;
         if constexpr (kWide) {
           if (split)
-            mainloop_tokens_m<1, false, true>(acc_block<0>(acc), tl.kblocks, rp, smem, full_bar, empty_bar, 0,
-                                              0, wg, lrow, sg_row, su_row, a.debug_skip, pf);
+            mainloop_tokens_m<1, false, true, kGather>(acc_block<0>(acc), tl.kblocks, rp, smem, full_bar,
+                                                       empty_bar, 0, 0, wg, lrow, sg_row, su_row,
+                                                       a.debug_skip, pf);
           else
-            mainloop_tokens_m_blocks<1, true, false>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, 0, rbase,
-                                                     lrow, sg_row, su_row, nullptr,
-                                                     a.debug_skip | wg_idle(tl), pf);
+            mainloop_tokens_m_blocks<1, true, false, kGather>(acc, tl.kblocks, rp, smem, full_bar, empty_bar,
+                                                              0, rbase, lrow, sg_row, su_row, nullptr,
+                                                              a.debug_skip | wg_idle(tl), pf);
         } else {
           mainloop_tokens_m_blocks<1, false, kPairs>(acc, tl.kblocks, rp, smem, full_bar, empty_bar,
                                                      peer_empty, rbase, lrow, sg_row, su_row, nullptr,
