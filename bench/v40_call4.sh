@@ -8,13 +8,13 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/opt/torch/.venv/lib/python3.12/sit
 nvidia-smi --query-gpu=name --format=csv,noheader
 start=$(date +%s)
 if ! GTEST_FILTER='FusedMoe.GatheredTokens:FusedMoe.DeterministicAndTileIndependent' TEST_TIMEOUT=120 \
-    scripts/device_run.sh devbinB/head tests sanitize-gather > $OUT/tests_run.txt 2>&1; then
-  tail -40 $OUT/tests_run.txt; exit 1
+    scripts/device_run.sh devbinB/head tests sanitize-gather > "$OUT"/tests_run.txt 2>&1; then
+  tail -40 "$OUT"/tests_run.txt; exit 1
 fi
-cat $OUT/tests_run.txt
+cat "$OUT"/tests_run.txt
 echo "tests $(( $(date +%s) - start )) s"
 for round in 1 2; do
   [ $(( $(date +%s) - start )) -lt 400 ] || break
-  scripts/device_ab.sh devbinB bench/results/ab/v40_gather.txt >> $OUT/ab_v40_gather_async.log 2>&1
+  scripts/device_ab.sh devbinB bench/results/ab/v40_gather.txt >> "$OUT"/ab_v40_gather_async.log 2>&1
   echo "round $round done at $(( $(date +%s) - start )) s"
 done

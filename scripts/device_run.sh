@@ -13,17 +13,23 @@ if command -v cuobjdump >/dev/null; then
   { echo "QGMMA $(grep -c QGMMA /tmp/sass.txt)"; echo "LDL/STL $(grep -cE '\bLDL|\bSTL' /tmp/sass.txt)";
     echo "UTMALDG $(grep -c UTMALDG /tmp/sass.txt)"; } > "$out/sass_summary.txt"
 fi
+# compute-sanitizer TOOL on the GPU tests FILTER, logged to $out/LOG.log (its summary printed).
+sanitize_run() {
+  timeout 300 compute-sanitizer --tool "$1" "$bin/megamoe_gpu_tests" --gtest_filter="$2" > "$out/$3.log" 2>&1
+  tail -3 "$out/$3.log"
+}
 while [ $# -gt 0 ]; do
   case $1 in
     tests) shift; timeout "${TEST_TIMEOUT:-180}" "$bin/megamoe_gpu_tests" ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} > "$out/gpu_tests.log" 2>&1
            rc=$?; grep -E "^\[  (FAILED|PASSED)|OK \]|FAILED|Failure|error" "$out/gpu_tests.log"
            # A failing (or hung: rc 124) test run stops here unless KEEP_GOING=1: no timings of a wrong kernel.
            if [ $rc -ne 0 ] && [ "${KEEP_GOING:-0}" != 1 ]; then echo "gpu tests failed (rc $rc)"; tail -40 "$out/gpu_tests.log"; exit 1; fi ;;
-    sanitize) shift; timeout 300 compute-sanitizer --tool memcheck "$bin/megamoe_gpu_tests" --gtest_filter='FusedMoe.ReducedShapeSmallT:FusedMoe.DeviceTokenCountOutOfRangeIsClampedAndReported' > "$out/memcheck.log" 2>&1; tail -3 "$out/memcheck.log"
-              timeout 300 compute-sanitizer --tool racecheck "$bin/megamoe_gpu_tests" --gtest_filter='FusedMoe.ZeroTokens:FusedMoe.ReducedShapeSmallT' > "$out/racecheck.log" 2>&1; tail -3 "$out/racecheck.log" ;;
+    sanitize) shift
+              sanitize_run memcheck 'FusedMoe.ReducedShapeSmallT:FusedMoe.DeviceTokenCountOutOfRangeIsClampedAndReported' memcheck
+              sanitize_run racecheck 'FusedMoe.ZeroTokens:FusedMoe.ReducedShapeSmallT' racecheck ;;
     sanitize-gather) shift  # (the gathered GEMM1 rows: cp.async into the ring beside the TMA loads)
-              timeout 300 compute-sanitizer --tool memcheck "$bin/megamoe_gpu_tests" --gtest_filter='FusedMoe.GatheredTokens' > "$out/memcheck_gather.log" 2>&1; tail -3 "$out/memcheck_gather.log"
-              timeout 300 compute-sanitizer --tool racecheck "$bin/megamoe_gpu_tests" --gtest_filter='FusedMoe.GatheredTokens' > "$out/racecheck_gather.log" 2>&1; tail -3 "$out/racecheck_gather.log" ;;
+              sanitize_run memcheck 'FusedMoe.GatheredTokens' memcheck_gather
+              sanitize_run racecheck 'FusedMoe.GatheredTokens' racecheck_gather ;;
     example) shift; rm -rf /tmp/megamoe_example_ckpt
              "$bin/megamoe" make-checkpoint --preset glm-5.3-flash --layers 1 --hidden 1024 --inter 512 --experts 32 \
                --topk 8 --out /tmp/megamoe_example_ckpt > "$out/example.log" 2>&1
