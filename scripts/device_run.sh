@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: check the carried binaries start, run the GPU
 # tests, the demo and the benchmark, logging everything under $OUT.
-# Usage (from the repo root there): scripts/device_run.sh BIN_DIR [tests] [sanitize] [sanitize-gather] [example] [demo] [bench ARGS...]
+# Usage (from the repo root there): scripts/device_run.sh BIN_DIR [tests] [sanitize] [example] [demo] [bench ARGS...]
 # A failing test step ends the call (KEEP_GOING=1 runs the later steps anyway).
 set -uo pipefail
 bin=$1; shift
@@ -27,9 +27,6 @@ while [ $# -gt 0 ]; do
     sanitize) shift
               sanitize_run memcheck 'FusedMoe.ReducedShapeSmallT:FusedMoe.DeviceTokenCountOutOfRangeIsClampedAndReported' memcheck
               sanitize_run racecheck 'FusedMoe.ZeroTokens:FusedMoe.ReducedShapeSmallT' racecheck ;;
-    sanitize-gather) shift  # (the gathered GEMM1 rows: cp.async into the ring beside the TMA loads)
-              sanitize_run memcheck 'FusedMoe.GatheredTokens' memcheck_gather
-              sanitize_run racecheck 'FusedMoe.GatheredTokens' racecheck_gather ;;
     example) shift; rm -rf /tmp/megamoe_example_ckpt
              "$bin/megamoe" make-checkpoint --preset glm-5.3-flash --layers 1 --hidden 1024 --inter 512 --experts 32 \
                --topk 8 --out /tmp/megamoe_example_ckpt > "$out/example.log" 2>&1

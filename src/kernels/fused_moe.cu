@@ -230,82 +230,6 @@ __device__ __noinline__ int schedule_unit(int stride, int csh) {
   return int((int64_t(blockIdx.x >> csh) * stride) % G);
 }
 
-// The gather (FusedMoeConfig::gather_tokens, kGather): warp kGatherWarp of the producer
-// warpgroup fills the token rows and scales of each GEMM1 stage thread 0 hands it (a
-// GatherRec and an arrival on gather_bar, after the stage's empty-wait), from phase 0's one
-// copy of each token (x_sorted's first T rows, x_sorted_scale's first T columns) by each
-// sorted row's source token (row_src / slots). Lane l copies 16-byte chunk c = l % 8 of rows
-// 4j + l / 8 (a warp instruction: four whole 128-byte rows) to c ^ (row % 8), the 128-byte
-// swizzle of the TMA box it replaces; rows past the tile's are zeros. On a gathered stage each
-// lane's arrival on the stage's full barrier (1 + 32 with thread 0's) is asynchronous:
-// cp.async.mbarrier.arrive.noinc, which the hardware performs once every cp.async the lane
-// issued before it has landed, so the warp never waits for its copies and keeps as many stages
-// in flight as the ring holds. (v40: arriving from the lanes after cp.async.wait_group and a
-// proxy fence, one stage behind, held at most two stages in flight and made the layer
-// 44-72 % slower: the gather's latency, ~2 us a stage, exceeded the 0.8 us of a stage's
-// wgmma.) The copies write through the generic proxy and the wgmma reads through the async
-// one, so the consumers fence after the full barrier (mainloop_tokens_m's kProxyFence; CUTLASS's
-// SM90 cp.async + GMMA mainloops go without, outside the PTX rule). GEMM2 stages, the no-loads
-// mode and the end record arrive plainly. The lanes' reads of the record are ordered before
-// thread 0's next write of it by the asynchronous arrival's completion only in practice (the
-// branch and the addresses depend on them).
-// NOTE: this asynchronous form has not run on a GPU yet (v40 had no device left for it);
-// GatheredTokens checks it bit for bit against the reference, and the switch stays off.
-struct GatherRec {
-  int kb;  // the stage's K block; kGatherNone: no gather (a GEMM2 stage); kGatherEnd: no further stage
-  int row0, rows;  // the tile's sorted rows (a gathered stage only)
-};
-static_assert(sizeof(GatherRec) <= sizeof(Tile), "a GatherRec in a stage record's place");
-constexpr int kGatherWarp = 2;  // of the producer warpgroup: idle after phase 0 on one device
-constexpr int kGatherNone = -1, kGatherEnd = -2;
-template <int kStages, int kStageBytes, int kWBytes>
-__device__ __forceinline__ void gather_stages(const KernelArgs& a, uint8_t* smem, uint64_t* full_bar,
-                                              uint64_t* gather_bar, const GatherRec* rec, int lane) {
-  constexpr int kRows = 128;  // a wide stage's token rows
-  const int slots = a.K + a.has_shared;
-  const bool no_loads = a.debug_skip & kSkipLoads;
-  RingPos<kStages> rp;
-  int row0 = -1;             // the sorted rows tok[] holds the source tokens of
-  int tok[kRows / 32] = {};  // source token of row lane + 32 i (-1: past the tile's rows)
-  for (;; rp.advance()) {
-    sm90::mbar_wait(&gather_bar[rp.stage], rp.phase);
-    const GatherRec r = rec[rp.stage];
-    if (r.kb < 0 || no_loads) {
-      sm90::mbar_arrive(&full_bar[rp.stage]);  // (nothing to copy)
-      if (r.kb == kGatherEnd) break;
-      continue;
-    }
-    if (r.row0 != row0) {  // (a tile's stages share its rows: once a tile)
-      row0 = r.row0;
-#pragma unroll
-      for (int i = 0; i < kRows / 32; ++i) {
-        const int row = lane + 32 * i;
-        tok[i] = row < r.rows ? __ldcg(a.row_src + row0 + row) / slots : -1;
-      }
-    }
-    uint8_t* x_s = smem + rp.stage * kStageBytes + kWBytes;
-    float* s_s = reinterpret_cast<float*>(x_s + kRows * 128);
-    const int c = lane % 8;
-    const uint8_t* src0 = a.x_sorted + r.kb * 128 + c * 16;
-#pragma unroll
-    for (int i = 0; i < kRows / 32; ++i) {
-      // (rows 32 i .. 32 i + 31: their tokens are tok[i] of lanes 0..31)
-#pragma unroll 2
-      for (int q = 0; q < 8; ++q) {
-        const int row = 32 * i + 4 * q + lane / 8;
-        const int t = __shfl_sync(0xffffffffu, tok[i], row % 32);
-        sm90::cp_async_16(x_s + row * 128 + (c ^ (row % 8)) * 16, src0 + size_t(max(t, 0)) * a.H,
-                          t >= 0 ? 16 : 0);
-      }
-      const float* scale = a.x_sorted_scale + size_t(r.kb) * a.rows_cap + max(tok[i], 0);
-      sm90::cp_async_4(s_s + lane + 32 * i, scale, tok[i] >= 0 ? 4 : 0);
-    }
-    sm90::cp_async_mbar_arrive_noinc(&full_bar[rp.stage]);
-  }
-  sm90::cp_async_commit();  // (the warp's last copies land before it leaves)
-  sm90::cp_async_wait<0>();
-}
-
 // kEp: expert parallelism (a separate instantiation, so the single-device kernel keeps
 // its registers: the EP paths' extra live values spill four ints at BN = 128, stored
 // once and reloaded once a tile, never inside the K loops -- checked in the SASS).
@@ -321,12 +245,9 @@ __device__ __forceinline__ void gather_stages(const KernelArgs& a, uint8_t* smem
 // there (nvcc 13.0, v27; 28 in v25): a value of the consumers' start, reloaded at each tile,
 // never in the K loops (checked in the SASS). Chosen: the K loops are what the wide tiles
 // are for. (The expert-parallel wide kernel, kEpWideTiles, allocates without a spill, v32.)
-// kGather: GEMM1's token rows gathered by warp kGatherWarp from one quantized copy of each
-// token (FusedMoeConfig::gather_tokens; the one-device wide kernel only): see gather_stages.
-template <int BN, bool kEp, bool kPairs = false, bool kWide = false, bool kGather = false>
+template <int BN, bool kEp, bool kPairs = false, bool kWide = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
-  static_assert(!kGather || (kWide && !kEp), "the gather: the one-device wide kernel");
   constexpr int kStages = stages_for(BN, kWide);
   constexpr int kStageBytes = stage_bytes(BN, kWide);
   constexpr int kWBytes = (kWide ? 2 : 1) * kBlockM * kBlockK;  // a stage's weight rows
@@ -359,11 +280,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The tile a stage starts, decoded by the producer (v19: the consumers decoded it again,
   // a binary search over the experts and a division on their path at every tile).
   Tile* stage_tile = reinterpret_cast<Tile*>(tail + SmemTail::kStageTile);
-  // The gather (kGather): thread 0 hands each stage to the gather warp in the full barriers'
-  // and stage records' slots the ring leaves unused (16 of each).
-  static_assert(!kGather || 2 * kStages <= 16, "the gather's barriers and records after the ring's");
-  uint64_t* gather_bar = full_bar + kStages;
-  GatherRec* gather_rec = reinterpret_cast<GatherRec*>(stage_tile + kStages);
   uint64_t* comb_full = reinterpret_cast<uint64_t*>(tail + SmemTail::kCombFull);
   uint64_t* comb_empty = reinterpret_cast<uint64_t*>(tail + SmemTail::kCombEmpty);
   uint32_t* comb_mask = reinterpret_cast<uint32_t*>(tail + SmemTail::kCombMask);
@@ -387,11 +303,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      // (the gather: thread 0 and each lane of the gather warp, gather_stages)
-      sm90::mbar_init(&full_bar[s], kGather ? 1 + 32 : 1);
+      sm90::mbar_init(&full_bar[s], 1);
       // One arrival per consumer warp (pair tiles: of both CTAs, release_stage_pair).
       sm90::mbar_init(&empty_bar[s], (kPairRing ? 2 : 1) * kConsumerThreads / 32);
-      if (kGather) sm90::mbar_init(&gather_bar[s], 1);
     }
     for (int s = 0; s < kTileSlots; ++s) {
       sm90::mbar_init(&done_bar[s], kConsumerThreads / 32);
@@ -594,7 +508,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int r = __shfl_sync(0xffffffffu, cur.row, k);
         const float w = __shfl_sync(0xffffffffu, cur.w, k);
         if (r < 0) continue;
-        if (!kGather && mine) {
+        if (mine) {
           *reinterpret_cast<uint4*>(a.x_sorted + size_t(r) * a.H + cur.g * 128 + (lane % 8) * 16) = q;
           if (lane % 8 == 0) a.x_sorted_scale[size_t(cur.g) * a.rows_cap + r] = scale;
         }
@@ -602,11 +516,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           a.row_weight[r] = w;
           a.row_src[r] = cur.t * slots + k;  // the token's slot in y_rows
         }
-      }
-      // The gather: the token's one copy, at x_sorted's row t (gather_stages).
-      if (kGather && mine) {
-        *reinterpret_cast<uint4*>(a.x_sorted + size_t(cur.t) * a.H + cur.g * 128 + (lane % 8) * 16) = q;
-        if (lane % 8 == 0) a.x_sorted_scale[size_t(cur.g) * a.rows_cap + cur.t] = scale;
       }
       cur = nxt;
     }
@@ -656,10 +565,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           // Sentinel stage: tells the consumers there is no further tile.
           sm90::mbar_wait(&empty_bar[rp.stage], rp.phase ^ 1);
           stage_tile[rp.stage].gemm = 0;
-          if constexpr (kGather) {
-            gather_rec[rp.stage].kb = kGatherEnd;
-            sm90::mbar_arrive(&gather_bar[rp.stage]);
-          }
           sm90::mbar_arrive(&full_bar[rp.stage]);
           pf.add(kPfProdTotal, t_prod);
           pf.store(kPfProdTotal, kPfSlots);
@@ -693,9 +598,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           // one device only a GEMM2 tile defers its tokens, one stage a K block; with the
           // expert-parallel pull overlapped a routed GEMM1 tile also waits for its rows.)
           constexpr bool kHalves = decltype(g_tag)::value == 1 && !kWide && !kHalfPairs;
-          // The gather: a GEMM1 stage's token rows and scales come from the gather warp, its
-          // bytes with that warp's arrivals (gather_stages).
-          constexpr bool kGathered = kGather && decltype(g_tag)::value == 1;
           const int stages = (kHalves ? 2 : 1) * tl.kblocks;
           // Stage i's half and K block.
           auto half_of = [&](int i) {
@@ -722,10 +624,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                 int st = rp.stage - deferred + d;
                 if (st < 0) st += kStages;
                 if constexpr (kEp) sm90::mbar_arrive_expect_tx(&full_bar[st], stage_tx - weight_tx());
-                // (on one device only GEMM2 tiles defer: their stage is their K block; so never a
-                // gathered stage)
-                if constexpr (!kGathered)
-                  issue_tokens(w_tag, g_tag, tl, kEp ? kblock_of(i - deferred + d) : i - deferred + d, st);
+                // (on one device only GEMM2 tiles defer: their stage is their K block)
+                issue_tokens(w_tag, g_tag, tl, kEp ? kblock_of(i - deferred + d) : i - deferred + d, st);
               }
               deferred = 0;
             }
@@ -743,19 +643,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             if constexpr (kEp)
               sm90::mbar_expect_tx(&full_bar[stage], weight_tx());
             else
-              sm90::mbar_arrive_expect_tx(&full_bar[stage], kGathered ? weight_tx() : stage_tx);
+              sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx);
             const int h = half_of(i), kb = kblock_of(i);
             issue_weights(w_tag, g_tag, tl, kb, h, stage);
-            if constexpr (kGather) {
-              // (one device: a GEMM1 tile is always ready)
-              GatherRec& rec = gather_rec[stage];
-              rec.kb = kGathered ? kb : kGatherNone;
-              if constexpr (kGathered) rec.row0 = tl.row0, rec.rows = tl.rows;
-              sm90::mbar_arrive(&gather_bar[stage]);
-            }
             if (ready) {
               if constexpr (kEp) sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx - weight_tx());
-              if constexpr (!kGathered) issue_tokens(w_tag, g_tag, tl, kb, stage);
+              issue_tokens(w_tag, g_tag, tl, kb, stage);
             } else {
               ++deferred;
             }
@@ -780,8 +673,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     } else if (kEp && a.ep_overlap && warp >= 2) {
       ep_pull_overlapped<BN>(a, sc, done1, warp - 2, 2);  // step 3, beside the tiles
-    } else if (kGather && warp == kGatherWarp) {
-      gather_stages<kStages, kStageBytes, kWBytes>(a, smem, full_bar, gather_bar, gather_rec, lane);
     } else if (tid == 32) {
       // ---- Signal thread: publishes each finished tile to the other CTAs. ----
       // NOTE: the release runs here, off the consumers' path: they arrive on done_bar
@@ -1023,13 +914,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float rw1 = n0p + 8 < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p + 8) : 0.0f;
         if constexpr (kWide) {
           if (split)
-            mainloop_tokens_m<1, false, true, kGather>(acc_block<0>(acc), tl.kblocks, rp, smem, full_bar,
-                                                       empty_bar, 0, 0, wg, lrow, sg_row, su_row,
-                                                       a.debug_skip, pf);
+            mainloop_tokens_m<1, false, true>(acc_block<0>(acc), tl.kblocks, rp, smem, full_bar, empty_bar, 0,
+                                              0, wg, lrow, sg_row, su_row, a.debug_skip, pf);
           else
-            mainloop_tokens_m_blocks<1, true, false, kGather>(acc, tl.kblocks, rp, smem, full_bar, empty_bar,
-                                                              0, rbase, lrow, sg_row, su_row, nullptr,
-                                                              a.debug_skip | wg_idle(tl), pf);
+            mainloop_tokens_m_blocks<1, true, false>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, 0, rbase,
+                                                     lrow, sg_row, su_row, nullptr,
+                                                     a.debug_skip | wg_idle(tl), pf);
         } else {
           mainloop_tokens_m_blocks<1, false, kPairs>(acc, tl.kblocks, rp, smem, full_bar, empty_bar,
                                                      peer_empty, rbase, lrow, sg_row, su_row, nullptr,
@@ -1431,9 +1321,6 @@ void set_smem_attr() {
     MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<128, true, false, true>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             smem_bytes(128, true)));
-    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<128, false, false, true, true>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            smem_bytes(128, true)));
   }
 }
 
@@ -1468,8 +1355,6 @@ void launch_fused(const KernelArgs& args, const TensorMaps& maps, int grid, cons
       FusedLaunch launch(grid, smem_bytes(128, true), false, pdl, stream);
       if (args.ep.ranks)
         launch(fused_moe_kernel<128, true, false, true>, args, maps);
-      else if (cfg.gather_tokens)
-        launch(fused_moe_kernel<128, false, false, true, true>, args, maps);
       else
         launch(fused_moe_kernel<128, false, false, true>, args, maps);
       return;
@@ -1820,8 +1705,6 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
   cfg.pair_tiles = cfg.pair_tiles && p->pairs_ok[block_n_index(cfg.block_n)] && !cfg.wide_tiles;
   cfg.stages = stages_for(cfg.block_n, cfg.wide_tiles);
   cfg.ep_overlap = p->args.ep_overlap != 0;
-  // (the gather is built into the one-device wide kernel only)
-  cfg.gather_tokens = cfg.gather_tokens && cfg.wide_tiles && !p->args.ep.ranks;
   return cfg;
 }
 

@@ -221,11 +221,7 @@ __device__ __forceinline__ void skip_stages(int stages, RingPos<kStages>& rp, ui
 // xrow0 = 0 in each warpgroup (a split wide tile of at most 64 rows: GEMM1 half wblk or
 // GEMM2 output block wblk). Otherwise xrow0 = 64 wg, wblk = 0: the warpgroup's own 64 token
 // rows of the one block.
-// kProxyFence: the stage's token rows came through cp.async (generic proxy; the gather,
-// gather_stages), so each consumer thread fences toward the async proxy after the full
-// barrier, before its wgmma read them (PTX: generic writes to a wgmma operand need an async
-// proxy fence between them; the barrier orders them for generic reads only).
-template <int kGemm, bool kPairs, bool kWide = false, bool kProxyFence = false>
+template <int kGemm, bool kPairs, bool kWide = false>
 __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
                                                   RingPos<stages_for(128, kWide)>& rp, uint8_t* smem,
                                                   uint64_t* full_bar, uint64_t* empty_bar,
@@ -261,7 +257,6 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
     uint32_t t0 = pf.now();
     sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
-    if constexpr (kProxyFence) sm90::fence_proxy_async_shared();
     pf.add(kPfFullWait, t0);
     const float* s_s = reinterpret_cast<const float*>(smem + rp.stage * kStageBytes + kWBytes + kXBytes);
     t0 = pf.now();
@@ -295,7 +290,7 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
 // shape. GEMM1's halves share their 128-row scale blocks, so one set of products serves
 // both. (kSkipFold is not taken here: that branch moved ptxas's schedule of the wide loop,
 // v25; the measurement build is bench/results/ab/v25_wide_skipfold_hack.diff.)
-template <int kGemm, bool kWide, bool kPairs, bool kProxyFence = false>  // (kProxyFence: mainloop_tokens_m)
+template <int kGemm, bool kWide, bool kPairs>
 __device__ __forceinline__ void mainloop_tokens_m_blocks(float (&acc)[128], int kblocks,
                                                          RingPos<stages_for(128, kWide)>& rp, uint8_t* smem,
                                                          uint64_t* full_bar, uint64_t* empty_bar,
@@ -323,7 +318,6 @@ __device__ __forceinline__ void mainloop_tokens_m_blocks(float (&acc)[128], int 
   auto wait_full = [&] {
     const uint32_t t0 = pf.now();
     sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
-    if constexpr (kProxyFence) sm90::fence_proxy_async_shared();
     pf.add(kPfFullWait, t0);
   };
   for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {

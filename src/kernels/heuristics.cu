@@ -53,18 +53,16 @@ FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms, int loc
   c.num_sms = num_sms;
   c.programmatic_launch = kProgrammaticLaunch && tokens <= kProgrammaticLaunchMaxTokens;
   if (const char* env = std::getenv("MEGAMOE_PDL")) c.programmatic_launch = std::atoi(env) != 0;
-  c.gather_tokens = kGatherTokens;
-  if (const char* env = std::getenv("MEGAMOE_GATHER")) c.gather_tokens = std::atoi(env) != 0;
   return c;
 }
 
 std::string describe(const FusedMoeConfig& c) {
   return fmt::format(
-      "block_m={} block_n={} block_k={} stages={} smem={}B sms={} router_ksplit={}{}{}{}{}{}{}{}", kBlockM,
+      "block_m={} block_n={} block_k={} stages={} smem={}B sms={} router_ksplit={}{}{}{}{}{}{}", kBlockM,
       c.block_n, kBlockK, c.stages, smem_bytes(c.block_n, c.wide_tiles), c.num_sms, c.router_ksplit,
       c.half_tiles ? " half_tiles" : "", c.wide_tiles ? " wide_tiles" : "", c.pair_tiles ? " pair_tiles" : "",
       c.pair_tiles && c.pair_weights ? " pair_weights" : "", c.ep_overlap ? " ep_overlap" : "",
-      c.programmatic_launch ? " pdl" : "", c.gather_tokens ? " gather_tokens" : "");
+      c.programmatic_launch ? " pdl" : "");
 }
 
 void maybe_print_config(const MoeShape& s, int tokens, const FusedMoeConfig& c) {

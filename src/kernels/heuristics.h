@@ -208,18 +208,11 @@ constexpr bool kEpWideTiles = true;
 // MEGAMOE_PDL=0 / 1 overrides the rule.
 constexpr bool kProgrammaticLaunch = true;
 constexpr int kProgrammaticLaunchMaxTokens = 64;
-
-// GEMM1's token rows gathered from one quantized copy of each token (FusedMoeConfig::
-// gather_tokens; wide tiles on one device, the prefill kernel): phase 0 writes each token once
-// instead of once a slot (K + shared = 9 copies: 906 MB at 16384 GLM-5 tokens, 57 MB at 1024),
-// and warp kGatherWarp of the producer warpgroup copies a GEMM1 stage's token rows and scales
-// with cp.async, by each row's source token, where thread 0 had one TMA box of sorted rows.
-// Measured (v40, H100): +44..72 % at 4096 and 16384 when the gather warp waited for each
-// stage's copies before arriving (one stage in flight, ~2 us a stage against the wgmma's ~0.8);
-// without its loads the gathered layer was 2.7 / 4.7 % faster (phase 0's one copy). Its lanes
-// now arrive asynchronously (cp.async.mbarrier.arrive.noinc), not yet measured, so off;
-// MEGAMOE_GATHER=0 / 1 overrides it.
-constexpr bool kGatherTokens = false;
+// (Tried and removed, v39-v41: the wide tiles' GEMM1 token rows gathered by one producer warp
+// with cp.async from one quantized copy of each token, where phase 0 writes a copy a slot.
+// Without loads the gathered layer was 3-5 % faster, with them +44..74 % at 4096 and 16384
+// tokens, whether the warp waited for each stage or its lanes arrived asynchronously:
+// bench/results/NOTES.md v40-v41.)
 
 // Router GEMM tile by token hint (route.cu): up to kRouteSmallTokens tokens 16x16
 // tiles (decode: 64+ blocks stream the router weight at once), up to

@@ -160,7 +160,7 @@ class FusedMoe : public ::testing::Test {
   void TearDown() override { clear_switches(); }
   static void clear_switches() {
     for (const char* var : {"MEGAMOE_BLOCK_N", "MEGAMOE_HALF_TILES", "MEGAMOE_PAIR_TILES",
-                            "MEGAMOE_PAIR_WEIGHTS", "MEGAMOE_WIDE_TILES", "MEGAMOE_PDL", "MEGAMOE_GATHER"})
+                            "MEGAMOE_PAIR_WEIGHTS", "MEGAMOE_WIDE_TILES", "MEGAMOE_PDL"})
       unsetenv(var);
   }
 };
@@ -386,31 +386,24 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
     // the same bytes (the odd shape's H / 128 = 9 output blocks cannot pair: it runs alone).
     setenv("MEGAMOE_BLOCK_N", "128", 1);
     // Pairs sharing the token tile or the weight tile, and wide tiles (both tiles of a token
-    // pair in one CTA; the odd shape cannot take them either), also with GEMM1's token rows
-    // gathered from one copy of each token (asserted on where the wide tiles run).
+    // pair in one CTA; the odd shape cannot take them either).
     struct Tiles {
-      const char *name, *wide, *pairs, *pair_weights, *gather;  // the MEGAMOE_* switches
+      const char *name, *wide, *pairs, *pair_weights;  // the MEGAMOE_* switches
     };
     for (const Tiles& v :
-         {Tiles{"alone", "0", "0", "0", "0"}, Tiles{"pairs sharing tokens", "0", "1", "0", "0"},
-          Tiles{"pairs sharing weights", "0", "1", "1", "0"}, Tiles{"wide tiles", "1", "0", "0", "0"},
-          Tiles{"wide tiles, gathered tokens", "1", "0", "0", "1"}}) {
+         {Tiles{"alone", "0", "0", "0"}, Tiles{"pairs sharing tokens", "0", "1", "0"},
+          Tiles{"pairs sharing weights", "0", "1", "1"}, Tiles{"wide tiles", "1", "0", "0"}}) {
       setenv("MEGAMOE_WIDE_TILES", v.wide, 1);
       setenv("MEGAMOE_PAIR_TILES", v.pairs, 1);
       setenv("MEGAMOE_PAIR_WEIGHTS", v.pair_weights, 1);
-      setenv("MEGAMOE_GATHER", v.gather, 1);
-      const std::string cfg = layer.config_for(T);
-      if (*v.gather == '1' && cfg.find("wide_tiles") != std::string::npos) {
-        EXPECT_NE(cfg.find("gather_tokens"), std::string::npos) << cfg;
-      }
       const GpuRun c = run_gpu(layer, x, T);
       EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
-          << s.describe() << ": 128-token tiles " << v.name << " change the bytes (" << cfg << ")";
+          << s.describe() << ": 128-token tiles " << v.name << " change the bytes (" << layer.config_for(T)
+          << ")";
     }
     unsetenv("MEGAMOE_WIDE_TILES");
     unsetenv("MEGAMOE_PAIR_TILES");
     unsetenv("MEGAMOE_PAIR_WEIGHTS");
-    unsetenv("MEGAMOE_GATHER");
     unsetenv("MEGAMOE_BLOCK_N");
   }
 }
@@ -645,27 +638,6 @@ TEST_F(FusedMoe, GraphReplayWithDeviceTokenCount) {
   // edges between them programmatic) and without.
   for (const char* pdl : {"1", "0"})
     expect_graph_replays_match(layer, x, Tmax, {{"MEGAMOE_PDL", pdl}}, {37, 320, 0, 1, 100, 257});
-}
-
-// GEMM1's token rows gathered from one quantized copy of each token (MEGAMOE_GATHER; the
-// wide tiles, forced here at every T): against the reference at 200 and 2600 tokens (several
-// tiles a CTA, both GEMMs' stages interleaved in the ring, the shared expert's two chunks), a
-// forward of one token (127 zero-filled rows a tile), and a graph captured at 600 tokens
-// replayed at 600, 1, 0 and 257 (its x_sorted rows rewritten each time).
-TEST_F(FusedMoe, GatheredTokens) {
-  setenv("MEGAMOE_BLOCK_N", "128", 1);
-  setenv("MEGAMOE_WIDE_TILES", "1", 1);
-  setenv("MEGAMOE_GATHER", "1", 1);
-  const MoeShape s = reduced_shape();
-  const int Tmax = 600;
-  const TestCase tc = make_case(s, 77, Tmax, Tmax);
-  const std::string cfg = tc.layer->config_for(Tmax);
-  ASSERT_NE(cfg.find("gather_tokens"), std::string::npos) << cfg;
-  for (int T : {1, 200, 2600}) check_against_reference(s, T, 300 + T);
-  clear_switches();  // (the graph helper sets them for its capture only)
-  expect_graph_replays_match(
-      *tc.layer, tc.x, Tmax,
-      {{"MEGAMOE_BLOCK_N", "128"}, {"MEGAMOE_WIDE_TILES", "1"}, {"MEGAMOE_GATHER", "1"}}, {600, 1, 0, 257});
 }
 
 // A device token count outside [0, tokens_hint] is a caller's bug: the kernels clamp it

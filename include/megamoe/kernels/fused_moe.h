@@ -108,9 +108,6 @@ struct FusedMoeConfig {
   // route_topk and the fused kernel launched as programmatic dependents of the kernel
   // before them (kProgrammaticLaunch): their CTAs start while it runs and wait for its end.
   bool programmatic_launch = false;
-  // Wide tiles on one device: GEMM1's token rows gathered from one quantized copy of each
-  // token (phase 0 writes each token once, not once a slot; kGatherTokens).
-  bool gather_tokens = false;
 };
 
 struct DeviceTensors {
