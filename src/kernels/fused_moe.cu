@@ -1381,6 +1381,7 @@ struct FusedMoePlan {
   MoeWeightsView w;
   void* workspace = nullptr;
   int num_sms = 0;
+  double read_gbps_per_sm = 0;      // the card's (device_read_gbps_per_sm; the tile rule's input)
   bool pairs_ok[kNumBlockNs] = {};  // the shape and grid allow pair tiles of a block_n (pair_tiles)
   bool wide_ok = false;             // the shape allows wide tiles (FusedMoeConfig::wide_tiles)
   TensorMaps maps[kNumBlockNs];
@@ -1417,6 +1418,7 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   int dev = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
   MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&plan->num_sms, cudaDevAttrMultiProcessorCount, dev));
+  plan->read_gbps_per_sm = device_read_gbps_per_sm(dev);
   if (cfg.num_sms > 0) plan->num_sms = std::min(plan->num_sms, cfg.num_sms);
   // MEGAMOE_NUM_SMS: a smaller persistent grid (measurement: does the time scale with SMs?).
   if (const char* env = std::getenv("MEGAMOE_NUM_SMS"))
@@ -1697,8 +1699,8 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
   // Expert parallelism: a local expert receives from every rank, as many rows as one
   // device holding all experts would see for R times the tokens.
   const int R = std::max(1, p->args.ep.ranks);
-  FusedMoeConfig cfg =
-      choose_config(p->shape, int(std::min<int64_t>(int64_t(tokens) * R, 1 << 30)), p->num_sms, p->args.E);
+  FusedMoeConfig cfg = choose_config(p->shape, int(std::min<int64_t>(int64_t(tokens) * R, 1 << 30)),
+                                     p->num_sms, p->args.E, p->read_gbps_per_sm);
   cfg.router_ksplit = kRouterSlices;
   cfg.wide_tiles = cfg.wide_tiles && cfg.block_n == 128 && p->wide_ok;
   // (wide tiles take the pair tiles' place: one CTA computes both tiles of a token pair)

@@ -5,11 +5,13 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "cuda_check.h"
 #include "heuristics.h"
 
 namespace megamoe::kernels {
 
-FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms, int local_experts) {
+FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms, int local_experts,
+                             double read_gbps_per_sm) {
   FusedMoeConfig c;
   // Rows an expert receives are about Poisson(avg) under balanced routing: a block of
   // max(1.5 avg, avg + 2.5 sqrt(avg)) rows holds all but ~0.5 % of the experts (whose
@@ -19,12 +21,17 @@ FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms, int loc
   // to 8, 32 up to 20, 48 below kTile64MinAvgRows (24), 64 from there (the rule's
   // 48 up to 32 rows: the 64-token tile measured faster, v35), and 128-token tiles with
   // half tiles from kTile128MinAvgRows (38; kTile128MinAvgRowsFewExperts, 60, on fewer than
-  // kTile128ManyExperts local experts), in CTA pairs on kPairTilesMinExperts or more.
+  // kTile128ManyExperts local experts; kTile128MinAvgRowsFastRead, 24, on many experts of a
+  // card reading at least kFastReadGBpsPerSm), in CTA pairs on kPairTilesMinExperts or more.
+  c.read_gbps_per_sm = read_gbps_per_sm;
+  if (const char* env = std::getenv("MEGAMOE_READ_GBPS_PER_SM")) c.read_gbps_per_sm = std::atof(env);
+  const bool fast_read = c.read_gbps_per_sm >= kFastReadGBpsPerSm;
   const double avg_rows = double(tokens) * s.topk / s.experts;
   const double need =
       std::min(2.0 * avg_rows, std::max(1.5 * avg_rows, avg_rows + 2.5 * std::sqrt(avg_rows)));
-  const double tile128_min_rows =
-      local_experts >= kTile128ManyExperts ? kTile128MinAvgRows : kTile128MinAvgRowsFewExperts;
+  const double tile128_min_rows = local_experts < kTile128ManyExperts ? kTile128MinAvgRowsFewExperts
+                                  : fast_read                         ? kTile128MinAvgRowsFastRead
+                                                                      : kTile128MinAvgRows;
   c.block_n = avg_rows < tile128_min_rows ? 64 : 128;
   if (avg_rows < kTile64MinAvgRows) {
     for (int bn : kBlockNs) {
@@ -56,11 +63,22 @@ FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms, int loc
   return c;
 }
 
+double device_read_gbps_per_sm(int device) {
+  int clock_khz = 0, bus_bits = 0, sms = 0;
+  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device));
+  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device));
+  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if (clock_khz <= 0 || bus_bits <= 0 || sms <= 0) return 0;
+  return 2.0 * clock_khz * 1e3 * (bus_bits / 8) / 1e9 / sms;
+}
+
 std::string describe(const FusedMoeConfig& c) {
   return fmt::format(
-      "block_m={} block_n={} block_k={} stages={} smem={}B sms={} router_ksplit={}{}{}{}{}{}{}", kBlockM,
-      c.block_n, kBlockK, c.stages, smem_bytes(c.block_n, c.wide_tiles), c.num_sms, c.router_ksplit,
-      c.half_tiles ? " half_tiles" : "", c.wide_tiles ? " wide_tiles" : "", c.pair_tiles ? " pair_tiles" : "",
+      "block_m={} block_n={} block_k={} stages={} smem={}B sms={} read={:.0f}GB/s/SM "
+      "router_ksplit={}{}{}{}{}{}{}",
+      kBlockM, c.block_n, kBlockK, c.stages, smem_bytes(c.block_n, c.wide_tiles), c.num_sms,
+      c.read_gbps_per_sm, c.router_ksplit, c.half_tiles ? " half_tiles" : "",
+      c.wide_tiles ? " wide_tiles" : "", c.pair_tiles ? " pair_tiles" : "",
       c.pair_tiles && c.pair_weights ? " pair_weights" : "", c.ep_overlap ? " ep_overlap" : "",
       c.programmatic_launch ? " pdl" : "");
 }

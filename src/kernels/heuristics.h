@@ -102,6 +102,17 @@ constexpr double kTile64MinAvgRows = 24.0;
 // measured GLM-5 1280 (40 rows) level, DeepSeek-V3 1280 +0.7 % and GLM-5 1536 (48) +1.5 %
 // for the 64-token tile.
 constexpr double kTile128MinAvgRows = 38.0;
+// ... except on a card whose peak DRAM bandwidth per SM is at least kFastReadGBpsPerSm
+// (FusedMoeConfig::read_gbps_per_sm: H200 4.8 TB/s / 132 SMs = 36, H100 SXM 3.35 TB/s / 132 =
+// 25): there the 128-token tiles (half tiles in pairs) take over from kTile64MinAvgRows, as v20
+// had it on the H200. v41 (H200, bench/results/ab/v41_h200_bn128_band.log, forced 128 against
+// the rule, two rounds): GLM-5 768 (24 rows) -1.6 %, 1024 (32) -2.4 %; DeepSeek-V3 -1.7 / -2.4 %;
+// GLM-5.3-Flash 1024 (28) -1.5 %; below 24 rows the rule's tiles stay ahead (Flash 768, 21
+// rows, 48: 128 +2.3 %; 512 tokens, 16-14 rows, 32: +0.9..+3.4 %). What moves the edge between
+// the cards is not measured; the faster read needs more bytes a cycle into each SM, which the
+// pairs' multicast halves for the token tile.
+constexpr double kTile128MinAvgRowsFastRead = kTile64MinAvgRows;
+constexpr double kFastReadGBpsPerSm = 30.0;
 // With fewer local experts than kTile128ManyExperts (an expert-parallel rank's share; the
 // bench's 8-way shares) the edge lies higher: v35 (H100, bench/results/ab/v35_share_bn64.log,
 // v35_h100_v4flash_share.log) measured the 64-token tile against 128 at 48 rows (the
@@ -303,8 +314,13 @@ static_assert(stages_for(8) == kMaxStages && stages_for(48) == kMaxStages && sta
 // nearly every expert takes one block, and prefill tiles reuse each weight tile over
 // up to 128 tokens. `tokens`: as many as one device holding all experts would see (an
 // expert-parallel rank's count times R); `local_experts`: the experts this device computes
-// (s.experts on one device, E / R on a rank).
-FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms, int local_experts);
+// (s.experts on one device, E / R on a rank); `read_gbps_per_sm`: the card's peak DRAM
+// bandwidth per SM (FusedMoeConfig::read_gbps_per_sm; device_read_gbps_per_sm).
+FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms, int local_experts,
+                             double read_gbps_per_sm);
+// The current device's peak DRAM bandwidth per SM in GB/s: 2 (double data rate) x its memory
+// clock x its bus width / its SMs; 0 where the driver reports no clock.
+double device_read_gbps_per_sm(int device);
 
 std::string describe(const FusedMoeConfig& c);
 void maybe_print_config(const MoeShape& s, int tokens, const FusedMoeConfig& c);

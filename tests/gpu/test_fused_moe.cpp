@@ -159,8 +159,9 @@ class FusedMoe : public ::testing::Test {
   // (also after each test: a failed assertion can leave a switch set for the next suite)
   void TearDown() override { clear_switches(); }
   static void clear_switches() {
-    for (const char* var : {"MEGAMOE_BLOCK_N", "MEGAMOE_HALF_TILES", "MEGAMOE_PAIR_TILES",
-                            "MEGAMOE_PAIR_WEIGHTS", "MEGAMOE_WIDE_TILES", "MEGAMOE_PDL"})
+    for (const char* var :
+         {"MEGAMOE_BLOCK_N", "MEGAMOE_HALF_TILES", "MEGAMOE_PAIR_TILES", "MEGAMOE_PAIR_WEIGHTS",
+          "MEGAMOE_WIDE_TILES", "MEGAMOE_PDL", "MEGAMOE_READ_GBPS_PER_SM"})
       unsetenv(var);
   }
 };
@@ -294,6 +295,31 @@ TEST_F(FusedMoe, PairTilesByTheRule) {
   const std::string few = make_case(s, 702, 2000, 2000).layer->config_for(2000);
   EXPECT_NE(few.find("half_tiles"), std::string::npos) << few;
   EXPECT_EQ(few.find("pair_tiles"), std::string::npos) << few;
+}
+
+TEST_F(FusedMoe, TileEdgeFollowsReadBandwidth) {
+  // On many local experts the 64-token tile holds from 24 to 38 rows an expert on a card
+  // reading less than kFastReadGBpsPerSm a SM (the H100), and the 128-token half tiles in
+  // pairs take over from 24 rows on one reading more (the H200; heuristics.h
+  // kTile128MinAvgRowsFastRead). 128 experts of the reduced shape get T / 32 rows: 960
+  // tokens 30 rows, 704 tokens 22 (the 48-token tile on both).
+  MoeShape s = reduced_shape();
+  s.experts = 128;
+  const TestCase tc = make_case(s, 710, 960, 960);
+  const std::string own = tc.layer->config_for(960);
+  EXPECT_NE(own.find(" read="), std::string::npos) << own;
+  setenv("MEGAMOE_READ_GBPS_PER_SM", "25", 1);
+  std::string cfg = tc.layer->config_for(960);
+  EXPECT_NE(cfg.find("block_n=64 "), std::string::npos) << cfg;
+  cfg = tc.layer->config_for(704);
+  EXPECT_NE(cfg.find("block_n=48 "), std::string::npos) << cfg;
+  setenv("MEGAMOE_READ_GBPS_PER_SM", "37", 1);
+  cfg = tc.layer->config_for(960);
+  EXPECT_NE(cfg.find("block_n=128 "), std::string::npos) << cfg;
+  EXPECT_NE(cfg.find("half_tiles pair_tiles pair_weights"), std::string::npos) << cfg;
+  cfg = tc.layer->config_for(704);
+  EXPECT_NE(cfg.find("block_n=48 "), std::string::npos) << cfg;
+  check_against_reference(s, 960, 711);  // (the fast card's tiles at 30 rows)
 }
 
 TEST_F(FusedMoe, TwoSharedExperts) {
