@@ -3,6 +3,7 @@
 # its tests (GatheredTokens, DeterministicAndTileIndependent), memcheck and racecheck of
 # GatheredTokens, then two rounds of ab/v40_gather.txt.
 # Build: scripts/build_devbin.sh devbinB old=1d206e9; carry ["devbinB"].
+# (Ran at 6fe035d, v41; device_run.sh's sanitize-gather step went with the gather in 0c491f3.)
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib
 nvidia-smi --query-gpu=name --format=csv,noheader

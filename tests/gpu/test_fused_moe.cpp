@@ -306,8 +306,16 @@ TEST_F(FusedMoe, TileEdgeFollowsReadBandwidth) {
   MoeShape s = reduced_shape();
   s.experts = 128;
   const TestCase tc = make_case(s, 710, 960, 960);
+  // Without the override the plan passes the card's own figure (nonzero on any sm_90 card)
+  // and the tile at 30 rows follows it.
   const std::string own = tc.layer->config_for(960);
-  EXPECT_NE(own.find(" read="), std::string::npos) << own;
+  const size_t at = own.find(" read=");
+  ASSERT_NE(at, std::string::npos) << own;
+  const double own_gbps = std::atof(own.c_str() + at + 6);
+  EXPECT_GT(own_gbps, 0) << own;
+  EXPECT_NE(own.find(own_gbps >= 30 ? "block_n=128 " : "block_n=64 "),
+            std::string::npos)  // (kFastReadGBpsPerSm)
+      << own;
   setenv("MEGAMOE_READ_GBPS_PER_SM", "25", 1);
   std::string cfg = tc.layer->config_for(960);
   EXPECT_NE(cfg.find("block_n=64 "), std::string::npos) << cfg;
