@@ -21,17 +21,19 @@ FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms, int loc
   // to 8, 32 up to 20, 48 below kTile64MinAvgRows (24), 64 from there (the rule's
   // 48 up to 32 rows: the 64-token tile measured faster, v35), and 128-token tiles with
   // half tiles from kTile128MinAvgRows (38; kTile128MinAvgRowsFewExperts, 60, on fewer than
-  // kTile128ManyExperts local experts; kTile128MinAvgRowsFastRead, 24, on many experts of a
-  // card reading at least kFastReadGBpsPerSm), in CTA pairs on kPairTilesMinExperts or more.
+  // kTile128ManyExperts local experts; on a card reading at least kFastReadGBpsPerSm
+  // kTile128MinAvgRowsFastRead, 24, and kTile128MinAvgRowsFewExpertsFastRead, 48), in CTA
+  // pairs on kPairTilesMinExperts or more.
   c.read_gbps_per_sm = read_gbps_per_sm;
   if (const char* env = std::getenv("MEGAMOE_READ_GBPS_PER_SM")) c.read_gbps_per_sm = std::atof(env);
   const bool fast_read = c.read_gbps_per_sm >= kFastReadGBpsPerSm;
   const double avg_rows = double(tokens) * s.topk / s.experts;
   const double need =
       std::min(2.0 * avg_rows, std::max(1.5 * avg_rows, avg_rows + 2.5 * std::sqrt(avg_rows)));
-  const double tile128_min_rows = local_experts < kTile128ManyExperts ? kTile128MinAvgRowsFewExperts
-                                  : fast_read                         ? kTile128MinAvgRowsFastRead
-                                                                      : kTile128MinAvgRows;
+  const double tile128_min_rows =
+      local_experts < kTile128ManyExperts
+          ? (fast_read ? kTile128MinAvgRowsFewExpertsFastRead : kTile128MinAvgRowsFewExperts)
+          : (fast_read ? kTile128MinAvgRowsFastRead : kTile128MinAvgRows);
   c.block_n = avg_rows < tile128_min_rows ? 64 : 128;
   if (avg_rows < kTile64MinAvgRows) {
     for (int bn : kBlockNs) {

@@ -119,6 +119,12 @@ constexpr double kFastReadGBpsPerSm = 30.0;
 // DeepSeek-V4-Flash share, 32 experts) -4.3 %, 57 rows (GLM-5.3-Flash, 36) -2.3 %, but at 64
 // rows (GLM-5 and DeepSeek-V3, 32) +2.3 % and at 96 +14 %.
 constexpr double kTile128MinAvgRowsFewExperts = 60.0;
+// ... and on a card reading at least kFastReadGBpsPerSm a SM, from 48: v42 (H200,
+// bench/results/ab/v42_shares_h200.log, forced 128 against the rule's 64) GLM-5.3-Flash's share (36
+// experts) at 57 rows -7.9 % (310 against 337 us, p10-p90 within 0.5 % each), at 43 rows level
+// (+0.4 %), the GLM-5 and DeepSeek-V3 shares (32) at 48 rows level (+0.1 / -0.6 %); the H100
+// measured 57 rows level the same day (-0.9 %, ab/v42_shares_h100.log; v41 +0.4 %).
+constexpr double kTile128MinAvgRowsFewExpertsFastRead = 48.0;
 constexpr int kTile128ManyExperts = 128;
 // Pair tiles (FusedMoeConfig::pair_tiles): 128-token tiles run in clusters of two CTAs,
 // output blocks 2j and 2j + 1 of one token block, each CTA loading 64 of the 128 token

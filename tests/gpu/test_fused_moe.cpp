@@ -258,9 +258,11 @@ TEST_F(FusedMoe, WideTilesSmall) {
 TEST_F(FusedMoe, WideTilesWhereHalfTilesAreOff) {
   // The heuristic's choice (reduced shape: T / 8 rows an expert on average): wide tiles (four
   // stages) above 96 rows, where half tiles stop; below, from 60 rows (32 experts: heuristics.h
-  // kTile128MinAvgRowsFewExperts), half tiles without pairs (kPairTilesMinExperts); from 24 to
-  // 60 rows the 64-token tile.
+  // kTile128MinAvgRowsFewExperts) on a card reading less than kFastReadGBpsPerSm a SM, from 48
+  // on one reading more (kTile128MinAvgRowsFewExpertsFastRead), half tiles without pairs
+  // (kPairTilesMinExperts); from 24 rows to there the 64-token tile.
   const TestCase tc = make_case(reduced_shape(), 1, 8, 2048);
+  setenv("MEGAMOE_READ_GBPS_PER_SM", "25", 1);
   for (int T : {1024, 2048}) {
     const std::string cfg = tc.layer->config_for(T);
     EXPECT_NE(cfg.find("stages=4"), std::string::npos) << T << ": " << cfg;
@@ -275,6 +277,17 @@ TEST_F(FusedMoe, WideTilesWhereHalfTilesAreOff) {
     EXPECT_EQ(cfg.find("wide_tiles"), std::string::npos) << T << ": " << cfg;
   }
   for (int T : {192, 296, 472}) {
+    const std::string cfg = tc.layer->config_for(T);
+    EXPECT_NE(cfg.find("block_n=64 "), std::string::npos) << T << ": " << cfg;
+  }
+  setenv("MEGAMOE_READ_GBPS_PER_SM", "37", 1);
+  for (int T : {384, 472}) {  // 48 and 59 rows
+    const std::string cfg = tc.layer->config_for(T);
+    EXPECT_NE(cfg.find("block_n=128"), std::string::npos) << T << ": " << cfg;
+    EXPECT_NE(cfg.find("half_tiles"), std::string::npos) << T << ": " << cfg;
+    EXPECT_EQ(cfg.find("pair_tiles"), std::string::npos) << T << ": " << cfg;
+  }
+  for (int T : {192, 376}) {  // 24 and 47 rows
     const std::string cfg = tc.layer->config_for(T);
     EXPECT_NE(cfg.find("block_n=64 "), std::string::npos) << T << ": " << cfg;
   }
