@@ -136,12 +136,18 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN], int kblocks, 
   // Both stages are waited for before the first issue: no wgmma is in flight across the
   // mbarrier's retry loop (see the NOTE above the K loops).
   // K blocks kb (in `ba`) and kb + 1 (in `bb`) into one accumulator half.
+  // The weight scales of an iteration's two K blocks are loaded an iteration ahead (kb past
+  // the row's end reads its last entry, unused): loaded at the iteration's top, their L2
+  // latency stood between the issue and the fold whenever both stages were already full.
+  auto scale_at = [&](const float* row, int k) { return __ldg(row + min(k, kblocks - 1)); };
   auto run = [&](float(&dst)[BN / 2]) {
     int kb = 0;
+    float lo0 = scale_at(lo_scale, 0), lo1 = scale_at(lo_scale, 1);
+    float hi0 = kGemm == 1 ? scale_at(hi_scale, 0) : lo0, hi1 = kGemm == 1 ? scale_at(hi_scale, 1) : lo1;
     for (; kb + 2 <= kblocks; kb += 2) {
-      const float lo0 = __ldg(lo_scale + kb), lo1 = __ldg(lo_scale + kb + 1);
-      const float hi0 = kGemm == 1 ? __ldg(hi_scale + kb) : lo0;
-      const float hi1 = kGemm == 1 ? __ldg(hi_scale + kb + 1) : lo1;
+      const float nlo0 = scale_at(lo_scale, kb + 2), nlo1 = scale_at(lo_scale, kb + 3);
+      const float nhi0 = kGemm == 1 ? scale_at(hi_scale, kb + 2) : nlo0;
+      const float nhi1 = kGemm == 1 ? scale_at(hi_scale, kb + 3) : nlo1;
       RingPos<kStages> r1 = rp;
       r1.advance();
       wait_full(rp);
@@ -160,9 +166,10 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN], int kblocks, 
       rp.advance();
       pf.count(kPfStages);
       pf.count(kPfStages);
+      lo0 = nlo0, lo1 = nlo1, hi0 = nhi0, hi1 = nhi1;
     }
     if (kb < kblocks) {  // an odd last K block
-      const float lo = __ldg(lo_scale + kb), hi = kGemm == 1 ? __ldg(hi_scale + kb) : lo;
+      const float lo = lo0, hi = hi0;
       wait_full(rp);
       issue_full(ba, rp);
       products(stage_ptr(rp), lo, hi);
