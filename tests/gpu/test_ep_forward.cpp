@@ -621,7 +621,7 @@ TEST_F(EpForward, WideTilesMatchSingleDevice) {
   // Wide tiles with half tiles (forced: the rule takes half tiles instead), so a wide tile
   // of at most 64 rows gives each warpgroup one block (`split`): 65-75 rows an expert (a rank
   // picks its tiles from its count times R; 128-token tiles from 60 rows on 16 local experts,
-  // heuristics.h kTile128MinAvgRowsFewExperts).
+  // 48 on a card reading at least 30 GB/s a SM: heuristics.h kTile128MinAvgRowsFewExperts*).
   const ScopedEnv half_wide("MEGAMOE_WIDE_TILES", "1");
   expect_matches_one_device(w, {300, 260}, 1250, "half_tiles wide_tiles", "split wide tiles");
 }
