@@ -582,9 +582,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         // first (ep_pull_overlapped), so both GEMMs of a routed unit wait for those too.
         int need = (tl.e == a.E ? a.Is : a.I) / 128 * (kHalfPairs ? 2 : 1);
         if constexpr (kEp) need = (tl.gemm == 1 ? 0 : need) + (a.ep_overlap && tl.e < a.E ? tl.rows : 0);
-        if (a.debug_skip & kSkipDeps) need = 0;  // (timing only: what the dependency costs)
+        // (timing only: what the dependency costs, the wait and the acquiring load both)
+        if (a.debug_skip & kSkipDeps) need = 0;
         uint32_t t0 = pf.now();
-        bool ready = (kEp ? need == 0 : tl.gemm == 1) || sm90::ld_acquire_gpu(&done1[tl.unit]) >= need;
+        bool ready = need == 0 || (!kEp && tl.gemm == 1) || sm90::ld_acquire_gpu(&done1[tl.unit]) >= need;
         if (a.no_early_loads && !ready) {
           sm90::wait_geq_acquire_gpu(&done1[tl.unit], need);
           ready = true;
