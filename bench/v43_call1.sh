@@ -1,20 +1,33 @@
 #!/usr/bin/env bash
-# Prepared in v42 for the next session's first call: on an H200 first bench/v42_call7.sh's
-# steps (the GPU suite of the final tree, one round each of ab/v42_few_edge.txt and
-# ab/v42_scale_ahead.txt, the full bench for h200.json); on any card then Nsight Compute's
-# per-instruction stall samples of the fused kernel at GLM-5 T = 1 and 8 (NOTES v42 item 7: the
-# decode consumers spend ~600 cycles a stage outside their waits), summarized by
-# scripts/ncu_stalls.py.
+# Prepared in v42 for the next session's first call (any card; more on an H200):
+# 1. the GPU suite of the final tree (4818e47+: the scales ahead, both tile edges, the
+#    dependency switch now skipping the acquiring load);
+# 2. on an H200: one round each of ab/v42_few_edge.txt and ab/v42_scale_ahead.txt (old =
+#    e65cef2) and the full bench (-> h200.json);
+# 3. two rounds of ab/v43_deps_load.txt (what GEMM2's acquiring load costs at decode);
+# 4. Nsight Compute's per-instruction stall samples of the fused kernel at GLM-5 T = 1 and 8
+#    (NOTES v42 item 7), summarized by scripts/ncu_stalls.py.
 # Build: scripts/build_devbin.sh devbinG, devbinG/old = e65cef2's binaries (v42's devbinF/old);
 # carry ["devbinG"].
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$gpu"
 start=$(date +%s)
+KEEP_GOING=1 TEST_TIMEOUT=240 scripts/device_run.sh devbinG/head tests > "$OUT"/tests_summary.log 2>&1
+grep -E "^\[  (PASSED|FAILED)" "$OUT"/gpu_tests.log
+echo "tests $(( $(date +%s) - start )) s"
 if [[ $gpu == *H200* ]]; then
-  bash bench/v42_call7.sh
-  echo "H200 steps done at $(( $(date +%s) - start )) s"
+  scripts/device_ab.sh devbinG bench/results/ab/v42_few_edge.txt > "$OUT"/ab_v42_few_edge.log 2>&1
+  scripts/device_ab.sh devbinG bench/results/ab/v42_scale_ahead.txt > "$OUT"/ab_v42_scale_ahead.log 2>&1
+  devbinG/head/megamoe bench --json "$OUT"/bench.json > "$OUT"/bench.log 2>&1
+  echo "H200 steps rc=$? at $(( $(date +%s) - start )) s"
+  grep " T=" "$OUT"/bench.log | grep -E "glm-5  .*E=256" | cut -c1-120
 fi
+for _ in 1 2; do
+  scripts/device_ab.sh devbinG bench/results/ab/v43_deps_load.txt >> "$OUT"/ab_v43_deps_load.log 2>&1
+done
+python3 scripts/ab_summary.py "$OUT"/ab_v43_deps_load.log | grep "E=2[58]"
+echo "deps done at $(( $(date +%s) - start )) s"
 for T in 1 8; do
   scripts/device_ncu.sh devbinG/head "ncu_v43_glm5_t$T" fused_moe_kernel --preset glm-5 --tokens "$T"
   python3 scripts/ncu_stalls.py "$OUT/ncu_v43_glm5_t${T}_src.csv.gz" --top 40 --context 2 \
