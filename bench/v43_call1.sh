@@ -10,28 +10,22 @@
 # Build: scripts/build_devbin.sh devbinG, devbinG/old = e65cef2's binaries (v42's devbinF/old);
 # carry ["devbinG"].
 set -uo pipefail
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$gpu"
-start=$(date +%s)
-KEEP_GOING=1 TEST_TIMEOUT=240 scripts/device_run.sh devbinG/head tests > "$OUT"/tests_summary.log 2>&1
-grep -E "^\[  (PASSED|FAILED)" "$OUT"/gpu_tests.log
-echo "tests $(( $(date +%s) - start )) s"
+# shellcheck source=bench/call_lib.sh
+source bench/call_lib.sh
+gpu_suite devbinG/head
 if [[ $gpu == *H200* ]]; then
-  scripts/device_ab.sh devbinG bench/results/ab/v42_few_edge.txt > "$OUT"/ab_v42_few_edge.log 2>&1
-  scripts/device_ab.sh devbinG bench/results/ab/v42_scale_ahead.txt > "$OUT"/ab_v42_scale_ahead.log 2>&1
+  ab_rounds 1 devbinG bench/results/ab/v42_few_edge.txt ab_v42_few_edge.log
+  ab_rounds 1 devbinG bench/results/ab/v42_scale_ahead.txt ab_v42_scale_ahead.log
   devbinG/head/megamoe bench --json "$OUT"/bench.json > "$OUT"/bench.log 2>&1
-  echo "H200 steps rc=$? at $(( $(date +%s) - start )) s"
+  echo "bench rc=$? at $(elapsed)"
   grep " T=" "$OUT"/bench.log | grep -E "glm-5  .*E=256" | cut -c1-120
 fi
-for _ in 1 2; do
-  scripts/device_ab.sh devbinG bench/results/ab/v43_deps_load.txt >> "$OUT"/ab_v43_deps_load.log 2>&1
-done
+ab_rounds 2 devbinG bench/results/ab/v43_deps_load.txt ab_v43_deps_load.log
 python3 scripts/ab_summary.py "$OUT"/ab_v43_deps_load.log | grep "E=2[58]"
-echo "deps done at $(( $(date +%s) - start )) s"
 for T in 1 8; do
   scripts/device_ncu.sh devbinG/head "ncu_v43_glm5_t$T" fused_moe_kernel --preset glm-5 --tokens "$T"
   python3 scripts/ncu_stalls.py "$OUT/ncu_v43_glm5_t${T}_src.csv.gz" --top 40 --context 2 \
     > "$OUT/ncu_v43_glm5_t${T}_stalls.txt" 2>&1
   head -3 "$OUT/ncu_v43_glm5_t${T}_stalls.txt" | cut -c1-200
-  echo "ncu T=$T done at $(( $(date +%s) - start )) s"
+  echo "ncu T=$T at $(elapsed)"
 done
