@@ -16,9 +16,7 @@ gpu_suite devbinG/head
 if [[ $gpu == *H200* ]]; then
   ab_rounds 1 devbinG bench/results/ab/v42_few_edge.txt ab_v42_few_edge.log
   ab_rounds 1 devbinG bench/results/ab/v42_scale_ahead.txt ab_v42_scale_ahead.log
-  devbinG/head/megamoe bench --json "$OUT"/bench.json > "$OUT"/bench.log 2>&1
-  echo "bench rc=$? at $(elapsed)"
-  grep " T=" "$OUT"/bench.log | grep -E "glm-5  .*E=256" | cut -c1-120
+  full_bench devbinG/head
 fi
 ab_rounds 2 devbinG bench/results/ab/v43_deps_load.txt ab_v43_deps_load.log
 python3 scripts/ab_summary.py "$OUT"/ab_v43_deps_load.log | grep "E=2[58]"

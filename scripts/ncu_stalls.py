@@ -10,27 +10,25 @@ Usage: scripts/ncu_stalls.py FILE.csv[.gz] [--top 30] [--context 0] [--kernel SU
 import argparse
 import csv
 import gzip
-import io
 import sys
 
 
 def read_kernels(path):
     """[(kernel name, header, rows)] from ncu's `--page source --csv` output."""
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", newline="") as f:
-        text = f.read()
     kernels, name, header, rows = [], None, None, []
-    for rec in csv.reader(io.StringIO(text)):
-        if not rec:
-            continue
-        if rec[0] == "Kernel Name":
-            if header is not None:
-                kernels.append((name, header, rows))
-            name, header, rows = rec[1] if len(rec) > 1 else "?", None, []
-        elif rec[0] == "Address":
-            header = rec
-        elif header is not None:
-            rows.append(rec)
+    with opener(path, "rt", newline="") as f:
+        for rec in csv.reader(f):
+            if not rec:
+                continue
+            if rec[0] == "Kernel Name":
+                if header is not None:
+                    kernels.append((name, header, rows))
+                name, header, rows = rec[1] if len(rec) > 1 else "?", None, []
+            elif rec[0] == "Address":
+                header = rec
+            elif header is not None:
+                rows.append(rec)
     if header is not None:
         kernels.append((name, header, rows))
     return kernels

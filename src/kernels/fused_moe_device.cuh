@@ -80,7 +80,7 @@ struct KernelArgs {
 constexpr int kSkipMma = 1;    // no wgmma and no fold
 constexpr int kSkipLoads = 4;  // no TMA loads (stages complete at once: the consumers' own speed)
 constexpr int kSkipFold = 8;   // mainloop_tokens_m without the fold (wgmma, stages; not the two-block loop)
-constexpr int kSkipDeps = 16;  // GEMM2 tiles neither load nor wait for their GEMM1 count (act2 unwritten)
+constexpr int kSkipDeps = 16;  // no tile loads or waits for its done1 count (GEMM2: act2 unwritten)
 
 struct TensorMaps {
   CUtensorMap w13, sw13, w2, sw2;      // weights (shared by every block_n)
