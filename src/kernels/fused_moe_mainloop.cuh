@@ -136,37 +136,28 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN], int kblocks, 
   // Both stages are waited for before the first issue: no wgmma is in flight across the
   // mbarrier's retry loop (see the NOTE above the K loops).
   // K blocks kb (in `ba`) and kb + 1 (in `bb`) into one accumulator half.
-  // The weight scales of an iteration's two K blocks are loaded kDecodeScaleAhead iterations
-  // ahead (kb past the row's end reads its last entry, unused): loaded at the iteration's top
-  // (v41), their L2 latency stood between the issue and the fold whenever both stages were
-  // already full; one iteration ahead (v42), ncu still found the hand-over copy at the
-  // iteration's end waiting for them (the weight stream queues them behind its own reads).
-  // q[d] = {lo0, lo1, hi0, hi1} of iteration + d (GEMM2: hi == lo).
+  // The weight scales of an iteration's two K blocks are loaded an iteration ahead (kb past
+  // the row's end reads its last entry, unused): loaded at the iteration's top, their L2
+  // latency stood between the issue and the fold whenever both stages were already full.
   auto scale_at = [&](const float* row, int k) { return __ldg(row + min(k, kblocks - 1)); };
-  auto load_scales = [&](float(&q)[4], int k) {
-    q[0] = scale_at(lo_scale, k), q[1] = scale_at(lo_scale, k + 1);
-    q[2] = kGemm == 1 ? scale_at(hi_scale, k) : q[0], q[3] = kGemm == 1 ? scale_at(hi_scale, k + 1) : q[1];
-  };
-  constexpr int kAhead = kDecodeScaleAhead;
-  static_assert(kAhead >= 1 && kAhead <= 3, "decode scale look-ahead");
   auto run = [&](float(&dst)[BN / 2]) {
     int kb = 0;
-    float q[kAhead][4];
-#pragma unroll
-    for (int d = 0; d < kAhead; ++d) load_scales(q[d], 2 * d);
+    float lo0 = scale_at(lo_scale, 0), lo1 = scale_at(lo_scale, 1);
+    float hi0 = kGemm == 1 ? scale_at(hi_scale, 0) : lo0, hi1 = kGemm == 1 ? scale_at(hi_scale, 1) : lo1;
     for (; kb + 2 <= kblocks; kb += 2) {
-      float nq[4];
-      load_scales(nq, kb + 2 * kAhead);
+      const float nlo0 = scale_at(lo_scale, kb + 2), nlo1 = scale_at(lo_scale, kb + 3);
+      const float nhi0 = kGemm == 1 ? scale_at(hi_scale, kb + 2) : nlo0;
+      const float nhi1 = kGemm == 1 ? scale_at(hi_scale, kb + 3) : nlo1;
       RingPos<kStages> r1 = rp;
       r1.advance();
       wait_full(rp);
       wait_full(r1);
       issue_full(ba, rp);
       issue_full(bb, r1);
-      products(stage_ptr(rp), q[0][0], q[0][2]);
+      products(stage_ptr(rp), lo0, hi0);
       mma_wait_one();  // K block kb done
       fold(dst, ba);
-      products(stage_ptr(r1), q[0][1], q[0][3]);
+      products(stage_ptr(r1), lo1, hi1);
       mma_wait_all();
       release_stage(&empty_bar[rp.stage]);
       release_stage(&empty_bar[r1.stage]);
@@ -175,15 +166,10 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN], int kblocks, 
       rp.advance();
       pf.count(kPfStages);
       pf.count(kPfStages);
-#pragma unroll
-      for (int d = 0; d + 1 < kAhead; ++d)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) q[d][j] = q[d + 1][j];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) q[kAhead - 1][j] = nq[j];
+      lo0 = nlo0, lo1 = nlo1, hi0 = nhi0, hi1 = nhi1;
     }
     if (kb < kblocks) {  // an odd last K block
-      const float lo = q[0][0], hi = q[0][2];
+      const float lo = lo0, hi = hi0;
       wait_full(rp);
       issue_full(ba, rp);
       products(stage_ptr(rp), lo, hi);

@@ -170,12 +170,6 @@ constexpr bool kPairWeights = true;
 // matters least; forced on at 8-256 tokens they measured -0.6..+0.9 % (v27_decode_pairs_forced_ab.log).
 constexpr int kDecodePairsMaxBlockN = 16;
 constexpr int kDecodePairsMaxTilesPerCta = 2;
-// The decode loop's weight scales (two K blocks an iteration, mainloop_swap_ab) are loaded
-// this many iterations ahead. v42 (63dc736, one ahead against at the iteration's top; H100,
-// bench/results/ab/v42_scale_ahead_h100.log): 64-1024 tokens -0.2..-0.9 %, 1 and 8 level.
-// ncu of that kernel (ab/ncu_v43_glm5_t*_stalls.txt) still put 5-11 % of the samples on the
-// hand-over copy at the iteration's end, waiting for them.
-constexpr int kDecodeScaleAhead = 2;
 // Wide tiles (FusedMoeConfig::wide_tiles): a 128-token tile against two neighbouring output
 // blocks in one CTA (the token pair's two tiles of TileIds, without a cluster): a stage holds
 // 256 weight rows and the 128 token rows (48 KB, four stages), and each consumer warpgroup
