@@ -74,6 +74,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "cuda_check.h"
 #include "fused_moe_device.cuh"
@@ -215,19 +216,31 @@ struct CombinePlan {
   __device__ uint32_t parity(int i) const { return (i / stages) & 1; }
 };
 
-// This CTA's unit of TileSchedule: blockIdx.x (>> csh: pair tiles' clusters); a measurement
-// switch (KernelArgs::unit_stride, MEGAMOE_UNIT_STRIDE) permutes it, unit b * stride mod G, or
-// with 0 takes the SM's id where the grid holds one CTA on each SM numbered 0..G-1, as on the
-// H100 (v37's placement probe; a CTA on an SM past G traps). Out of line: inlined, it moved
-// the kernels' register allocation into spills.
-__device__ __noinline__ int schedule_unit(int stride, int csh) {
+// This CTA's unit of TileSchedule: blockIdx.x (>> csh: pair tiles' clusters), or with
+// a.sm_units the unit a plain launch on an idle GPU gives the CTA on this SM (sm_unit, found
+// at plan creation). The prefill layer depends on which SM runs which unit (v37: TPC mates
+// share one L2 path, and the plain launch puts units 2k, 2k + 1 on one TPC; other orders
+// +4..+33 % at 4096 tokens), and a launch behind busy SMs (a programmatic launch, another
+// stream's kernel still running) places the CTAs in another order: the table keeps the
+// idle launch's mapping whatever the placement. A measurement switch (a.unit_stride,
+// MEGAMOE_UNIT_STRIDE, which turns the table off) permutes the units, b * stride mod G, or
+// with 0 takes the SM's id where the grid holds one CTA on each SM numbered 0..G-1. A CTA
+// on an SM past either table traps: two CTAs would take one unit. Out of line: inlined, it
+// moved the kernels' register allocation into spills.
+__device__ __noinline__ int schedule_unit(const KernelArgs& a, int csh) {
   const int G = gridDim.x >> csh;
-  if (stride == 0 && csh == 0) {
+  if (a.sm_units && csh == 0) {
+    const uint32_t sm = sm90::smid();
+    const int unit = sm < uint32_t(kSmUnitSlots) ? a.sm_unit[sm] : kNoSmUnit;
+    if (unit >= G) __trap();
+    return unit;
+  }
+  if (a.unit_stride == 0 && csh == 0) {
     const int unit = int(sm90::smid());
     if (unit >= G) __trap();
     return unit;
   }
-  return int((int64_t(blockIdx.x >> csh) * stride) % G);
+  return int((int64_t(blockIdx.x >> csh) * a.unit_stride) % G);
 }
 
 // kEp: expert parallelism (a separate instantiation, so the single-device kernel keeps
@@ -453,9 +466,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // (costs in weight bytes: a GEMM1 tile reads 256 rows x H, a GEMM2 tile 128 x I, a wide
     // GEMM2 tile 256 x I; a CTA of decode pairs half a GEMM1 tile)
     const int G = gridDim.x >> csh;
-    sched.init(schedule_unit(a.unit_stride, csh), G, t1, t2, a.H / 128 * (kWide || kHalfPairs ? 1 : 2),
-               a.I / 128, !a.round_robin,
-               a.round_robin || kPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
+    sched.init(schedule_unit(a, csh), G, t1, t2, a.H / 128 * (kWide || kHalfPairs ? 1 : 2), a.I / 128,
+               !a.round_robin, a.round_robin || kPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
     first_tile = next_tile(sched);
   }
 
@@ -1375,6 +1387,47 @@ void launch_fused(const KernelArgs& args, const TensorMaps& maps, int grid, cons
     launch(fused_moe_kernel<BN, false>, args, maps);
 }
 
+// The SM of each CTA of a plain launch of one CTA an SM (the fused kernel's threads and its
+// widest shared memory), into sm[blockIdx.x]: the placement schedule_unit's table keeps.
+__global__ void __launch_bounds__(kThreads, 1) sm_probe_kernel(uint32_t* sm) {
+  if (threadIdx.x == 0) sm[blockIdx.x] = sm90::smid();
+}
+
+// FusedMoePlan's unit table (KernelArgs::sm_unit): on a stream of its own, the probe twice;
+// the table holds where both runs put the same SM under each blockIdx, all different and
+// below kSmUnitSlots. Anything else (another stream's kernels moving the CTAs, SM ids past
+// the table) leaves it off: false.
+bool probe_sm_units(int grid, uint8_t (&table)[kSmUnitSlots]) {
+  std::fill(std::begin(table), std::end(table), kNoSmUnit);
+  if (grid <= 0 || grid >= kNoSmUnit) return false;
+  const int smem = smem_bytes(128, true);
+  MEGAMOE_CUDA_CHECK(
+      cudaFuncSetAttribute(sm_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  uint32_t* d_sm = nullptr;
+  cudaStream_t st = nullptr;
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&d_sm, size_t(grid) * 2 * sizeof(uint32_t)));
+  MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  for (int run = 0; run < 2; ++run) {
+    sm_probe_kernel<<<grid, kThreads, smem, st>>>(d_sm + run * grid);
+    MEGAMOE_CUDA_CHECK_LAUNCH();
+  }
+  std::vector<uint32_t> sm(size_t(grid) * 2);
+  MEGAMOE_CUDA_CHECK(
+      cudaMemcpyAsync(sm.data(), d_sm, sm.size() * sizeof(uint32_t), cudaMemcpyDeviceToHost, st));
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(st));
+  MEGAMOE_CUDA_CHECK(cudaStreamDestroy(st));
+  MEGAMOE_CUDA_CHECK(cudaFree(d_sm));
+  for (int b = 0; b < grid; ++b) {
+    const uint32_t id = sm[b];
+    if (id != sm[grid + b] || id >= uint32_t(kSmUnitSlots) || table[id] != kNoSmUnit) {
+      std::fill(std::begin(table), std::end(table), kNoSmUnit);
+      return false;
+    }
+    table[id] = uint8_t(b);
+  }
+  return true;
+}
+
 }  // namespace
 
 struct FusedMoePlan {
@@ -1386,6 +1439,8 @@ struct FusedMoePlan {
   double read_gbps_per_sm = 0;      // the card's (device_read_gbps_per_sm; the tile rule's input)
   bool pairs_ok[kNumBlockNs] = {};  // the shape and grid allow pair tiles of a block_n (pair_tiles)
   bool wide_ok = false;             // the shape allows wide tiles (FusedMoeConfig::wide_tiles)
+  bool sm_units_ok = false;         // the unit table holds (probe_sm_units; FusedMoeConfig::sm_units)
+  int smem_per_sm = 0;              // shared memory of an SM (one fused CTA an SM: sm_units)
   TensorMaps maps[kNumBlockNs];
   KernelArgs args{};
 };
@@ -1420,6 +1475,9 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   int dev = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
   MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&plan->num_sms, cudaDevAttrMultiProcessorCount, dev));
+  MEGAMOE_CUDA_CHECK(
+      cudaDeviceGetAttribute(&plan->smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  const int card_sms = plan->num_sms;
   plan->read_gbps_per_sm = device_read_gbps_per_sm(dev);
   if (cfg.num_sms > 0) plan->num_sms = std::min(plan->num_sms, cfg.num_sms);
   // MEGAMOE_NUM_SMS: a smaller persistent grid (measurement: does the time scale with SMs?).
@@ -1546,6 +1604,9 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
     MEGAMOE_CHECK(
         a.unit_stride == 0 || std::gcd(a.unit_stride, plan->num_sms) == 1,
         "MEGAMOE_UNIT_STRIDE must be coprime to the grid's " + std::to_string(plan->num_sms) + " CTAs");
+  } else if (kSmUnits && plan->num_sms == card_sms) {
+    // The units by SM (kSmUnits): only where the grid covers the card, so every SM holds one CTA.
+    plan->sm_units_ok = probe_sm_units(plan->num_sms, a.sm_unit);
   }
   // The overlapped pull keeps its tables beside the schedule's (EpPullTables): where they do
   // not fit, the pull runs before the tiles. MEGAMOE_EP_OVERLAP=0 / 1 chooses (an A/B switch).
@@ -1709,6 +1770,9 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
   cfg.pair_tiles = cfg.pair_tiles && p->pairs_ok[block_n_index(cfg.block_n)] && !cfg.wide_tiles;
   cfg.stages = stages_for(cfg.block_n, cfg.wide_tiles);
   cfg.ep_overlap = p->args.ep_overlap != 0;
+  // (clusters keep blockIdx: the hardware places a pair; two CTAs on one SM would take one unit)
+  cfg.sm_units =
+      p->sm_units_ok && !cfg.pair_tiles && 2 * smem_bytes(cfg.block_n, cfg.wide_tiles) > p->smem_per_sm;
   return cfg;
 }
 
@@ -1755,6 +1819,7 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
   maybe_print_config(p->shape, host_tokens_hint, cfg);
   KernelArgs a = p->args;
   a.half_tiles = cfg.half_tiles;
+  a.sm_units = cfg.sm_units;
   a.pair_weights = cfg.pair_tiles && cfg.pair_weights && cfg.block_n == 128;
   a.num_tokens = t.num_tokens;
   a.tokens_cap = host_tokens_hint;

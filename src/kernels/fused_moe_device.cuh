@@ -33,6 +33,10 @@ struct EpArgs {
   uint64_t* state;                          // [0] epoch (bumped by route_logits), [1] status
 };
 
+// SM ids the unit table covers (KernelArgs::sm_unit; a grid of at most kNoSmUnit CTAs).
+constexpr int kSmUnitSlots = 256;
+constexpr uint8_t kNoSmUnit = 255;
+
 struct KernelArgs {
   int H, I, Is, E, K;  // E: the experts this kernel computes (E/R under expert parallelism)
   // Output blocks of a routed GEMM1 (I / 128), the shared one's (Is / 128) and a GEMM2 (H / 128):
@@ -48,6 +52,7 @@ struct KernelArgs {
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
   int tail_pool;       // GEMM2 tiles a CTA left to claims at the end (kTailPool)
   int unit_stride;     // MEGAMOE_UNIT_STRIDE: CTA b takes unit b * stride mod G (coprime to G; 1; 0: %smid)
+  int sm_units;        // FusedMoeConfig::sm_units (per forward): the unit of the CTA's SM, sm_unit
   int half_tiles;      // FusedMoeConfig::half_tiles (per forward)
   int pair_weights;    // FusedMoeConfig::pair_weights (per forward; pair tiles only)
   int ep_overlap;      // expert parallelism: the row pull runs beside the tiles (kEpPullOverlap)
@@ -72,6 +77,9 @@ struct KernelArgs {
   const float* sw2_scale;
   int units_base;  // index in counters of the first GEMM1-done counter (after the routing counts)
   EpArgs ep;
+  // The schedule unit a plain launch on an idle GPU gives the CTA on SM `smid` (its blockIdx
+  // there; kNoSmUnit: no CTA), found at plan creation (probe_sm_units); read by sm_units.
+  uint8_t sm_unit[kSmUnitSlots];
 };
 
 // The K loops' skip bits (KernelArgs::debug_skip, MEGAMOE_DEBUG_SKIP; wrong outputs, for

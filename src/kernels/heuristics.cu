@@ -77,12 +77,12 @@ double device_read_gbps_per_sm(int device) {
 std::string describe(const FusedMoeConfig& c) {
   return fmt::format(
       "block_m={} block_n={} block_k={} stages={} smem={}B sms={} read={:.0f}GB/s/SM "
-      "router_ksplit={}{}{}{}{}{}{}",
+      "router_ksplit={}{}{}{}{}{}{}{}",
       kBlockM, c.block_n, kBlockK, c.stages, smem_bytes(c.block_n, c.wide_tiles), c.num_sms,
       c.read_gbps_per_sm, c.router_ksplit, c.half_tiles ? " half_tiles" : "",
       c.wide_tiles ? " wide_tiles" : "", c.pair_tiles ? " pair_tiles" : "",
       c.pair_tiles && c.pair_weights ? " pair_weights" : "", c.ep_overlap ? " ep_overlap" : "",
-      c.programmatic_launch ? " pdl" : "");
+      c.programmatic_launch ? " pdl" : "", c.sm_units ? " sm_units" : "");
 }
 
 void maybe_print_config(const MoeShape& s, int tokens, const FusedMoeConfig& c) {

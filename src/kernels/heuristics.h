@@ -225,6 +225,15 @@ constexpr bool kEpWideTiles = true;
 // MEGAMOE_PDL=0 / 1 overrides the rule.
 constexpr bool kProgrammaticLaunch = true;
 constexpr int kProgrammaticLaunchMaxTokens = 64;
+// The schedule's units by SM (FusedMoeConfig::sm_units, fused_moe.cu's schedule_unit): at plan
+// creation a probe kernel records which SM a plain launch on an idle GPU gives each blockIdx,
+// and each CTA then takes the unit of its SM, so the layer keeps the idle launch's placement
+// when its CTAs land elsewhere: behind a programmatic launch (v37 above: +19..+26 % at 4096),
+// or behind another stream's kernels still holding SMs, as an engine overlapping its
+// communication with the layer has them. Off where the probe's two runs disagree, an SM id
+// passes the table, the grid is smaller than the card or clusters place the CTAs (pair
+// tiles); MEGAMOE_UNIT_STRIDE turns it off.
+constexpr bool kSmUnits = true;
 // (Tried and removed, v39-v41: the wide tiles' GEMM1 token rows gathered by one producer warp
 // with cp.async from one quantized copy of each token, where phase 0 writes a copy a slot.
 // Without loads the gathered layer was 3-5 % faster, with them +44..74 % at 4096 and 16384
