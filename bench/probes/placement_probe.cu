@@ -73,6 +73,17 @@ int main() {
     std::snprintf(name, sizeof name, "plain launch %d", r);
     report(name);
   }
+  {  // (v43) two plain launches back to back, no synchronization between them: the plan's
+     // unit probe (fused_moe.cu's probe_sm_units) launched that way found them different
+    unsigned* d_sm2;
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&d_sm2, G * sizeof(unsigned)));
+    occupy<<<G, 384, kSmem>>>(d_sm, d_t);
+    occupy<<<G, 384, kSmem>>>(d_sm2, d_t);
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+    report("back to back 0");
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(d_sm, d_sm2, G * sizeof(unsigned), cudaMemcpyDeviceToDevice));
+    report("back to back 1");
+  }
   for (int r = 0; r < 2; ++r) {
     busy<<<512, 256>>>(sink);
     cudaLaunchConfig_t cfg{};

@@ -77,8 +77,8 @@ struct KernelArgs {
   const float* sw2_scale;
   int units_base;  // index in counters of the first GEMM1-done counter (after the routing counts)
   EpArgs ep;
-  // The schedule unit a plain launch on an idle GPU gives the CTA on SM `smid` (its blockIdx
-  // there; kNoSmUnit: no CTA), found at plan creation (probe_sm_units); read by sm_units.
+  // The schedule unit of the CTA on SM `smid`: the SM's place in the order a plain launch on
+  // an idle GPU fills them (kNoSmUnit: none), found at plan creation (probe_sm_units).
   uint8_t sm_unit[kSmUnitSlots];
 };
 

@@ -226,11 +226,11 @@ constexpr bool kEpWideTiles = true;
 constexpr bool kProgrammaticLaunch = true;
 constexpr int kProgrammaticLaunchMaxTokens = 64;
 // The schedule's units by SM (FusedMoeConfig::sm_units, fused_moe.cu's schedule_unit): at plan
-// creation a probe kernel records which SM a plain launch on an idle GPU gives each blockIdx,
-// and each CTA then takes the unit of its SM, so the layer keeps the idle launch's placement
-// when its CTAs land elsewhere: behind a programmatic launch (v37 above: +19..+26 % at 4096),
+// creation a probe kernel records the order in which a plain launch on an idle GPU fills the
+// SMs (one cyclic order, TPC mates in turn), and each CTA then takes the unit of its SM's
+// place in it, so the layer keeps the idle launch's placement when its CTAs land elsewhere: behind a programmatic launch (v37 above: +19..+26 % at 4096),
 // or behind another stream's kernels still holding SMs, as an engine overlapping its
-// communication with the layer has them. Off where the probe's two runs disagree, an SM id
+// communication with the layer has them. Off where a probe run breaks a TPC pair, an SM id
 // passes the table, the grid is smaller than the card or clusters place the CTAs (pair
 // tiles); MEGAMOE_UNIT_STRIDE turns it off.
 constexpr bool kSmUnits = true;
