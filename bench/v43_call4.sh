@@ -9,6 +9,6 @@ gpu_suite devbinI/head "|.*UnitsBySm"
 grep -E "unit table|sm_units" "$OUT"/gpu_tests.log | head -5
 devbinI/head/megamoe bench --preset glm-5 --tokens 4096 --no-baseline --no-ep --iters 2 2>&1 | grep -o "router_ksplit.*" | head -2
 ab_rounds 2 devbinI bench/results/ab/v43_sm_units.txt ab_v43_sm_units.log
-python3 scripts/ab_summary.py "$OUT"/ab_v43_sm_units.log --base old | grep "T="
-python3 scripts/ab_summary.py "$OUT"/ab_v43_sm_units.log --base oldpdl | grep "T="
+python3 scripts/ab_summary.py "$OUT"/ab_v43_sm_units.log --base old@old | grep "T="
+python3 scripts/ab_summary.py "$OUT"/ab_v43_sm_units.log --base oldpdl@old | grep "T="
 echo "done at $(elapsed)"
