@@ -1784,8 +1784,8 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
   cfg.stages = stages_for(cfg.block_n, cfg.wide_tiles);
   cfg.ep_overlap = p->args.ep_overlap != 0;
   // (clusters keep blockIdx: the hardware places a pair; two CTAs on one SM would take one unit)
-  cfg.sm_units =
-      p->sm_units_ok && !cfg.pair_tiles && 2 * smem_bytes(cfg.block_n, cfg.wide_tiles) > p->smem_per_sm;
+  cfg.sm_units = p->sm_units_ok && !cfg.pair_tiles && int64_t(tokens) * R <= kSmUnitsMaxTokens &&
+                 2 * smem_bytes(cfg.block_n, cfg.wide_tiles) > p->smem_per_sm;
   return cfg;
 }
 

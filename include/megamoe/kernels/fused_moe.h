@@ -110,7 +110,8 @@ struct FusedMoeConfig {
   bool programmatic_launch = false;
   // The schedule's units by SM (kSmUnits): the CTA on an SM takes the unit a plain launch on
   // an idle GPU gives it (found at plan creation), wherever a launch behind busy SMs puts the
-  // CTAs. A property of the plan (one CTA an SM, the grid covering the card, no clusters).
+  // CTAs. Where the plan allows it (one CTA an SM, the grid covering the card, no clusters),
+  // up to kSmUnitsMaxTokens tokens.
   bool sm_units = false;
   // The card's peak DRAM bandwidth per SM in GB/s (its memory clock and bus width; 0:
   // unknown), the input of the rule's 64 / 128-token edge (kFastReadGBpsPerSm).
