@@ -217,8 +217,8 @@ struct CombinePlan {
 };
 
 // This CTA's unit of TileSchedule: blockIdx.x (>> csh: pair tiles' clusters), or with
-// a.sm_units the unit a plain launch on an idle GPU gives the CTA on this SM (sm_unit, found
-// at plan creation). The prefill layer depends on which SM runs which unit (v37: TPC mates
+// a.sm_units its SM's place in the order a plain launch on an idle GPU fills the SMs
+// (sm_unit, found at plan creation). The prefill layer depends on which SM runs which unit (v37: TPC mates
 // share one L2 path, and the plain launch puts units 2k, 2k + 1 on one TPC; other orders
 // +4..+33 % at 4096 tokens), and a launch behind busy SMs (a programmatic launch, another
 // stream's kernel still running) places the CTAs in another order: the table keeps the

@@ -225,22 +225,23 @@ constexpr bool kEpWideTiles = true;
 // MEGAMOE_PDL=0 / 1 overrides the rule.
 constexpr bool kProgrammaticLaunch = true;
 constexpr int kProgrammaticLaunchMaxTokens = 64;
-// The schedule's units by SM (FusedMoeConfig::sm_units, fused_moe.cu's schedule_unit): at plan
-// creation a probe kernel records the order in which a plain launch on an idle GPU fills the
-// SMs (one cyclic order, TPC mates in turn), and each CTA then takes the unit of its SM's
-// place in it, so the layer keeps the idle launch's placement when its CTAs land elsewhere: behind a
-// programmatic launch (v37 above: +19..+26 % at 4096), or behind another stream's kernels still holding SMs,
-// as an engine overlapping its communication with the layer has them. Off where a probe run breaks a TPC
-// pair, an SM id passes the table, the grid is smaller than the card or clusters place the CTAs (pair tiles);
-// MEGAMOE_UNIT_STRIDE turns it off. v43 (H100, bench/results/ab/v43_sm_units_h100.log, two rounds against
-// 93adc63's units by blockIdx): behind a programmatic launch (MEGAMOE_PDL=1) 4096 tokens +10..+15 % ->
-// +0.1..+0.7 % against each binary's plain launch, 1024 +1.2..+1.5 %
-// -> -0.2..+0.4 %; plain launches level from 1 to 4096 tokens (-0.5..+0.5 %). At 16384 plain
-// launches measured +0.9..+2.2 % (ten rounds, v43_sm_units_16k*_h100.log; the case is bimodal,
-// 16 of 25 pairs slower; v37's units by %smid +1.7 / +1.9 %) against -2.5..-5 % behind a
-// programmatic launch: so up to kSmUnitsMaxTokens, where the plain launch loses nothing.
-// (Not known: why a fixed table costs there. A plain launch starts a few SMs further on in
-// the same cyclic order each time, so blockIdx units turn from launch to launch.)
+// The schedule's units by SM (FusedMoeConfig::sm_units, fused_moe.cu's schedule_unit): at
+// plan creation a probe kernel records the order in which a plain launch on an idle GPU fills
+// the SMs (one cyclic order, TPC mates in turn), and each CTA then takes its SM's place in it
+// as its unit, so the layer keeps the idle launch's placement when its CTAs land elsewhere:
+// behind a programmatic launch (v37 above), or behind another stream's kernels still holding
+// SMs, as an engine overlapping its communication with the layer has them. Off where a probe
+// run breaks a TPC pair, an SM id passes the table, the grid is smaller than the card or
+// clusters place the CTAs (pair tiles); MEGAMOE_UNIT_STRIDE turns it off.
+// v43 (H100, bench/results/ab/v43_sm_units_h100.log, two rounds against 93adc63's units by
+// blockIdx): behind a programmatic launch (MEGAMOE_PDL=1) 4096 tokens +10..+15 % ->
+// +0.1..+0.7 % against each binary's plain launch, 1024 +1.2..+1.5 % -> -0.2..+0.4 %; plain
+// launches level from 1 to 4096 tokens (-0.5..+0.5 %). At 16384 plain launches measured
+// +0.9..+2.2 % with the table (ten rounds, ab/v43_sm_units_16k*_h100.log; a bimodal case, 16
+// of 25 pairs slower; v37's units by %smid +1.7 / +1.9 %), behind a programmatic launch
+// -2.5..-5 %: so the table runs up to kSmUnitsMaxTokens, where plain launches lose nothing.
+// (Why a fixed table costs at 16384 is not known; a plain launch starts a few SMs further
+// on in the cyclic order each time, so units by blockIdx move from launch to launch.)
 constexpr bool kSmUnits = true;
 constexpr int kSmUnitsMaxTokens = 4096;
 // (Tried and removed, v39-v41: the wide tiles' GEMM1 token rows gathered by one producer warp
