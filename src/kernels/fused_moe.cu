@@ -1406,6 +1406,13 @@ bool probe_sm_units(int grid, uint8_t (&table)[kSmUnitSlots]) {
   std::fill(std::begin(table), std::end(table), kNoSmUnit);
   if (grid <= 0 || grid >= kNoSmUnit || grid % 2) return false;
   const int smem = smem_bytes(128, true);
+  // (a plan may be made while another thread captures a graph: this thread's calls below stay
+  // legal in the relaxed capture mode, restored on the way out)
+  struct RelaxedCapture {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    RelaxedCapture() { MEGAMOE_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode)); }
+    ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode); }
+  } relaxed;
   MEGAMOE_CUDA_CHECK(
       cudaFuncSetAttribute(sm_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   uint32_t* d_sm = nullptr;
