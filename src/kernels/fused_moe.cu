@@ -69,7 +69,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -229,14 +231,9 @@ struct CombinePlan {
 // moved the kernels' register allocation into spills.
 __device__ __noinline__ int schedule_unit(const KernelArgs& a, int csh) {
   const int G = gridDim.x >> csh;
-  if (a.sm_units && csh == 0) {
+  if (csh == 0 && (a.sm_units || a.unit_stride == 0)) {
     const uint32_t sm = sm90::smid();
-    const int unit = sm < uint32_t(kSmUnitSlots) ? a.sm_unit[sm] : kNoSmUnit;
-    if (unit >= G) __trap();
-    return unit;
-  }
-  if (a.unit_stride == 0 && csh == 0) {
-    const int unit = int(sm90::smid());
+    const int unit = !a.sm_units ? int(sm) : sm < uint32_t(kSmUnitSlots) ? a.sm_unit[sm] : kNoSmUnit;
     if (unit >= G) __trap();
     return unit;
   }
@@ -1402,7 +1399,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm_probe_kernel(uint32_t* sm) {
 // every CTA on its own SM below kSmUnitSlots with every blockIdx pair on one TPC. Anything
 // else (another stream's kernels moving the CTAs, SM ids past the table, another pairing)
 // leaves it off: false (MEGAMOE_PRINT_CONFIG=1 says why).
-bool probe_sm_units(int grid, uint8_t (&table)[kSmUnitSlots]) {
+bool probe_sm_units_now(int grid, uint8_t (&table)[kSmUnitSlots]) {
   std::fill(std::begin(table), std::end(table), kNoSmUnit);
   if (grid <= 0 || grid >= kNoSmUnit || grid % 2) return false;
   const int smem = smem_bytes(128, true);
@@ -1445,6 +1442,33 @@ bool probe_sm_units(int grid, uint8_t (&table)[kSmUnitSlots]) {
       table[r[b]] = uint8_t(b);
     }
   }
+  return true;
+}
+
+// The table of the current device, probed once a process where it held (a property of the
+// card, not of the plan: a model's layers each make a plan); a probe that found no table is
+// tried again by the next plan (the GPU may have been busy).
+bool probe_sm_units(int grid, uint8_t (&table)[kSmUnitSlots]) {
+  struct Found {
+    int grid = 0;
+    uint8_t table[kSmUnitSlots];
+  };
+  static std::mutex mu;
+  static std::map<int, Found> found;  // by device
+  int dev = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  const std::lock_guard<std::mutex> lock(mu);
+  auto it = found.find(dev);
+  if (it == found.end() || it->second.grid != grid) {
+    Found f;
+    f.grid = grid;
+    if (!probe_sm_units_now(grid, f.table)) {
+      std::fill(std::begin(table), std::end(table), kNoSmUnit);
+      return false;
+    }
+    it = found.insert_or_assign(dev, f).first;
+  }
+  std::copy(std::begin(it->second.table), std::end(it->second.table), std::begin(table));
   return true;
 }
 
