@@ -1393,12 +1393,10 @@ __global__ void __launch_bounds__(kThreads, 1) sm_probe_kernel(uint32_t* sm) {
 // FusedMoePlan's unit table (KernelArgs::sm_unit): the probe twice on a stream of its own.
 // A plain launch on an idle GPU walks the SMs in one fixed cyclic order, starting a few SMs
 // further on at each launch (ab/placement_probe_v43.log: blockIdx 0 on SM 124, then on 128),
-// and puts blockIdx 2k, 2k + 1 on the two SMs of one TPC (even / odd ids). So the table is
-// the first run's position of each SM in that order -- any other run's is the same order
-// turned, and the schedule's neighbouring units sit as they do there -- where both runs place
-// every CTA on its own SM below kSmUnitSlots with every blockIdx pair on one TPC. Anything
-// else (another stream's kernels moving the CTAs, SM ids past the table, another pairing)
-// leaves it off: false (MEGAMOE_PRINT_CONFIG=1 says why).
+// and puts blockIdx 2k, 2k + 1 on the two SMs of one TPC. So the table is the first run's
+// order (any other run's is the same order turned) where both runs pass sm_unit_table's
+// checks (tile_schedule.h). Anything else (another stream's kernels moving the CTAs, SM ids
+// past the table, another pairing) leaves it off: false (MEGAMOE_PRINT_CONFIG=1 says why).
 bool probe_sm_units_now(int grid, uint8_t (&table)[kSmUnitSlots]) {
   std::fill(std::begin(table), std::end(table), kNoSmUnit);
   if (grid <= 0 || grid >= kNoSmUnit || grid % 2) return false;
@@ -1427,19 +1425,15 @@ bool probe_sm_units_now(int grid, uint8_t (&table)[kSmUnitSlots]) {
   MEGAMOE_CUDA_CHECK(cudaStreamDestroy(st));
   MEGAMOE_CUDA_CHECK(cudaFree(d_sm));
   for (int run = 1; run >= 0; --run) {  // (run 0's table stays)
-    std::fill(std::begin(table), std::end(table), kNoSmUnit);
     const uint32_t* r = sm.data() + size_t(run) * grid;
-    for (int b = 0; b < grid; ++b) {
-      const bool own = r[b] < uint32_t(kSmUnitSlots) && table[r[b]] == kNoSmUnit;
-      if (!own || (b % 2 && r[b] / 2 != r[b - 1] / 2)) {
-        std::fill(std::begin(table), std::end(table), kNoSmUnit);
-        const char* env = std::getenv("MEGAMOE_PRINT_CONFIG");
-        if (env && env[0] == '1')
-          std::fprintf(stderr, "megamoe: no unit table: probe run %d put blockIdx %d on SM %u (%s)\n", run, b,
-                       r[b], own ? "not its pair's TPC" : "an SM twice or past the table");
-        return false;
-      }
-      table[r[b]] = uint8_t(b);
+    const int bad = sm_unit_table(r, grid, table, kSmUnitSlots, kNoSmUnit);
+    if (bad >= 0) {
+      const char* env = std::getenv("MEGAMOE_PRINT_CONFIG");
+      if (env && env[0] == '1')
+        std::fprintf(stderr, "megamoe: no unit table: probe run %d put blockIdx %d on SM %u (%s)\n", run, bad,
+                     bad < grid ? r[bad] : 0u,
+                     bad < grid ? "an SM twice, past the table or off its pair's TPC" : "grid");
+      return false;
     }
   }
   return true;

@@ -218,5 +218,52 @@ TEST(TileSchedule, TileIdsCoverEveryTileOnce) {
   for (const IdCase& k : cases) check_tile_ids(k);
 }
 
+// The SM-unit table (fused_moe.cu's probe_sm_units): the H100's plain-launch order
+// (ab/placement_probe_v43.log) at two starting SMs gives each SM its place; a CTA twice on one
+// SM, an SM id past the table, a blockIdx pair across two TPCs or a grid the table cannot
+// hold gives no table at all.
+TEST(TileSchedule, SmUnitTable) {
+  constexpr int kSlots = 256;
+  constexpr uint8_t kNone = 255;
+  const int G = 132;
+  // The order's pattern: TPC pairs 16 SM ids apart, then the next pair of ids.
+  std::vector<uint32_t> order = {124, 125, 126, 127, 128, 129, 130, 131};
+  for (uint32_t base = 0; order.size() < size_t(G); base += 2)
+    for (uint32_t sm = base; sm < 124 && order.size() < size_t(G); sm += 16) {
+      if (std::find(order.begin(), order.end(), sm) != order.end()) continue;
+      order.push_back(sm), order.push_back(sm + 1);
+    }
+  ASSERT_EQ(order.size(), size_t(G));
+  for (int start : {0, 4}) {  // (a later launch starts a few SMs further on)
+    std::vector<uint32_t> sm(G);
+    for (int b = 0; b < G; ++b) sm[b] = order[(b + start) % G];
+    uint8_t table[kSlots];
+    ASSERT_EQ(kernels::sm_unit_table(sm.data(), G, table, kSlots, kNone), -1) << "start " << start;
+    std::vector<int> units;
+    for (int id = 0; id < kSlots; ++id)
+      if (table[id] != kNone) units.push_back(table[id]);
+    std::sort(units.begin(), units.end());
+    ASSERT_EQ(units.size(), size_t(G));
+    for (int u = 0; u < G; ++u) EXPECT_EQ(units[u], u);
+    for (int b = 0; b < G; ++b) EXPECT_EQ(table[sm[b]], b);
+  }
+  auto broken = [&](std::vector<uint32_t> sm, int grid, int expect, const char* what) {
+    uint8_t table[kSlots];
+    EXPECT_EQ(kernels::sm_unit_table(sm.data(), grid, table, kSlots, kNone), expect) << what;
+    EXPECT_TRUE(std::all_of(table, table + kSlots, [&](uint8_t v) { return v == kNone; })) << what;
+  };
+  std::vector<uint32_t> twice = order;
+  twice[41] = twice[40];
+  broken(twice, G, 41, "an SM twice");
+  std::vector<uint32_t> past = order;
+  past[7] = 300;
+  broken(past, G, 7, "an SM id past the table");
+  std::vector<uint32_t> split = order;
+  std::swap(split[11], split[12]);  // blockIdx 10, 11 and 12, 13 each across two TPCs
+  broken(split, G, 11, "a pair across two TPCs");
+  broken(order, G - 1, G - 1, "an odd grid");
+  broken(order, 0, 0, "no grid");
+}
+
 }  // namespace
 }  // namespace megamoe

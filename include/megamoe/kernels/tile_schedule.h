@@ -20,6 +20,9 @@
 // running CTAs take before any GEMM2 tile, and GEMM1 tiles never wait.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
+
 #include "megamoe/numerics/fp8.h"  // MEGAMOE_HD
 
 namespace megamoe::kernels {
@@ -171,5 +174,26 @@ struct TileIds {
     return t;
   }
 };
+
+// The schedule unit of each SM (KernelArgs::sm_unit, fused_moe.cu's probe_sm_units): given
+// the SM a plain launch of `grid` CTAs, one an SM, put blockIdx b on (sm[b]), table[sm[b]] = b,
+// the SM's place in the order the launch filled them, so a CTA takes the unit of the SM it
+// landed on; every other entry `none`. It holds only where every CTA sat on its own SM below
+// `slots` and blockIdx 2k, 2k + 1 on the two SMs of one TPC (ids 2j, 2j + 1: the placement the
+// schedule's neighbouring units are laid out for, v37). Returns -1, or the first blockIdx
+// that breaks it (or grid itself for a grid the table cannot hold) with table all `none`.
+inline int sm_unit_table(const uint32_t* sm, int grid, uint8_t* table, int slots, uint8_t none) {
+  std::fill(table, table + slots, none);
+  if (grid <= 0 || grid >= int(none) || grid % 2) return grid;
+  for (int b = 0; b < grid; ++b) {
+    const bool own = sm[b] < uint32_t(slots) && table[sm[b]] == none;
+    if (!own || (b % 2 && sm[b] / 2 != sm[b - 1] / 2)) {
+      std::fill(table, table + slots, none);
+      return b;
+    }
+    table[sm[b]] = uint8_t(b);
+  }
+  return -1;
+}
 
 }  // namespace megamoe::kernels
