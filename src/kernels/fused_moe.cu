@@ -1398,8 +1398,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm_probe_kernel(uint32_t* sm) {
 // checks (tile_schedule.h). Anything else (another stream's kernels moving the CTAs, SM ids
 // past the table, another pairing) leaves it off: false (MEGAMOE_PRINT_CONFIG=1 says why).
 bool probe_sm_units_now(int grid, uint8_t (&table)[kSmUnitSlots]) {
-  std::fill(std::begin(table), std::end(table), kNoSmUnit);
-  if (grid <= 0 || grid >= kNoSmUnit || grid % 2) return false;
+  if (!sm_unit_grid_ok(grid, kNoSmUnit)) return false;
   const int smem = smem_bytes(128, true);
   // (a plan may be made while another thread captures a graph: this thread's calls below stay
   // legal in the relaxed capture mode, restored on the way out)
@@ -1430,9 +1429,10 @@ bool probe_sm_units_now(int grid, uint8_t (&table)[kSmUnitSlots]) {
     if (bad >= 0) {
       const char* env = std::getenv("MEGAMOE_PRINT_CONFIG");
       if (env && env[0] == '1')
-        std::fprintf(stderr, "megamoe: no unit table: probe run %d put blockIdx %d on SM %u (%s)\n", run, bad,
-                     bad < grid ? r[bad] : 0u,
-                     bad < grid ? "an SM twice, past the table or off its pair's TPC" : "grid");
+        std::fprintf(stderr,
+                     "megamoe: no unit table: probe run %d put blockIdx %d on SM %u (an SM twice, past the "
+                     "table or off its pair's TPC)\n",
+                     run, bad, r[bad]);
       return false;
     }
   }
@@ -1442,9 +1442,9 @@ bool probe_sm_units_now(int grid, uint8_t (&table)[kSmUnitSlots]) {
 // The table of the current device, probed once a process where it held (a property of the
 // card, not of the plan: a model's layers each make a plan); a probe that found no table is
 // tried again by the next plan (the GPU may have been busy).
+// (grid: the card's SMs, the only grid the plan probes for)
 bool probe_sm_units(int grid, uint8_t (&table)[kSmUnitSlots]) {
   struct Found {
-    int grid = 0;
     uint8_t table[kSmUnitSlots];
   };
   static std::mutex mu;
@@ -1453,14 +1453,13 @@ bool probe_sm_units(int grid, uint8_t (&table)[kSmUnitSlots]) {
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
   const std::lock_guard<std::mutex> lock(mu);
   auto it = found.find(dev);
-  if (it == found.end() || it->second.grid != grid) {
+  if (it == found.end()) {
     Found f;
-    f.grid = grid;
     if (!probe_sm_units_now(grid, f.table)) {
       std::fill(std::begin(table), std::end(table), kNoSmUnit);
       return false;
     }
-    it = found.insert_or_assign(dev, f).first;
+    it = found.emplace(dev, f).first;
   }
   std::copy(std::begin(it->second.table), std::end(it->second.table), std::begin(table));
   return true;

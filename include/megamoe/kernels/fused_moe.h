@@ -108,10 +108,10 @@ struct FusedMoeConfig {
   // route_topk and the fused kernel launched as programmatic dependents of the kernel
   // before them (kProgrammaticLaunch): their CTAs start while it runs and wait for its end.
   bool programmatic_launch = false;
-  // The schedule's units by SM (kSmUnits): the CTA on an SM takes the unit a plain launch on
-  // an idle GPU gives it (found at plan creation), wherever a launch behind busy SMs puts the
-  // CTAs. Where the plan allows it (one CTA an SM, the grid covering the card, no clusters),
-  // up to kSmUnitsMaxTokens tokens.
+  // The schedule's units by SM (kSmUnits): the CTA on an SM takes the SM's place in the order
+  // a plain launch on an idle GPU fills the SMs (found at plan creation), wherever a launch
+  // behind busy SMs puts the CTAs. Where the plan allows it (one CTA an SM, the grid covering the card, no
+  // clusters), up to kSmUnitsMaxTokens tokens.
   bool sm_units = false;
   // The card's peak DRAM bandwidth per SM in GB/s (its memory clock and bus width; 0:
   // unknown), the input of the rule's 64 / 128-token edge (kFastReadGBpsPerSm).

@@ -182,9 +182,11 @@ struct TileIds {
 // `slots` and blockIdx 2k, 2k + 1 on the two SMs of one TPC (ids 2j, 2j + 1: the placement the
 // schedule's neighbouring units are laid out for, v37). Returns -1, or the first blockIdx
 // that breaks it (or grid itself for a grid the table cannot hold) with table all `none`.
+// A grid the table can hold: TPC pairs of CTAs, every unit below `none`.
+inline bool sm_unit_grid_ok(int grid, uint8_t none) { return grid > 0 && grid < int(none) && grid % 2 == 0; }
 inline int sm_unit_table(const uint32_t* sm, int grid, uint8_t* table, int slots, uint8_t none) {
   std::fill(table, table + slots, none);
-  if (grid <= 0 || grid >= int(none) || grid % 2) return grid;
+  if (!sm_unit_grid_ok(grid, none)) return grid;
   for (int b = 0; b < grid; ++b) {
     const bool own = sm[b] < uint32_t(slots) && table[sm[b]] == none;
     if (!own || (b % 2 && sm[b] / 2 != sm[b - 1] / 2)) {
