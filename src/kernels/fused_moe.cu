@@ -235,6 +235,7 @@ __device__ __noinline__ int schedule_unit(const KernelArgs& a, int csh) {
     const uint32_t sm = sm90::smid();
     const int unit = !a.sm_units ? int(sm) : sm < uint32_t(kSmUnitSlots) ? a.sm_unit[sm] : kNoSmUnit;
     if (unit >= G) __trap();
+    if (a.sm_units && a.unit_turn) return int((uint64_t(unit) + a.epoch[0] * uint64_t(a.unit_turn)) % G);
     return unit;
   }
   return int((int64_t(blockIdx.x >> csh) * a.unit_stride) % G);
@@ -1477,7 +1478,8 @@ struct FusedMoePlan {
   bool pairs_ok[kNumBlockNs] = {};  // the shape and grid allow pair tiles of a block_n (pair_tiles)
   bool wide_ok = false;             // the shape allows wide tiles (FusedMoeConfig::wide_tiles)
   bool sm_units_ok = false;         // the unit table holds (probe_sm_units; FusedMoeConfig::sm_units)
-  int smem_per_sm = 0;              // shared memory of an SM (one fused CTA an SM: sm_units)
+  int sm_units_max_tokens = kSmUnitsMaxTokens;  // (MEGAMOE_SM_UNITS_MAX_TOKENS: a measurement switch)
+  int smem_per_sm = 0;                          // shared memory of an SM (one fused CTA an SM: sm_units)
   TensorMaps maps[kNumBlockNs];
   KernelArgs args{};
 };
@@ -1644,6 +1646,13 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   } else if (kSmUnits && plan->num_sms == card_sms) {
     // The units by SM (kSmUnits): only where the grid covers the card, so every SM holds one CTA.
     plan->sm_units_ok = probe_sm_units(plan->num_sms, a.sm_unit);
+    if (const char* env = std::getenv("MEGAMOE_UNIT_TURN")) {
+      a.unit_turn = std::atoi(env);
+      MEGAMOE_CHECK(a.unit_turn >= 0 && a.unit_turn % 2 == 0,
+                    "MEGAMOE_UNIT_TURN must be even and >= 0 (the table's units come in TPC pairs)");
+    }
+    if (const char* env = std::getenv("MEGAMOE_SM_UNITS_MAX_TOKENS"))
+      plan->sm_units_max_tokens = std::max(0, std::atoi(env));
   }
   // The overlapped pull keeps its tables beside the schedule's (EpPullTables): where they do
   // not fit, the pull runs before the tiles. MEGAMOE_EP_OVERLAP=0 / 1 chooses (an A/B switch).
@@ -1675,6 +1684,9 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   a.sw13_scale = w.shared_w13_scale, a.sw2_scale = w.shared_w2_scale;
   if (!ep || ep->init_state)
     MEGAMOE_CUDA_CHECK(cudaMemset(base + ws.token_status.offset, 0, ws.token_status.bytes));  // (poisoned)
+  // The forward count (route_logits bumps it; expert parallelism's epoch, KernelArgs::unit_turn).
+  a.epoch = reinterpret_cast<uint64_t*>(base + ws.ep_state.offset);
+  if (!ep) MEGAMOE_CUDA_CHECK(cudaMemset(base + ws.ep_state.offset, 0, ws.ep_state.bytes));
   if (ep) {
     EpArgs& e = a.ep;
     e.ranks = ep->layout.ranks;
@@ -1808,7 +1820,7 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
   cfg.stages = stages_for(cfg.block_n, cfg.wide_tiles);
   cfg.ep_overlap = p->args.ep_overlap != 0;
   // (clusters keep blockIdx: the hardware places a pair; two CTAs on one SM would take one unit)
-  cfg.sm_units = p->sm_units_ok && !cfg.pair_tiles && int64_t(tokens) * R <= kSmUnitsMaxTokens &&
+  cfg.sm_units = p->sm_units_ok && !cfg.pair_tiles && int64_t(tokens) * R <= p->sm_units_max_tokens &&
                  2 * smem_bytes(cfg.block_n, cfg.wide_tiles) > p->smem_per_sm;
   return cfg;
 }
@@ -1836,7 +1848,7 @@ void launch_routing(const FusedMoePlan* p, const DeviceTensors& t, int host_toke
   r.expert_counts =
       reinterpret_cast<int*>(base + p->ws.counters.offset) + MoeWorkspaceLayout::kCounterExperts;
   r.max_tokens = p->ws.max_tokens;
-  r.epoch = p->args.ep.state;  // expert parallelism: one epoch per forward (null otherwise)
+  r.epoch = p->args.epoch;  // one epoch per forward (ep_state[0])
   launch_route(p->shape, r, host_tokens_hint, p->num_sms, programmatic, stream);
 }
 

@@ -53,9 +53,14 @@ struct KernelArgs {
   int tail_pool;       // GEMM2 tiles a CTA left to claims at the end (kTailPool)
   int unit_stride;     // MEGAMOE_UNIT_STRIDE: CTA b takes unit b * stride mod G (coprime to G; 1; 0: %smid)
   int sm_units;        // FusedMoeConfig::sm_units (per forward): the unit of the CTA's SM, sm_unit
-  int half_tiles;      // FusedMoeConfig::half_tiles (per forward)
-  int pair_weights;    // FusedMoeConfig::pair_weights (per forward; pair tiles only)
-  int ep_overlap;      // expert parallelism: the row pull runs beside the tiles (kEpPullOverlap)
+  // MEGAMOE_UNIT_TURN (even; 0 = off): with sm_units the units turn by this many a forward
+  // (unit + turn * epoch mod G, epoch = the routing's forward count), as a plain launch's
+  // starting SM moves from launch to launch. A measurement switch (v44).
+  int unit_turn;
+  uint64_t* epoch;   // [0] bumped by route_logits once a forward (MoeWorkspaceLayout::ep_state)
+  int half_tiles;    // FusedMoeConfig::half_tiles (per forward)
+  int pair_weights;  // FusedMoeConfig::pair_weights (per forward; pair tiles only)
+  int ep_overlap;    // expert parallelism: the row pull runs beside the tiles (kEpPullOverlap)
   const int* num_tokens;
   int tokens_cap;  // the forward's host hint: T = device_token_count(num_tokens, tokens_cap)
   const uint16_t* x;
