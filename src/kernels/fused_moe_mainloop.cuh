@@ -259,9 +259,8 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     return;
   }
   // (Nothing is in flight at the back-edge: see the NOTE above the K loops.)
-  // The weight scales a stage ahead, as mainloop_tokens_m_blocks loads them.
-  auto scale_at = [&](const float* row, int k) { return __ldg(row + min(k, kblocks - 1)); };
-  float sg_next = scale_at(gate_scale, 0), su_next = kGemm == 1 ? scale_at(up_scale, 0) : sg_next;
+  // NOTE: loading the weight scales a stage ahead spills at kConsumerRegs here; the
+  // profile puts their latency under 1 % of the samples (v9).
   for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
     uint32_t t0 = pf.now();
     sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
@@ -270,9 +269,15 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     t0 = pf.now();
     issue_stage(uint32_t(rp.stage) * (kStageBytes >> 4));
     pf.add(kPfIssue, t0);
-    const float sg = sg_next, su = su_next;
-    sg_next = scale_at(gate_scale, kb + 1);
-    su_next = kGemm == 1 ? scale_at(up_scale, kb + 1) : sg_next;
+    // (ptxas hoists these loads above the issue either way.) A wide stage carries them
+    // (kStageWeightScales): GEMM1 gate and up, GEMM2 block wblk's.
+    float sg, su;
+    if constexpr (kWide && kStageWeightScales) {
+      const float* w_sc = s_s + 128;
+      sg = w_sc[kGemm == 1 ? 0 : wblk], su = kGemm == 1 ? w_sc[1] : sg;
+    } else {
+      sg = __ldg(gate_scale + kb), su = kGemm == 1 ? __ldg(up_scale + kb) : sg;
+    }
     const float x0 = s_s[r0], x1 = s_s[r1];
     const float pg0 = x0 * sg, pu0 = kGemm == 1 ? x0 * su : pg0;
     const float pg1 = x1 * sg, pu1 = kGemm == 1 ? x1 * su : pg1;
@@ -329,20 +334,19 @@ __device__ __forceinline__ void mainloop_tokens_m_blocks(float (&acc)[128], int 
     sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
     pf.add(kPfFullWait, t0);
   };
-  // The weight scales of K block kb + 1 are loaded a stage ahead (kb past the row's end reads
-  // its last entry, unused): loaded in the stage, their L2 latency stood between the first
-  // chain's issue and its fold (ncu, v44: 8.5 % of the prefill kernel's stall samples on the
-  // products' wait for them at 4096 tokens).
-  const float* scale_b = kGemm == 1 ? up_scale : scale1;  // GEMM2: block 1's
-  auto scale_at = [&](const float* row, int k) { return __ldg(row + min(k, kblocks - 1)); };
-  float sg_next = scale_at(gate_scale, 0), su_next = scale_at(scale_b, 0);
   for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
     wait_full();
     const float* s_s = reinterpret_cast<const float*>(smem + rp.stage * kStageBytes + kWBytes + kXBytes);
     uint32_t so = uint32_t(rp.stage) * (kStageBytes >> 4);
     issue_chain<128, kBlockK / num::kMmaStepK>(ba, dx0 + so, dw0 + so, 0);
-    const float sg = sg_next, su = su_next;
-    sg_next = scale_at(gate_scale, kb + 1), su_next = scale_at(scale_b, kb + 1);
+    // The K block's weight scales: a wide stage carries them (kStageWeightScales: GEMM1 gate and
+    // up, GEMM2 blocks 0 and 1), else two loads (GEMM2: block 1's at scale1).
+    float sg, su;
+    if constexpr (kWide && kStageWeightScales) {
+      sg = s_s[128], su = s_s[129];
+    } else {
+      sg = __ldg(gate_scale + kb), su = kGemm == 1 ? __ldg(up_scale + kb) : __ldg(scale1 + kb);
+    }
     const float x0 = s_s[r0], x1 = s_s[r1];
     const float pg0 = x0 * sg, pg1 = x1 * sg, pu0 = x0 * su, pu1 = x1 * su;
     mma_wait();
