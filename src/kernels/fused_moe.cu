@@ -419,32 +419,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                         shared ? 0 : tl.e);
     }
   };
-  // A wide stage's weight scales (kStageWeightScales): K block kb's of the tile's two blocks
-  // (GEMM1 the gate and up scale blocks of its 128 intermediate columns, GEMM2 output blocks
-  // nblk and nblk + 1), by two 4-byte cp.async after the stage's token scales; the full
-  // barrier's phase waits for them (cp_async_mbar_arrive, before the stage's own arrival).
-  auto issue_weight_scales = [&](auto g_tag, const Tile& tl, int kb, int stage) {
-    if (no_loads) return;
-    float* w_sc = reinterpret_cast<float*>(smem + stage * kStageBytes + kWBytes + kXBytes + BN * 4);
-    // (offsets in 32 bits from one base a branch: the producer's registers are few)
-    const bool shared = tl.e == a.E;
-    const float* base;
-    int off, step;
-    if constexpr (decltype(g_tag)::value == 1) {
-      base = shared ? a.sw13_scale : a.w13_scale;
-      off = (shared ? 0 : tl.e * 2 * a.n1 * a.n2) + tl.nblk * a.n2 + kb;
-      step = (shared ? a.n1s : a.n1) * a.n2;  // the up block I_e / 128 rows further
-    } else {
-      base = shared ? a.sw2_scale : a.w2_scale;
-      step = shared ? a.n1s : a.n1;  // block nblk + 1's row
-      off = ((shared ? 0 : tl.e * a.n2) + tl.nblk) * step + kb;
-    }
-    const float* s0 = base + off;
-    const float* s1 = s0 + step;
-    sm90::cp_async_4(w_sc, s0);
-    sm90::cp_async_4(w_sc + 1, s1);
-    sm90::cp_async_mbar_arrive(&full_bar[stage]);
-  };
   auto issue_tokens = [&](auto w_tag, auto g_tag, const Tile& tl, int kb, int stage) {
     if (no_loads) return;
     uint8_t* x_s = smem + stage * kStageBytes + kWBytes;
@@ -673,7 +647,6 @@ __global__ void __launch_bounds__(kThreads, 1)
             sm90::mbar_wait(&empty_bar[stage], rp.phase ^ 1);
             pf.add(kPfProdEmpty, t0);
             if (i == 0) stage_tile[stage] = tl;  // published by the full barrier's completion
-            if constexpr (kStageWeightScales && kWide) issue_weight_scales(g_tag, tl, kblock_of(i), stage);
             // Expert parallelism: a stage arrives with its tokens (below, or when deferred ones
             // go out), so the arrival follows the acquire of their unit's count and the
             // consumers' generic reads of what the pull wrote beside the TMA data (row weights,

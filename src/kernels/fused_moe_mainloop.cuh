@@ -259,8 +259,12 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     return;
   }
   // (Nothing is in flight at the back-edge: see the NOTE above the K loops.)
-  // NOTE: loading the weight scales a stage ahead spills at kConsumerRegs here; the
-  // profile puts their latency under 1 % of the samples (v9).
+  // NOTE: the weight scales' loads stay in the stage, here and in mainloop_tokens_m_blocks.
+  // ncu at 4096 tokens (v44) puts 8.5 % of the wide kernel's stall samples on the products'
+  // wait for them, but the stage's first chain runs meanwhile: loaded a stage ahead into
+  // registers (the copy at the back-edge then waited, with no chain in flight) the layer
+  // measured +1..+3.5 %, carried in the stage by the producer's cp.async (its refill slower,
+  // the consumers' data waits up) +2..+8 % (bench/results/ab/v44_*_attempt.diff, NOTES v44).
   for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
     uint32_t t0 = pf.now();
     sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
@@ -269,15 +273,8 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     t0 = pf.now();
     issue_stage(uint32_t(rp.stage) * (kStageBytes >> 4));
     pf.add(kPfIssue, t0);
-    // (ptxas hoists these loads above the issue either way.) A wide stage carries them
-    // (kStageWeightScales): GEMM1 gate and up, GEMM2 block wblk's.
-    float sg, su;
-    if constexpr (kWide && kStageWeightScales) {
-      const float* w_sc = s_s + 128;
-      sg = w_sc[kGemm == 1 ? 0 : wblk], su = kGemm == 1 ? w_sc[1] : sg;
-    } else {
-      sg = __ldg(gate_scale + kb), su = kGemm == 1 ? __ldg(up_scale + kb) : sg;
-    }
+    // (ptxas hoists these loads above the issue either way)
+    const float sg = __ldg(gate_scale + kb), su = kGemm == 1 ? __ldg(up_scale + kb) : sg;
     const float x0 = s_s[r0], x1 = s_s[r1];
     const float pg0 = x0 * sg, pu0 = kGemm == 1 ? x0 * su : pg0;
     const float pg1 = x1 * sg, pu1 = kGemm == 1 ? x1 * su : pg1;
@@ -339,14 +336,9 @@ __device__ __forceinline__ void mainloop_tokens_m_blocks(float (&acc)[128], int 
     const float* s_s = reinterpret_cast<const float*>(smem + rp.stage * kStageBytes + kWBytes + kXBytes);
     uint32_t so = uint32_t(rp.stage) * (kStageBytes >> 4);
     issue_chain<128, kBlockK / num::kMmaStepK>(ba, dx0 + so, dw0 + so, 0);
-    // The K block's weight scales: a wide stage carries them (kStageWeightScales: GEMM1 gate and
-    // up, GEMM2 blocks 0 and 1), else two loads (GEMM2: block 1's at scale1).
-    float sg, su;
-    if constexpr (kWide && kStageWeightScales) {
-      sg = s_s[128], su = s_s[129];
-    } else {
-      sg = __ldg(gate_scale + kb), su = kGemm == 1 ? __ldg(up_scale + kb) : __ldg(scale1 + kb);
-    }
+    // (loaded here: see the NOTE in mainloop_tokens_m)
+    const float sg = __ldg(gate_scale + kb);
+    const float su = kGemm == 1 ? __ldg(up_scale + kb) : __ldg(scale1 + kb);  // GEMM2: block 1's
     const float x0 = s_s[r0], x1 = s_s[r1];
     const float pg0 = x0 * sg, pg1 = x1 * sg, pu0 = x0 * su, pu1 = x1 * su;
     mma_wait();

@@ -188,15 +188,6 @@ constexpr int kDecodePairsMaxTilesPerCta = 2;
 // is 128 intermediate columns: a wide stage holds both its halves, the other 128-token
 // tiles take the halves in consecutive stages, and GEMM2 folds once a block and stage.
 constexpr bool kWideTiles = true;
-// A wide stage carries its K block's weight scales (fused_moe.cu's issue_weight_scales: the
-// producer's two 4-byte cp.async beside the TMA loads), so the consumers' products read shared
-// memory instead of waiting on two __ldg a stage. v44 (H100, ncu at GLM-5 4096 tokens,
-// bench/results/ab/ncu_v44_glm5_t4096_*): 8.5 % of the prefill kernel's stall samples sat on
-// the products' wait for those loads, with the stage's first chain in flight. Loading them a
-// stage ahead into registers instead measured +1..+3.5 % (ab/v44_scales_ahead.log: ptxas copies
-// the next scales at the loop's back-edge, and that copy waits for the load with no chain in
-// flight); two alternating register sets spilled 12 more bytes.
-constexpr bool kStageWeightScales = true;
 
 // Expert parallelism: the row pull (phase 0's step 3) beside the tiles instead of before
 // them (KernelArgs::ep_overlap, ep_pull_overlapped): warps 2-3 of the producer warpgroup
@@ -288,11 +279,9 @@ constexpr int route_medium_max_tokens(int experts) {
 // 8 and 64 tokens), and a shorter ring is less shared memory to wait on.
 constexpr int kMaxStages = 8;
 // wide: a wide tile's stage (kWideTiles), two output blocks' weight rows.
-// A stage: weight rows, token rows, the tokens' float32 scales of the K block (either GEMM),
-// and in a wide stage the two blocks' float32 weight scales of the K block (kStageWeightScales).
+// A stage: weight rows, token rows, the tokens' float32 scales of the K block (either GEMM).
 constexpr int stage_bytes(int block_n, bool wide = false) {
-  return (((wide ? 2 : 1) * kBlockM * kBlockK + block_n * kBlockK + block_n * 4 + (wide ? 16 : 0)) + 1023) /
-         1024 * 1024;
+  return (((wide ? 2 : 1) * kBlockM * kBlockK + block_n * kBlockK + block_n * 4) + 1023) / 1024 * 1024;
 }
 // Shared memory after the stage ring (byte offsets; fused_moe.cu places its regions
 // by these, so the size below and the kernel cannot drift apart).

@@ -308,16 +308,6 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_
                : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// Four bytes global -> shared (cp.async.ca: 4 is the smallest size).
-__device__ __forceinline__ void cp_async_4(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
-}
-// The mbarrier arrives once this thread's cp.async copies so far have landed. Without .noinc
-// the barrier's pending count is raised by one at once (the asynchronous arrival takes it back),
-// so it needs no extra count at init -- but must run before the phase's last other arrival.
-__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
