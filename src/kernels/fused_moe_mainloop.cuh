@@ -266,6 +266,8 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   // measured +1..+3.5 %, carried in the stage by the producer's cp.async (its refill slower,
   // the consumers' data waits up) +2..+8 % (bench/results/ab/v44_*_attempt.diff, NOTES v44).
   for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
+    // (issued before the stage's wait: their latency overlaps it)
+    const float sg = __ldg(gate_scale + kb), su = kGemm == 1 ? __ldg(up_scale + kb) : sg;
     uint32_t t0 = pf.now();
     sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
     pf.add(kPfFullWait, t0);
@@ -273,8 +275,6 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
     t0 = pf.now();
     issue_stage(uint32_t(rp.stage) * (kStageBytes >> 4));
     pf.add(kPfIssue, t0);
-    // (ptxas hoists these loads above the issue either way)
-    const float sg = __ldg(gate_scale + kb), su = kGemm == 1 ? __ldg(up_scale + kb) : sg;
     const float x0 = s_s[r0], x1 = s_s[r1];
     const float pg0 = x0 * sg, pu0 = kGemm == 1 ? x0 * su : pg0;
     const float pg1 = x1 * sg, pu1 = kGemm == 1 ? x1 * su : pg1;
@@ -332,13 +332,14 @@ __device__ __forceinline__ void mainloop_tokens_m_blocks(float (&acc)[128], int 
     pf.add(kPfFullWait, t0);
   };
   for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
+    // (issued before the stage's wait, their latency overlapping it: see the NOTE in
+    // mainloop_tokens_m)
+    const float sg = __ldg(gate_scale + kb);
+    const float su = kGemm == 1 ? __ldg(up_scale + kb) : __ldg(scale1 + kb);  // GEMM2: block 1's
     wait_full();
     const float* s_s = reinterpret_cast<const float*>(smem + rp.stage * kStageBytes + kWBytes + kXBytes);
     uint32_t so = uint32_t(rp.stage) * (kStageBytes >> 4);
     issue_chain<128, kBlockK / num::kMmaStepK>(ba, dx0 + so, dw0 + so, 0);
-    // (loaded here: see the NOTE in mainloop_tokens_m)
-    const float sg = __ldg(gate_scale + kb);
-    const float su = kGemm == 1 ? __ldg(up_scale + kb) : __ldg(scale1 + kb);  // GEMM2: block 1's
     const float x0 = s_s[r0], x1 = s_s[r1];
     const float pg0 = x0 * sg, pg1 = x1 * sg, pu0 = x0 * su, pu1 = x1 * su;
     mma_wait();
