@@ -265,8 +265,11 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   // registers (the copy at the back-edge then waited, with no chain in flight) the layer
   // measured +1..+3.5 %, carried in the stage by the producer's cp.async (its refill slower,
   // the consumers' data waits up) +2..+8 % (bench/results/ab/v44_*_attempt.diff, NOTES v44).
+  // Written before the stage's wait, they are issued (ptxas keeps them after the wait) ahead
+  // of the first chain instead of behind it: the 8-way shares -0.7..-1.3 % at 1024-4096
+  // tokens, the full layers level (H100, seven rounds, ab/v44_scales_early*_h100.log).
   for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
-    // (issued before the stage's wait: their latency overlaps it)
+    // (before the stage's wait in the source, ahead of the chain in the SASS: see the NOTE)
     const float sg = __ldg(gate_scale + kb), su = kGemm == 1 ? __ldg(up_scale + kb) : sg;
     uint32_t t0 = pf.now();
     sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
@@ -332,7 +335,7 @@ __device__ __forceinline__ void mainloop_tokens_m_blocks(float (&acc)[128], int 
     pf.add(kPfFullWait, t0);
   };
   for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
-    // (issued before the stage's wait, their latency overlapping it: see the NOTE in
+    // (before the stage's wait in the source, ahead of the chain in the SASS: see the NOTE in
     // mainloop_tokens_m)
     const float sg = __ldg(gate_scale + kb);
     const float su = kGemm == 1 ? __ldg(up_scale + kb) : __ldg(scale1 + kb);  // GEMM2: block 1's
