@@ -161,7 +161,8 @@ class FusedMoe : public ::testing::Test {
   static void clear_switches() {
     for (const char* var :
          {"MEGAMOE_BLOCK_N", "MEGAMOE_HALF_TILES", "MEGAMOE_PAIR_TILES", "MEGAMOE_PAIR_WEIGHTS",
-          "MEGAMOE_WIDE_TILES", "MEGAMOE_PDL", "MEGAMOE_READ_GBPS_PER_SM", "MEGAMOE_UNIT_STRIDE"})
+          "MEGAMOE_WIDE_TILES", "MEGAMOE_PDL", "MEGAMOE_READ_GBPS_PER_SM", "MEGAMOE_UNIT_STRIDE",
+          "MEGAMOE_SM_UNITS_MAX_TOKENS", "MEGAMOE_UNIT_TURN"})
       unsetenv(var);
   }
 };
@@ -471,6 +472,17 @@ TEST_F(FusedMoe, UnitsBySmKeepTheBytes) {
     return opt;
   }());
   unsetenv("MEGAMOE_UNIT_STRIDE");
+  // The measurement switches (read when the layer is made): the table at every token count,
+  // turned by 38 units a forward.
+  setenv("MEGAMOE_SM_UNITS_MAX_TOKENS", "1000000", 1);
+  setenv("MEGAMOE_UNIT_TURN", "38", 1);
+  api::CudaMoeLayer turned(tc.w, [&] {
+    api::MoeLayerOptions opt;
+    opt.max_tokens = max_tokens;
+    return opt;
+  }());
+  unsetenv("MEGAMOE_SM_UNITS_MAX_TOKENS");
+  unsetenv("MEGAMOE_UNIT_TURN");
   for (const char* pdl : {"0", "1"}) {
     setenv("MEGAMOE_PDL", pdl, 1);
     for (int T : {40, 600, 2600, 5000}) {
@@ -483,6 +495,16 @@ TEST_F(FusedMoe, UnitsBySmKeepTheBytes) {
                 cfg.find("pair_tiles") == std::string::npos && T <= 4096)
           << "T = " << T << ": the unit table did not hold: " << cfg;
       EXPECT_EQ(plain.find("sm_units"), std::string::npos) << plain;
+      // (two forwards: the turn moves with the routing's forward count)
+      for (int rep = 0; rep < 2; ++rep) {
+        const GpuRun c = run_gpu(turned, x, T);
+        const std::string tcfg = turned.config_for(T);
+        EXPECT_EQ(0, std::memcmp(c.y.data(), b.y.data(), c.y.size() * 2))
+            << "T = " << T << " MEGAMOE_PDL=" << pdl << ": the turned unit table changes the bytes (" << tcfg
+            << ")";
+        EXPECT_EQ(tcfg.find(" sm_units") != std::string::npos, tcfg.find("pair_tiles") == std::string::npos)
+            << "T = " << T << ": the table's token limit did not lift: " << tcfg;
+      }
     }
   }
 }
