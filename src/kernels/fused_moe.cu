@@ -1479,6 +1479,7 @@ struct FusedMoePlan {
   bool wide_ok = false;             // the shape allows wide tiles (FusedMoeConfig::wide_tiles)
   bool sm_units_ok = false;         // the unit table holds (probe_sm_units; FusedMoeConfig::sm_units)
   int sm_units_max_tokens = kSmUnitsMaxTokens;  // (MEGAMOE_SM_UNITS_MAX_TOKENS: a measurement switch)
+  int tail_pool_env = -1;                       // MEGAMOE_TAIL_POOL (-1: kTailPool / kTailPoolWide)
   int smem_per_sm = 0;                          // shared memory of an SM (one fused CTA an SM: sm_units)
   TensorMaps maps[kNumBlockNs];
   KernelArgs args{};
@@ -1636,7 +1637,7 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   if (const char* env = std::getenv("MEGAMOE_DEBUG_SKIP")) a.debug_skip = std::atoi(env);
   if (const char* env = std::getenv("MEGAMOE_SCHEDULE")) a.round_robin = std::string(env) == "rr";
   if (const char* env = std::getenv("MEGAMOE_EARLY_WEIGHTS")) a.no_early_loads = std::string(env) == "0";
-  a.tail_pool = kTailPool;
+  a.tail_pool = kTailPool;  // (per forward: kTailPoolWide with wide tiles, fused_moe_forward)
   a.unit_stride = 1;
   if (const char* env = std::getenv("MEGAMOE_UNIT_STRIDE")) {
     a.unit_stride = std::max(0, std::atoi(env));
@@ -1668,7 +1669,7 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
     }
     a.ep_overlap = overlap ? 1 : 0;
   }
-  if (const char* env = std::getenv("MEGAMOE_TAIL_POOL")) a.tail_pool = std::max(0, std::atoi(env));
+  if (const char* env = std::getenv("MEGAMOE_TAIL_POOL")) plan->tail_pool_env = std::max(0, std::atoi(env));
   a.counters = reinterpret_cast<int*>(base + ws.counters.offset);
   a.topk_ids = reinterpret_cast<const int*>(base + ws.topk_ids.offset);
   a.topk_weights = reinterpret_cast<const float*>(base + ws.topk_weights.offset);
@@ -1869,6 +1870,7 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
   KernelArgs a = p->args;
   a.half_tiles = cfg.half_tiles;
   a.sm_units = cfg.sm_units;
+  a.tail_pool = p->tail_pool_env >= 0 ? p->tail_pool_env : cfg.wide_tiles ? kTailPoolWide : kTailPool;
   a.pair_weights = cfg.pair_tiles && cfg.pair_weights && cfg.block_n == 128;
   a.num_tokens = t.num_tokens;
   a.tokens_cap = host_tokens_hint;

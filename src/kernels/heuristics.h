@@ -41,6 +41,12 @@ constexpr int kTileSlots = 4;
 // against a static tail (0) -1.0 to -1.7 % for T = 8..256, T=4096 -1.5 %; 2 gained
 // less, 8 about as much (bench/results/ab/v14_pool.log).
 constexpr int kTailPool = 4;
+// ... and with wide tiles (prefill: kWideTiles), 16. v44 (H100, bench/results/ab/v44_tail_pool*_h100.log,
+// MEGAMOE_TAIL_POOL=16 against 4, five rounds in two calls): GLM-5.3-Flash 4096 -1.5 / -1.6 % in
+// both calls, GLM-5 and DeepSeek-V3 4096 level (-0.1 / -0.2 %) in one and -1.0 / -1.1 % in the
+// other, 16384 -0.5..-1.6 % (a case that spreads ~3 %); 8 level. (The profile's combine waited
+// 1-3 % of the 4096-token kernel for the last GEMM2 tile, ab/v37_h100_prof_4096_pdl.log.)
+constexpr int kTailPoolWide = 16;
 // Tile order inside an expert: output blocks major, its token blocks minor, in chunks of
 // kTokenChunk token blocks (decode_tile in fused_moe_device.cuh). One chunk's tokens stay in L2
 // while the chunk walks the output blocks; a weight block is read once a chunk. With

@@ -70,7 +70,7 @@ TEST(TileSchedule, PoolTilesClaimedAfterEachList) {
   const Case cases[] = {{132, 288, 432, 48, 16}, {132, 1920, 2880, 48, 16}, {132, 40, 40, 8, 4},
                         {132, 0, 0, 48, 16},     {1, 7, 5, 3, 2},           {132, 135, 3, 56, 16}};
   for (const Case& k : cases) {
-    for (const int per_cta : {1, 2, 4, 100}) {
+    for (const int per_cta : {1, 2, 4, 16, 100}) {  // (kTailPool, kTailPoolWide)
       const int pool = std::min(k.t2, per_cta * k.G);
       std::vector<kernels::TileSchedule> s(k.G);
       std::vector<int> prev(k.G, -1), seen(size_t(k.t1) + k.t2, 0);
