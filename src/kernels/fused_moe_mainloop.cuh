@@ -266,7 +266,7 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   // measured +1..+3.5 %, carried in the stage by the producer's cp.async (its refill slower,
   // the consumers' data waits up) +2..+8 % (bench/results/ab/v44_*_attempt.diff, NOTES v44).
   // Written before the stage's wait, they are issued (ptxas keeps them after the wait) ahead
-  // of the first chain instead of behind it: the 8-way shares -0.7..-1.3 % at 1024-4096
+  // of the first chain instead of behind it: the 8-way shares -0.7..-1.2 % at 1024-4096
   // tokens, the full layers level (H100, seven rounds, ab/v44_scales_early*_h100.log).
   for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
     // (before the stage's wait in the source, ahead of the chain in the SASS: see the NOTE)
