@@ -1637,7 +1637,6 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   if (const char* env = std::getenv("MEGAMOE_DEBUG_SKIP")) a.debug_skip = std::atoi(env);
   if (const char* env = std::getenv("MEGAMOE_SCHEDULE")) a.round_robin = std::string(env) == "rr";
   if (const char* env = std::getenv("MEGAMOE_EARLY_WEIGHTS")) a.no_early_loads = std::string(env) == "0";
-  a.tail_pool = kTailPool;  // (per forward: kTailPoolWide with wide tiles, fused_moe_forward)
   a.unit_stride = 1;
   if (const char* env = std::getenv("MEGAMOE_UNIT_STRIDE")) {
     a.unit_stride = std::max(0, std::atoi(env));
@@ -1823,6 +1822,7 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
   // (clusters keep blockIdx: the hardware places a pair; two CTAs on one SM would take one unit)
   cfg.sm_units = p->sm_units_ok && !cfg.pair_tiles && int64_t(tokens) * R <= p->sm_units_max_tokens &&
                  2 * smem_bytes(cfg.block_n, cfg.wide_tiles) > p->smem_per_sm;
+  cfg.tail_pool = p->tail_pool_env >= 0 ? p->tail_pool_env : cfg.wide_tiles ? kTailPoolWide : kTailPool;
   return cfg;
 }
 
@@ -1870,7 +1870,7 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
   KernelArgs a = p->args;
   a.half_tiles = cfg.half_tiles;
   a.sm_units = cfg.sm_units;
-  a.tail_pool = p->tail_pool_env >= 0 ? p->tail_pool_env : cfg.wide_tiles ? kTailPoolWide : kTailPool;
+  a.tail_pool = cfg.tail_pool;
   a.pair_weights = cfg.pair_tiles && cfg.pair_weights && cfg.block_n == 128;
   a.num_tokens = t.num_tokens;
   a.tokens_cap = host_tokens_hint;

@@ -50,7 +50,7 @@ struct KernelArgs {
   int debug_skip;      // MEGAMOE_DEBUG_SKIP: kSkipMma | kSkipLoads | kSkipFold (below)
   int round_robin;     // MEGAMOE_SCHEDULE=rr: plain round-robin instead of TileSchedule's balance
   int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
-  int tail_pool;       // GEMM2 tiles a CTA left to claims at the end (per forward: kTailPool, kTailPoolWide)
+  int tail_pool;       // FusedMoeConfig::tail_pool (per forward): GEMM2 tiles left to claims at the end
   int unit_stride;     // MEGAMOE_UNIT_STRIDE: CTA b takes unit b * stride mod G (coprime to G; 1; 0: %smid)
   int sm_units;        // FusedMoeConfig::sm_units (per forward): the unit of the CTA's SM, sm_unit
   // MEGAMOE_UNIT_TURN (even; 0 = off): with sm_units the units turn by this many a forward

@@ -33,8 +33,9 @@ struct RouteArgs {
   int* zero = nullptr;           // the forward's counters: route_logits zeroes them first
   int zero_words = 0;
   int max_tokens = 0;
-  uint64_t* epoch =
-      nullptr;  // bumped once per forward (expert parallelism: ep_layout.h; KernelArgs::unit_turn)
+  // The forward count, bumped once per forward (expert parallelism's epoch, ep_layout.h;
+  // KernelArgs::unit_turn).
+  uint64_t* epoch = nullptr;
 };
 
 // T of a forward: the device count clamped into [0, cap] (cap = the host hint the launch

@@ -465,22 +465,16 @@ TEST_F(FusedMoe, UnitsBySmKeepTheBytes) {
   const MoeShape s = reduced_shape();
   const int max_tokens = 5000;
   const TestCase tc = make_case(s, 31, max_tokens, max_tokens);
+  api::MoeLayerOptions opt;
+  opt.max_tokens = max_tokens;
   setenv("MEGAMOE_UNIT_STRIDE", "1", 1);
-  api::CudaMoeLayer by_block(tc.w, [&] {
-    api::MoeLayerOptions opt;
-    opt.max_tokens = max_tokens;
-    return opt;
-  }());
+  api::CudaMoeLayer by_block(tc.w, opt);
   unsetenv("MEGAMOE_UNIT_STRIDE");
   // The measurement switches (read when the layer is made): the table at every token count,
   // turned by 38 units a forward.
   setenv("MEGAMOE_SM_UNITS_MAX_TOKENS", "1000000", 1);
   setenv("MEGAMOE_UNIT_TURN", "38", 1);
-  api::CudaMoeLayer turned(tc.w, [&] {
-    api::MoeLayerOptions opt;
-    opt.max_tokens = max_tokens;
-    return opt;
-  }());
+  api::CudaMoeLayer turned(tc.w, opt);
   unsetenv("MEGAMOE_SM_UNITS_MAX_TOKENS");
   unsetenv("MEGAMOE_UNIT_TURN");
   for (const char* pdl : {"0", "1"}) {
