@@ -1822,7 +1822,7 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
   // (clusters keep blockIdx: the hardware places a pair; two CTAs on one SM would take one unit)
   cfg.sm_units = p->sm_units_ok && !cfg.pair_tiles && int64_t(tokens) * R <= p->sm_units_max_tokens &&
                  2 * smem_bytes(cfg.block_n, cfg.wide_tiles) > p->smem_per_sm;
-  cfg.tail_pool = p->tail_pool_env >= 0 ? p->tail_pool_env : cfg.wide_tiles ? kTailPoolWide : kTailPool;
+  cfg.tail_pool = p->tail_pool_env >= 0 ? p->tail_pool_env : tail_pool_for(cfg.wide_tiles);
   return cfg;
 }
 

@@ -59,6 +59,7 @@ FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms, int loc
   c.wide_tiles = kWideTiles && c.block_n == 128 && !c.half_tiles;
   if (const char* env = std::getenv("MEGAMOE_WIDE_TILES")) c.wide_tiles = std::atoi(env) != 0;
   c.stages = stages_for(c.block_n, c.wide_tiles);
+  c.tail_pool = tail_pool_for(c.wide_tiles);
   c.num_sms = num_sms;
   c.programmatic_launch = kProgrammaticLaunch && tokens <= kProgrammaticLaunchMaxTokens;
   if (const char* env = std::getenv("MEGAMOE_PDL")) c.programmatic_launch = std::atoi(env) != 0;
@@ -77,12 +78,14 @@ double device_read_gbps_per_sm(int device) {
 std::string describe(const FusedMoeConfig& c) {
   return fmt::format(
       "block_m={} block_n={} block_k={} stages={} smem={}B sms={} read={:.0f}GB/s/SM "
-      "router_ksplit={}{}{}{}{}{}{}{}",
+      "router_ksplit={}{}{}{}{}{}{}{}{}",
       kBlockM, c.block_n, kBlockK, c.stages, smem_bytes(c.block_n, c.wide_tiles), c.num_sms,
       c.read_gbps_per_sm, c.router_ksplit, c.half_tiles ? " half_tiles" : "",
       c.wide_tiles ? " wide_tiles" : "", c.pair_tiles ? " pair_tiles" : "",
       c.pair_tiles && c.pair_weights ? " pair_weights" : "", c.ep_overlap ? " ep_overlap" : "",
-      c.programmatic_launch ? " pdl" : "", c.sm_units ? " sm_units" : "");
+      c.programmatic_launch ? " pdl" : "", c.sm_units ? " sm_units" : "",
+      // (the tail pool where it is not kTailPool: kTailPoolWide, or MEGAMOE_TAIL_POOL)
+      c.tail_pool != kTailPool ? fmt::format(" tail_pool={}", c.tail_pool) : std::string());
 }
 
 void maybe_print_config(const MoeShape& s, int tokens, const FusedMoeConfig& c) {

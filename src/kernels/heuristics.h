@@ -47,6 +47,7 @@ constexpr int kTailPool = 4;
 // other, 16384 -0.5..-1.6 % (a case that spreads ~3 %); 8 level. (The profile's combine waited
 // 1-3 % of the 4096-token kernel for the last GEMM2 tile, ab/v37_h100_prof_4096_pdl.log.)
 constexpr int kTailPoolWide = 16;
+constexpr int tail_pool_for(bool wide_tiles) { return wide_tiles ? kTailPoolWide : kTailPool; }
 // Tile order inside an expert: output blocks major, its token blocks minor, in chunks of
 // kTokenChunk token blocks (decode_tile in fused_moe_device.cuh). One chunk's tokens stay in L2
 // while the chunk walks the output blocks; a weight block is read once a chunk. With

@@ -113,9 +113,9 @@ struct FusedMoeConfig {
   // behind busy SMs puts the CTAs. Where the plan allows it (one CTA an SM, the grid covering the card, no
   // clusters), up to kSmUnitsMaxTokens tokens.
   bool sm_units = false;
-  // GEMM2 tiles a CTA leaves to claims at the schedule's end (kTailPool; kTailPoolWide with
-  // wide tiles; MEGAMOE_TAIL_POOL overrides).
-  int tail_pool = 0;
+  // GEMM2 tiles a CTA leaves to claims at the schedule's end (tail_pool_for: kTailPool,
+  // kTailPoolWide with wide tiles; MEGAMOE_TAIL_POOL overrides).
+  int tail_pool = 4;
   // The card's peak DRAM bandwidth per SM in GB/s (its memory clock and bus width; 0:
   // unknown), the input of the rule's 64 / 128-token edge (kFastReadGBpsPerSm).
   double read_gbps_per_sm = 0;
