@@ -27,3 +27,25 @@ full_bench() {
   echo "bench rc=$? at $(elapsed)"
   grep " T=" "$OUT"/bench.log | grep -E "glm-5  .*E=256" | cut -c1-120
 }
+# One GLM-5 case of BIN_DIR's megamoe under `bench --energy 3` with nvidia-smi sampling the SM
+# clock and board power every 100 ms (v45): prints the median clock of the loaded samples
+# (above 250 W), the case's time and its energy a layer. Files: $OUT/energy_T_skipS.log and
+# $OUT/smi_T_skipS.csv. Usage: energy_case BIN_DIR TOKENS SKIP [ITERS] (SKIP: MEGAMOE_DEBUG_SKIP).
+energy_case() {
+  local bin=$1 t=$2 skip=$3 iters=${4:-6} f="$OUT/smi_${2}_skip$3.csv"
+  nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader,nounits \
+    -lms 100 > "$f" &
+  local pid=$!
+  MEGAMOE_DEBUG_SKIP=$skip "$bin"/megamoe bench --preset glm-5 --tokens "$t" --no-baseline --no-ep \
+    --iters "$iters" --energy 3 > "$OUT/energy_${t}_skip$skip.log" 2>&1
+  kill "$pid"
+  wait "$pid" 2>/dev/null
+  local clock
+  clock=$(python3 -c '
+import statistics, sys
+c = [float(r.split(",")[0]) for r in open(sys.argv[1]) if r.count(",") >= 3 and float(r.split(",")[2]) > 250]
+print(f"{statistics.median(c):.0f} MHz (min {min(c):.0f}, max {max(c):.0f}; {len(c)} samples)" if c
+      else "no loaded sample")' "$f")
+  echo "T=$t skip=$skip: clock $clock | $(grep -oE "T= *[0-9]+: +[0-9.]+ us|[0-9.]+ mJ a layer, [0-9]+ W" \
+    "$OUT/energy_${t}_skip$skip.log" | paste -sd' ')"
+}

@@ -7,31 +7,9 @@ set -uo pipefail
 # shellcheck source=bench/call_lib.sh
 source bench/call_lib.sh
 if [[ $gpu == *H200* ]]; then full_bench devbinS/head; fi
-# SM clock / power samples every 100 ms while one case replays for --energy seconds.
-clocks() {
-  local t=$1
-  nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu \
-    --format=csv,noheader,nounits -lms 100 > "$OUT/smi_$t.csv" &
-  local pid=$!
-  devbinS/head/megamoe bench --preset glm-5 --tokens "$t" --no-baseline --no-ep --iters 10 --energy 3 \
-    > "$OUT/energy_$t.log" 2>&1
-  kill "$pid"
-  wait "$pid" 2>/dev/null
-  # The loaded samples (power above 250 W): count, median SM clock, median power.
-  python3 - "$OUT/smi_$t.csv" "$t" <<'PY'
-import statistics, sys
-rows = [r.split(",") for r in open(sys.argv[1]) if r.count(",") >= 3]
-load = [(float(r[0]), float(r[2])) for r in rows if r[2].strip().replace(".", "", 1).isdigit() and float(r[2]) > 250]
-if not load:
-    print(f"T={sys.argv[2]}: no loaded sample of {len(rows)}")
-else:
-    c = [a for a, _ in load]
-    print(f"T={sys.argv[2]}: {len(load)} samples, SM clock median {statistics.median(c):.0f} MHz "
-          f"(min {min(c):.0f}, max {max(c):.0f}), power median {statistics.median(p for _, p in load):.0f} W")
-PY
-  grep -E " T=|energy|mJ" "$OUT/energy_$t.log" | head -4
-}
-for t in 64 1024 4096 16384; do clocks "$t"; done
+# (energy_case, bench/call_lib.sh: the steps this call ran as its own clocks function, whose
+# summary also printed the median power; ab/v45_energy_h100.log has those lines)
+for t in 64 1024 4096 16384; do energy_case devbinS/head "$t" 0 10; done
 echo "clocks at $(elapsed)"
 gpu_suite devbinS/head
 if [[ $gpu == *H200* ]]; then

@@ -7,24 +7,8 @@
 set -uo pipefail
 # shellcheck source=bench/call_lib.sh
 source bench/call_lib.sh
-run_energy() {  # tokens, skip bits
-  local t=$1 skip=$2 f="$OUT/smi_${1}_skip$2.csv"
-  nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader,nounits \
-    -lms 100 > "$f" &
-  local pid=$!
-  MEGAMOE_DEBUG_SKIP=$skip devbinS/head/megamoe bench --preset glm-5 --tokens "$t" --no-baseline --no-ep \
-    --iters 6 --energy 3 > "$OUT/energy_${t}_skip$skip.log" 2>&1
-  kill "$pid"
-  wait "$pid" 2>/dev/null
-  local clock
-  clock=$(python3 -c '
-import statistics, sys
-c = [float(r.split(",")[0]) for r in open(sys.argv[1]) if r.count(",") >= 3 and float(r.split(",")[2]) > 250]
-print(f"{statistics.median(c):.0f} MHz ({len(c)} samples)" if c else "no loaded sample")' "$f")
-  echo "T=$t skip=$skip: clock $clock | $(grep -oE "T= *[0-9]+: +[0-9.]+ us|[0-9.]+ mJ a layer, [0-9]+ W" \
-    "$OUT/energy_${t}_skip$skip.log" | paste -sd' ')"
-}
-for t in 4096 16384; do for skip in 0 1 4 5; do run_energy "$t" "$skip"; done; done
+# (energy_case: bench/call_lib.sh, the function this call ran as its own run_energy)
+for t in 4096 16384; do for skip in 0 1 4 5; do energy_case devbinS/head "$t" "$skip"; done; done
 echo "energy at $(elapsed)"
 /opt/torch/.venv/bin/python scripts/fp8_gemm_power.py --seconds 3 2>&1 | tee "$OUT"/fp8_gemm_power.log
 echo "done at $(elapsed)"

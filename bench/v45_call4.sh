@@ -12,14 +12,11 @@ grep -E " T=|read|route" "$OUT"/diagnostics.log | cut -c1-200
 echo "diagnostics at $(elapsed)"
 if [[ $gpu == *H200* ]]; then
   full_bench devbinS/head
-  sed -n '/^run_energy()/,/^}/p' bench/v45_call2.sh > "$OUT"/run_energy.sh
-  # shellcheck disable=SC1091
-  source "$OUT"/run_energy.sh
-  for t in 1024 4096 16384; do for skip in 0 1 4 5; do run_energy "$t" "$skip"; done; done
+  for t in 1024 4096 16384; do for skip in 0 1 4 5; do energy_case devbinS/head "$t" "$skip"; done; done
   /opt/torch/.venv/bin/python scripts/fp8_gemm_power.py --seconds 3 2>&1 | tee "$OUT"/fp8_gemm_power.log
   echo "energy at $(elapsed)"
   # (one archive: a call brings back only its first few files)
-  (cd "$OUT" && tar czf energy.tgz energy_* smi_* fp8_gemm_power.log && rm -f energy_* smi_* run_energy.sh)
+  (cd "$OUT" && tar czf energy.tgz energy_* smi_* fp8_gemm_power.log && rm -f energy_* smi_*)
   ab_rounds 2 devbinS bench/results/ab/v45_h200.txt ab_v45_h200.log
   python3 scripts/ab_summary.py "$OUT"/ab_v45_h200.log --base new@head | grep "T="
 fi
