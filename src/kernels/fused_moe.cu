@@ -1682,11 +1682,13 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   a.row_src = reinterpret_cast<int32_t*>(base + ws.row_src.offset);
   a.w13_scale = w.w13_scale, a.w2_scale = w.w2_scale;
   a.sw13_scale = w.shared_w13_scale, a.sw2_scale = w.shared_w2_scale;
-  if (!ep || ep->init_state)
-    MEGAMOE_CUDA_CHECK(cudaMemset(base + ws.token_status.offset, 0, ws.token_status.bytes));  // (poisoned)
-  // The forward count (route_logits bumps it; expert parallelism's epoch, KernelArgs::unit_turn).
+  // [0] the forward count (route_logits bumps it; expert parallelism's epoch,
+  // KernelArgs::unit_turn), [1] expert parallelism's status: EpArgs::state is the same words.
   a.epoch = reinterpret_cast<uint64_t*>(base + ws.ep_state.offset);
-  if (!ep) MEGAMOE_CUDA_CHECK(cudaMemset(base + ws.ep_state.offset, 0, ws.ep_state.bytes));
+  if (!ep || ep->init_state) {
+    MEGAMOE_CUDA_CHECK(cudaMemset(base + ws.token_status.offset, 0, ws.token_status.bytes));  // (poisoned)
+    MEGAMOE_CUDA_CHECK(cudaMemset(a.epoch, 0, ws.ep_state.bytes));  // epoch 0, status fine
+  }
   if (ep) {
     EpArgs& e = a.ep;
     e.ranks = ep->layout.ranks;
@@ -1695,9 +1697,7 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
     e.timeout_ns = uint64_t(ep->timeout_s * 1e9);
     e.l = ep->layout;
     for (int q = 0; q < e.ranks; ++q) e.peer[q] = ep->peer_base[q];
-    e.state = reinterpret_cast<uint64_t*>(base + ws.ep_state.offset);
-    if (ep->init_state)
-      MEGAMOE_CUDA_CHECK(cudaMemset(e.state, 0, ws.ep_state.bytes));  // epoch 0, status fine
+    e.state = a.epoch;
   }
   return plan.release();
 }
