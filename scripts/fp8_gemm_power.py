@@ -2,7 +2,7 @@
 """A dense FP8 GEMM through PyTorch (cuBLASLt) at the card's power cap: TFLOP/s, the SM clock
 and the board power while it repeats for a few seconds, and the energy a FLOP. What the tensor
 cores reach on this card in the best shape, beside the fused layer's `megamoe bench --energy`
-figures (bench/results/NOTES.md v45). Runs on the device machine's torch venv:
+figures (docs/performance.md, the power cap). Runs on the device machine's torch venv:
   /opt/torch/.venv/bin/python scripts/fp8_gemm_power.py [--seconds S] [MxNxK ...]
 Scaling: 1x128 activation and 128x128 weight block scales where this torch's _scaled_mm takes
 them (cuBLASLt's VEC128 / BLK128x128, the layer's format), else one scale a tensor (no folds)."""

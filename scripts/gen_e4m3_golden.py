@@ -5,7 +5,7 @@ independent of ours (numpy + ml_dtypes float8_e4m3fn), for tests/cpu/test_numeri
 The output is committed so the tests need neither Python nor the network:
     python3 scripts/gen_e4m3_golden.py            # rewrites tests/data/e4m3_golden.txt
 
-Our contract is the hardware's cvt.rn.satfinite.e4m3x2.f32 (SPEC §3), which
+Our contract is the hardware's cvt.rn.satfinite.e4m3x2.f32 (docs/numerics.md §3), which
 differs from a plain ml_dtypes cast in two places, so this script applies both
 before recording a byte:
   * saturation: ml_dtypes turns |x| > 464 and +-inf into NaN; satfinite gives

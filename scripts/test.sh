@@ -23,7 +23,7 @@ cmake --build build/examples
 build/megamoe make-checkpoint --preset glm-5.3-flash --layers 1 --hidden 512 --inter 256 --experts 16 --topk 4 \
   --out build/examples/ckpt >/dev/null
 build/examples/embed_layer build/examples/ckpt 24
-# The fused kernel's profile build (-DMEGAMOE_PROFILE=ON, bench/results/NOTES.md v11) must keep
+# The fused kernel's profile build (-DMEGAMOE_PROFILE=ON, docs/performance.md) must keep
 # compiling: only that object, where nvcc is installed.
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH=/usr/local/cuda/bin:$PATH; fi
 if command -v nvcc >/dev/null; then

@@ -4,8 +4,8 @@
 // three consumer warpgroups, with and without the ring's mbarriers and loads, and with
 // the stage handed back before or after the fold, and (v24) in clusters of two or four
 // CTAs whose stages are filled by TMA multicast. Timing only: the bytes are random, the
-// sums unchecked. The variant list reproduces the tables of bench/results/NOTES.md v22
-// and v24 (logs: bench/results/ab/v22_kloop_probe*.log, v24_kloop_probe*.log).
+// sums unchecked. The variant list reproduces the K-loop tables of
+// docs/performance-history.md (prefill tiles; the raw logs are in git history, 91dccce).
 //
 // Build (here or on the device machine):
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Isrc/kernels \

@@ -1,7 +1,7 @@
 // tpc_share_probe: do two CTAs on one TPC read the same bytes more cheaply than two CTAs
-// elsewhere? v37 found the prefill layer up to a third slower when the schedule's units are
-// permuted over the CTAs (NOTES v37; a plain launch puts blockIdx 2k, 2k + 1 on one TPC,
-// bench/results/ab/v37_placement_probe.log). Here every CTA (one an SM, the fused kernel's
+// elsewhere? The prefill layer ran up to a third slower when the schedule's units were
+// permuted over the CTAs (docs/performance-history.md, schedule; a plain launch puts
+// blockIdx 2k, 2k + 1 on one TPC, placement_probe.cu). Here every CTA (one an SM, the fused kernel's
 // 384 threads and ~225 KB of shared memory) only streams bytes from global memory into a
 // four-stage shared ring by 32 KB bulk copies, and CTA b reads the region of the pair
 // {b, partner(b)} in step with its partner:

@@ -1,4 +1,4 @@
-// Routing kernels (SPEC §6): router GEMM with deterministic split-K, then
+// Routing kernels (docs/numerics.md §6): router GEMM with deterministic split-K, then
 // per-token scores, correction bias, grouped top-k, weights and per-expert
 // row positions. Raw pointers only.
 #pragma once

@@ -264,7 +264,7 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
 // NOTE: ld.acquire.gpu compiles to LDG.STRONG.GPU + CCTL.IVALL, which drops the SM's
 // whole L1; spinning with acquires did that on every try. A single check stays one
 // acquire (a relaxed look first put a second L2 round trip on the producer's path at
-// every GEMM2 tile: T = 256 +2.6 %, bench/results/NOTES.md v9).
+// every GEMM2 tile: T = 256 +2.6 %, docs/performance-history.md).
 __device__ __forceinline__ void wait_geq_acquire_gpu(const int* p, int v) {
   while (ld_relaxed_gpu(p) < v) {
   }

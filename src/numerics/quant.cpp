@@ -1,4 +1,4 @@
-// Tensor loops over the scalar FP8 rules of fp8.h / act_quant.h (SPEC §4, §5).
+// Tensor loops over the scalar FP8 rules of fp8.h / act_quant.h (docs/numerics.md §4, §5).
 // Nothing here defines a rounding or scale formula of its own: every element
 // goes through e4m3_encode / act_scale / act_quant, which the kernels share.
 #include "megamoe/numerics/quant.h"

@@ -53,7 +53,7 @@ void dot_e4m3_mma_blocks(const uint8_t* w, int n, int blk, const SplitRow* a, in
 // tests check both against num::fp8_mma_chain.
 void dot_e4m3_mma_blocks_portable(const uint8_t* w, int n, int blk, const SplitRow* a, int m, float* part);
 
-// x -> E4M3 per token per 128 columns (SPEC §4): codes q [T][H] and scales
+// x -> E4M3 per token per 128 columns (docs/numerics.md §4): codes q [T][H] and scales
 // s [T][ceil(H/128)].
 void quantize_acts(const num::bf16_t* x, int T, int H, uint8_t* q, float* s);
 
@@ -73,7 +73,7 @@ struct FaithfulTask {
 // the bytes do not depend on the thread count.
 void run_faithful(const MoeShape& s, std::vector<FaithfulTask>& tasks, int threads);
 
-// The ordered reduction (SPEC §7): y[t][h] = bf16(sum in float over the slots
+// The ordered reduction (docs/numerics.md §7): y[t][h] = bf16(sum in float over the slots
 // 0..S-1 with valid[t*S + k] set, each term the bf16 slot value); y as float.
 void combine_faithful(const num::bf16_t* slots, const uint8_t* valid, int T, int S, int H, float* y);
 

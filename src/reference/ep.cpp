@@ -1,4 +1,4 @@
-// Expert parallelism over R simulated ranks (SPEC §8), modelled step by step
+// Expert parallelism over R simulated ranks (docs/numerics.md §8), modelled step by step
 // like the kernel's protocol so the data movement itself is checked:
 //   1. each rank routes and quantizes its own tokens;
 //   2. count exchange: every rank tells every other how many tokens it sends;

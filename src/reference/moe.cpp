@@ -1,4 +1,4 @@
-// The CPU reference of one MoE layer (SPEC §7) in its two modes: kExact
+// The CPU reference of one MoE layer (docs/numerics.md §7) in its two modes: kExact
 // (float64 oracle of the math) and kKernelFaithful (the Hopper kernel's
 // arithmetic, bit for bit: its tensor-core partial sums run num::fp8_mma_step).
 // Work is grouped by expert so each weight row is split into significands and

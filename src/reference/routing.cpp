@@ -1,4 +1,4 @@
-// CPU routing (SPEC §6): logits, score function, optional correction bias,
+// CPU routing (docs/numerics.md §6): logits, score function, optional correction bias,
 // grouped top-k, unbiased weights, renormalization and routed scaling.
 //
 // Precision: the logits are accumulated in double from the bf16 activations

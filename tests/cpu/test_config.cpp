@@ -1,4 +1,4 @@
-// config.json parsing for the four families of SPEC §1, key-name variants,
+// config.json parsing for the four families of docs/numerics.md §1, key-name variants,
 // errors (unknown model_type, every missing key, unsupported quantization),
 // and config_json -> parse_config round trips.
 #include <fmt/format.h>

@@ -1,4 +1,4 @@
-// Expert parallelism (SPEC §8): the R-rank simulation must give the same bytes
+// Expert parallelism (docs/numerics.md §8): the R-rank simulation must give the same bytes
 // as the single-rank kernel-faithful layer on the concatenated batch, for any
 // R dividing E, uneven and empty batches, and skewed routing.
 #include <gtest/gtest.h>

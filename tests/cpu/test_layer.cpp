@@ -1,4 +1,4 @@
-// The layer reference (SPEC §7): kExact against an independent plain
+// The layer reference (docs/numerics.md §7): kExact against an independent plain
 // implementation, kKernelFaithful against kExact within the FP8-activation
 // tolerance, ablations proving each feature matters, determinism, padding.
 #include <gtest/gtest.h>

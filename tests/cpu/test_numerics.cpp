@@ -1,6 +1,6 @@
 // Scalar formats (fp8.h) against hand-worked cases and an independent golden
 // table (ml_dtypes, scripts/gen_e4m3_golden.py), and the host quantization
-// loops of quant.h (SPEC §3, §4).
+// loops of quant.h (docs/numerics.md §3, §4).
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// In-place reload (SPEC §9): both modes byte-identical with stable addresses,
+// In-place reload (docs/numerics.md §9): both modes byte-identical with stable addresses,
 // layerwise readiness, and a reload of other weights changing the outputs.
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// Requantization 128x128 block FP8 -> MXFP8 (SPEC §5): exact with power-of-two
+// Requantization 128x128 block FP8 -> MXFP8 (docs/numerics.md §5): exact with power-of-two
 // scales, a few percent of relative L2 otherwise, the shape check, and the
 // once-per-process warning the loader uses.
 #include <gtest/gtest.h>
@@ -143,7 +143,7 @@ TEST(Requant, NonPow2ScalesCostAFewPercent) {
               m.rep.rel_l2 * 100, m.rep.max_abs_err, rows, cols);
 }
 
-// Each group follows SPEC §5 step by step, written out here independently.
+// Each group follows docs/numerics.md §5 step by step, written out here independently.
 TEST(Requant, FollowsTheSpecFormula) {
   const int rows = 130, cols = 256;
   auto t = realistic(rows, cols, 13);

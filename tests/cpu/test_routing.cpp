@@ -1,4 +1,4 @@
-// Routing (SPEC §6) against an independent, deliberately plain implementation
+// Routing (docs/numerics.md §6) against an independent, deliberately plain implementation
 // written here: sort-based top-k instead of repeated argmax, exact ids and
 // weights to 1e-6 on tie-free random inputs; ties go to the lower id.
 #include <gtest/gtest.h>

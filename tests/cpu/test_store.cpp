@@ -593,7 +593,7 @@ TEST(Store, Mxfp8NonPow2WarnsOnceAndReportsTheError) {
     const FinishReport r = st.load(ck, lo);
     const std::string err = testing::internal::GetCapturedStderr();
     EXPECT_FALSE(r.mxfp8.all_pow2);
-    // Second rounding of every element: about a few percent (SPEC §5).
+    // Second rounding of every element: about a few percent (docs/numerics.md §5).
     EXPECT_GT(r.mxfp8.rel_l2, 1e-3);
     EXPECT_LT(r.mxfp8.rel_l2, 0.1);
     // Exactly one warning per process, however many pairs and layers.

@@ -83,7 +83,7 @@ BlockFp8 random_block_fp8(int rows, int cols, float stddev, std::mt19937& rng) {
   return m;
 }
 
-// Per-row 1x128 quantization (SPEC §4) of a float row, dequantized back.
+// Per-row 1x128 quantization (docs/numerics.md §4) of a float row, dequantized back.
 std::vector<float> quant_dequant_row(const float* x, int n, std::vector<uint8_t>* q = nullptr,
                                      std::vector<float>* scales = nullptr) {
   std::vector<float> out(n);
@@ -194,8 +194,8 @@ TEST(BenchBaselines, BlockScaledGemmBf16MatchesCpu) {
   check_single_gemm(GemmOut::kBF16);
 }
 
-// Speed of the library GEMM on the anchor shapes (ANCHORS.md: 268 / 1018
-// TFLOP/s measured for 256x4096x6144 / 4096x4096x6144): a sanity floor only.
+// Speed of the library GEMM on two GLM-5 shapes (cuBLASLt's block-scaled FP8 measured
+// 268 / 1018 TFLOP/s on an H200 for 256x4096x6144 / 4096x4096x6144): a sanity floor only.
 TEST(BenchBaselines, BlockScaledGemmSpeed) {
   REQUIRE_DEVICE();
   const int out = 4096, k = 6144;
@@ -362,7 +362,7 @@ TEST(BenchBaselines, CublasLtMoeLayerBf16MatchesCpu) {
   check_layer(GemmOut::kBF16);
 }
 
-// Whole-layer timing at the GLM-5 shape (ANCHORS.md) with constant weights
+// Whole-layer timing at the GLM-5 shape (docs/numerics.md §1) with constant weights
 // (every byte set, so the GEMMs see real scales): prints µs per T for the lead
 // and checks the output is finite. Not a correctness test.
 TEST(BenchBaselines, CublasLtMoeLayerSpeedGlm5) {

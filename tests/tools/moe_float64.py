@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Independent float64 computation of one MoE layer straight from an HF-layout
-block-FP8 checkpoint (SPEC §1, §2, §3, §6, §7), to check `megamoe forward`.
+block-FP8 checkpoint (docs/numerics.md §1, §2, §3, §6, §7), to check `megamoe forward`.
 
 Only dependency: numpy. Nothing of megamoe is used: the safetensors parser, the
 E4M3 decode table (built from the bit layout), the BF16 decode, the config
@@ -25,7 +25,7 @@ The comparison checks, and exits 1 if any fails:
   - --same-bytes OUT2 ...: the tensors of other outputs (e.g. --ranks 2, 4)
     equal --compare's byte for byte;
   - y: relative L2 against the same float64 layer with the activations
-    quantized to E4M3 as SPEC §4 describes (x per 1x128, the SwiGLU output
+    quantized to E4M3 as docs/numerics.md §4 describes (x per 1x128, the SwiGLU output
     times the routing weight per 1x--inter-group) <= --max-rel-l2-emulated.
     This second figure shows that the first is what FP8 activations explain:
     what is left is BF16 output rounding and accumulation order.
@@ -307,7 +307,7 @@ class Layer:
 
 
 def route(cfg, layer, x, grouped=True):
-    """SPEC §6 in float64. Returns ids [T,K] (descending selection score, ties
+    """docs/numerics.md §6 in float64. Returns ids [T,K] (descending selection score, ties
     to the lower id), weights [T,K], the selection scores c [T,E] and the
     allowed mask [T,E] (for tie diagnostics)."""
     z = x @ layer.router.T
@@ -340,7 +340,7 @@ def route(cfg, layer, x, grouped=True):
 
 
 def act_quant(a, group):
-    """SPEC §4 per token, per `group` columns: s = max(amax, 1e-4)/448 (float32),
+    """docs/numerics.md §4 per token, per `group` columns: s = max(amax, 1e-4)/448 (float32),
     q = e4m3(a * (1/s)); returns the dequantized values q*s in float64."""
     T, N = a.shape
     out = np.empty_like(a)

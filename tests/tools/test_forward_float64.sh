@@ -4,7 +4,7 @@
 # routing ids exact, routing weights to float32 precision, y within what FP8
 # activations explain (and, tighter, against a float64 emulation of the FP8
 # activation quantization). Also: --ranks 2 and --ranks 4 give the same
-# tensor bytes as --ranks 1 (SPEC §7, §8).
+# tensor bytes as --ranks 1 (docs/numerics.md §7, §8).
 #
 # Usage: tests/tools/test_forward_float64.sh path/to/megamoe
 # Dependencies: python3 with numpy (the only Python package used; CI installs
@@ -75,7 +75,7 @@ mk "$WORK/dsv3" deepseek-v3 --hidden 256 --inter 128 --experts 32 --topk 4 && ru
 mk "$WORK/glm47" glm-4.7-flash "${SMALL[@]}" --pow2-scales && run glm-4.7-flash.pow2 "$WORK/glm47" 48 1.0
 # Tiny batch: with --ranks 4 some ranks own no tokens.
 [[ -d "$WORK/glm47" ]] && run glm-4.7-flash.T3 "$WORK/glm47" 3 1.0
-# Config key variants (SPEC §1) and the other score functions, on the same
+# Config key variants (docs/numerics.md §1) and the other score functions, on the same
 # weights: softmax without renormalization, alternative key names.
 [[ -d "$WORK/glm47" ]] && variant "$WORK/glm47" "$WORK/v_softmax" '
 c["scoring_func"] = "softmax"

@@ -77,7 +77,7 @@ Timing time_device(const std::function<void(cudaStream_t)>& fn, cudaStream_t str
 // the timed cases run) replayed back to back for at least `seconds`, NVML's energy
 // counter read before and after. The card runs at its power cap (700 W on the H200) at
 // prefill and drew about as much at 64 tokens, so the clock and with it the time follow
-// the energy a layer spends (bench/results/NOTES.md, v19, v22); the counter is updated
+// the energy a layer spends (docs/performance.md); the counter is updated
 // coarsely, hence a loop of seconds rather than the timed iterations. The figures
 // include the flushes.
 struct EnergyRun {
@@ -162,7 +162,7 @@ struct DeviceRoutedBatch {
 // The baseline of the issue: "cuBLASLt block-scaled FP8 GEMMs
 // (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F activations,
 // CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F weights) expert by expert plus our
-// own routing and quantization". Numerics (SPEC §4, §7; the same function as
+// own routing and quantization". Numerics (docs/numerics.md §4, §7; the same function as
 // the fused kernel, not bit-identical to it):
 //   x -> E4M3 per 1x128 with num::act_scale; GEMM1 (block-scaled, fp32 or bf16
 //   out per gemm1_out); a = num::swiglu(g, u, swiglu_limit, w_k) in fp32; a ->

@@ -1,5 +1,5 @@
 // Hugging Face block-FP8 checkpoints <-> the kernel layout of one MoE layer
-// (SPEC §2, §7, §9): the table saying where each checkpoint tensor lands,
+// (docs/numerics.md §2, §7, §9): the table saying where each checkpoint tensor lands,
 // load_moe_layer, and writers for synthetic checkpoints used by tests and
 // benchmarks.
 //

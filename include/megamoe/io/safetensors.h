@@ -1,4 +1,4 @@
-// Safetensors files (SPEC §2): a strict header parser, a read-only mmap reader
+// Safetensors files (docs/numerics.md §2): a strict header parser, a read-only mmap reader
 // with zero-copy tensor views, a writer, and Checkpoint, a directory of shards.
 //
 // Every header is untrusted input: parse_header() checks bounds, JSON depth,

@@ -1,4 +1,4 @@
-// The model description read from a checkpoint's config.json (SPEC §1, §2):
+// The model description read from a checkpoint's config.json (docs/numerics.md §1, §2):
 // the MoE shape, which layers are MoE, where their tensors live, and the FP8
 // quantization. Also the inverse (config_json) so synthetic checkpoints carry
 // a config our parser reads back.
@@ -88,7 +88,7 @@ struct ModelDesc {
 // Ascending layer indices as runs: "0,3-60" ("none" when empty).
 std::string layer_ranges_text(const std::vector<int>& layers);
 
-// The model_type values we accept, in SPEC §1 order.
+// The model_type values we accept, in docs/numerics.md §1 order.
 const std::vector<std::string>& known_model_types();
 
 // Parses config.json text. `label` names the source in messages.

@@ -1,4 +1,4 @@
-// The shape and routing semantics of one MoE layer (SPEC §1, §6, §7), and the
+// The shape and routing semantics of one MoE layer (docs/numerics.md §1, §6, §7), and the
 // presets of the model families we support. Knows nothing of files or devices.
 #pragma once
 
@@ -21,7 +21,7 @@ struct MoeShape {
   int experts = 0;         // E, routed experts
   int topk = 0;            // K
   int shared_experts = 0;  // S; the shared MLP has intermediate S*I
-  int n_group = 1;         // grouped top-k (SPEC §6.3); 1 = plain top-k
+  int n_group = 1;         // grouped top-k (docs/numerics.md §6.3); 1 = plain top-k
   int topk_group = 1;
   ScoreFunc score = ScoreFunc::kSigmoid;
   bool norm_topk_prob = true;

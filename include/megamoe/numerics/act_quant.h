@@ -1,4 +1,4 @@
-// The per-token activation quantization rule (SPEC §4) as scalar building
+// The per-token activation quantization rule (docs/numerics.md §4) as scalar building
 // blocks shared by the CPU reference and the CUDA kernels, so both compute the
 // same scale and the same bytes.
 #pragma once
@@ -33,7 +33,7 @@ MEGAMOE_HD float act_scale(float amax) { return (amax > kActScaleEps ? amax : kA
 // q = e4m3(x * (1 / s)).
 MEGAMOE_HD uint8_t act_quant(float x, float inv_scale) { return e4m3_encode(x * inv_scale); }
 
-// SwiGLU's clamp (SPEC §7) when limit > 0: the gate from above (a NaN gate becomes
+// SwiGLU's clamp (docs/numerics.md §7) when limit > 0: the gate from above (a NaN gate becomes
 // the limit), the up projection both ways. Selects, no branch: the kernel's
 // epilogues evaluate 32 of these a thread and a branch each kept ptxas from
 // overlapping them.
@@ -121,7 +121,7 @@ MEGAMOE_HD float swiglu(float g, float u, float limit, float weight) {
 // the same bits wherever silu_fast_ok holds. Why: `/` branches to its slow path
 // per element, and the branch with its convergence barrier made every SwiGLU of
 // an epilogue a basic block of its own: ptxas could not overlap a thread's 32
-// (~190 cycles each, one after the other; v15, bench/results/NOTES.md).
+// (~190 cycles each, one after the other; docs/performance-history.md).
 __device__ __forceinline__ float div_rn_fast(float n, float d) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));

@@ -1,4 +1,4 @@
-// Scalar number formats shared by every layer (SPEC §3): E4M3 (float8_e4m3fn),
+// Scalar number formats shared by every layer (docs/numerics.md §3): E4M3 (float8_e4m3fn),
 // UE8M0 scale bytes and BF16. Everything here is __host__ __device__ so the CPU
 // reference and the CUDA kernels use one definition of each conversion.
 #pragma once

@@ -5,7 +5,7 @@
 //
 // The model was fitted to the H200 (chains of 1, 2 and 4 steps from zero and from a
 // given accumulator on 1536 random 64 x 8 tiles, 100 % of 4.7M results equal;
-// bench/results/NOTES.md v16) and tests/gpu/test_mma_model.cu checks it against the
+// docs/performance-history.md) and tests/gpu/test_mma_model.cu checks it against the
 // hardware on every run (MEGAMOE_MMA_DUMP=path also writes its raw results):
 //   1. e = the largest exponent among the step's nonzero products, taken as the sum
 //      of the two E4M3 exponent fields (unbiased; subnormals -6), so a product's

@@ -1,4 +1,4 @@
-// Host-side tensor quantization (SPEC §4, §5): per-token activation groups,
+// Host-side tensor quantization (docs/numerics.md §4, §5): per-token activation groups,
 // block-FP8 dequantization, the Blackwell MXFP8 format and the 128x128
 // block-FP8 -> MXFP8 requantization with its error report.
 //
@@ -59,7 +59,7 @@ inline float ue8m0_to_float(uint8_t b) { return ue8m0_decode(b); }
 // q is [rows][cols]; sf is [rows][ceil(cols/32)].
 void quantize_mxfp8(const float* x, int rows, int cols, uint8_t* q, uint8_t* sf);
 
-// ---- requantization 128x128 block FP8 -> MXFP8 (SPEC §5) ----
+// ---- requantization 128x128 block FP8 -> MXFP8 (docs/numerics.md §5) ----
 
 struct RequantReport {
   double rel_l2 = 0.0;       // ||mx - blk|| / ||blk|| over the dequantized tensors (0 when both are 0)
@@ -89,7 +89,7 @@ RequantReport requant_block_to_mxfp8(const uint8_t* q, const float* scale_inv, i
 bool is_pow2_scale(float s);
 
 // True when s can be a block scale (amax / 448 of a block of finite weights): >= 0, and
-// 448 * s finite, so that no dequantized weight (SPEC: fp8(q) * scale_inv in float32)
+// 448 * s finite, so that no dequantized weight (docs/numerics.md §2: fp8(q) * scale_inv in float32)
 // overflows. A NaN, an infinity, a negative scale or one above ~7.6e35 is a corrupt
 // checkpoint (the loader refuses it, inspect reports it).
 inline bool is_valid_block_scale(float s) { return s >= 0.0f && s * 448.0f <= FLT_MAX; }

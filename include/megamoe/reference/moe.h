@@ -1,5 +1,5 @@
-// CPU reference of the whole MoE layer (SPEC §6, §7) and of expert
-// parallelism over R simulated ranks (SPEC §8): the oracle for every kernel
+// CPU reference of the whole MoE layer (docs/numerics.md §6, §7) and of expert
+// parallelism over R simulated ranks (docs/numerics.md §8): the oracle for every kernel
 // and the CPU backend of the tools.
 #pragma once
 

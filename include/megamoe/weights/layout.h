@@ -1,7 +1,7 @@
 // The weight layout of one MoE layer: the one struct the loader fills, the CPU
 // reference reads and the CUDA kernels take (host or device memory alike).
 //
-// The layout is the checkpoint's own (SPEC §2, §7), stacked per expert, so a
+// The layout is the checkpoint's own (docs/numerics.md §2, §7), stacked per expert, so a
 // checkpoint tensor lands in one contiguous range and an in-place reload is a
 // plain copy:
 //   w13        E4M3 [E][2I][H]      rows [0, I) = gate_proj, rows [I, 2I) = up_proj

@@ -1,6 +1,6 @@
 // WeightStore: every MoE layer's weights of a model in the kernel layout
 // (weights/layout.h), in host memory (CPU backend) or device memory (CUDA),
-// and their lifecycle (SPEC §9): cold load, split and out-of-order updates,
+// and their lifecycle (docs/numerics.md §9): cold load, split and out-of-order updates,
 // in-place reload.
 //
 // Lifecycle: begin(mode) opens a load session; update() brings one checkpoint
@@ -38,7 +38,7 @@
 //
 // Kernel formats: kBlockFp8Hopper uses the checkpoint's bytes as they are
 // (nothing derived). kMxfp8Blackwell also keeps, per layer, an MXFP8 copy of
-// every expert weight (E4M3 + one UE8M0 byte per 1x32 along K, SPEC §5),
+// every expert weight (E4M3 + one UE8M0 byte per 1x32 along K, docs/numerics.md §5),
 // computed once both parts of a pair are in; non-power-of-two source scales
 // trigger num::warn_non_pow2_once with the measured relative L2 error.
 #pragma once
