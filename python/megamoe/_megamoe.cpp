@@ -166,7 +166,7 @@ ModelDesc synthetic_desc(const MoeShape& s, int layer) {
 
 io::Dtype io_dtype(const char* arg, nb::dlpack::dtype d) {
   if (is_fp8(d)) return io::Dtype::kF8_E4M3;
-  if (is(d, nb::dlpack::dtype_code::Bfloat, 16)) return io::Dtype::kBF16;
+  if (is_bf16(d)) return io::Dtype::kBF16;  // (uint16: BF16 bits, see is_bf16)
   if (is_f32(d)) return io::Dtype::kF32;
   type_error(fmt::format("{}: expected float8_e4m3fn (or uint8 E4M3 codes), bfloat16 or float32, found {}", arg,
                          dtype_name(d)));
@@ -391,7 +391,7 @@ struct Layer {
       if (kind == 0 && !is_fp8(d))
         type_error(fmt::format("{}: expected float8_e4m3fn (or uint8 E4M3 codes), found {}", arg, describe(*t)));
       if (kind == 1 && !is_f32(d)) type_error(fmt::format("{}: expected float32, found {}", arg, describe(*t)));
-      if (kind == 2 && !is(d, nb::dlpack::dtype_code::Bfloat, 16) && !is_f32(d))
+      if (kind == 2 && !is_bf16(d) && !is_f32(d))
         type_error(fmt::format("{}: expected bfloat16 or float32, found {}", arg, describe(*t)));
       require_shape(arg, *t, shp);
       if (borrow) {
@@ -837,7 +837,7 @@ NB_MODULE(_megamoe, m) {
              std::optional<In> sw13_scale, std::optional<In> sw2, std::optional<In> sw2_scale) {
             MoeShape shape = s;
             if (router && is_f32(router->dtype())) shape.router_dtype = RouterDtype::kF32;
-            if (router && is(router->dtype(), nb::dlpack::dtype_code::Bfloat, 16))
+            if (router && is_bf16(router->dtype()))
               shape.router_dtype = RouterDtype::kBF16;
             auto l = std::make_unique<Layer>(shape, dev, max_tokens, std::move(ws));
             Layer::Stacked st{w13, w13_scale, w2, w2_scale, router, bias, sw13, sw13_scale, sw2, sw2_scale};
