@@ -630,8 +630,12 @@ struct Layer {
       nt = static_cast<const int*>(c.data());
     }
     if (!store_ready_fast()) require_ready("forward");
-    cuda_layer->forward(static_cast<const num::bf16_t*>(x.data()), static_cast<num::bf16_t*>(y.data()), T, nt,
-                        reinterpret_cast<api::Stream>(stream), r);
+    const auto* xp = static_cast<const num::bf16_t*>(x.data());
+    auto* yp = static_cast<num::bf16_t*>(y.data());
+    if (ids_in)
+      cuda_layer->forward(xp, yp, T, nt, reinterpret_cast<api::Stream>(stream), r);
+    else
+      cuda_layer->forward(xp, yp, T, nt, reinterpret_cast<api::Stream>(stream));
     last_tokens = T;
 #else
     throw std::logic_error("forward_cuda without CUDA");
