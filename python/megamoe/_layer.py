@@ -369,6 +369,12 @@ class MoELayer(_Base):
         return dict(self._impl.properties())
 
     @property
+    def layer_index(self) -> Optional[int]:
+        """The decoder layer the tensor names refer to (the checkpoint's; for a layer from
+        tensors, the one full names carried, else None)."""
+        return self._layer_number
+
+    @property
     def weights_address(self) -> int:
         """Address of the layer's weights (device or host); stable across reloads."""
         return int(self._impl.weights_address())
