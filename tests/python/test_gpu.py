@@ -212,3 +212,28 @@ def test_overhead_runs(glayer):
     r = measure(glayer, 1, iters=50)
     print(r)
     assert r["device_us"] > 0 and r["host_layer_us"] > 0
+
+
+def test_constructors_identical_cuda(gck, glayer):
+    import os
+
+    p = f"model.language_model.layers.{LAYER}.mlp."
+    ck = f64.Checkpoint(gck)
+    tensors = {}
+    for n in ck.weight_map:
+        if n.startswith(p):
+            dt, a = ck._file(os.path.join(gck, ck.weight_map[n])).raw(n)
+            t = torch.from_numpy(np.array(a).view({1: np.uint8, 2: np.int16, 4: np.float32}[a.itemsize]))
+            tensors[n] = (t.view(torch.bfloat16) if dt == "BF16" else t).cuda()
+    by_name = megamoe.MoELayer.from_tensors(glayer.config, tensors, device="cuda", max_tokens=128)
+    assert by_name.weight_bytes() == glayer.weight_bytes()
+    x = rand_x(50)
+    y = glayer(x)
+    assert tb(by_name(x)) == tb(y)
+    # a host count: the first n rows, the rest untouched
+    out = torch.full_like(x, float("nan"))
+    glayer(x, out=out, num_tokens=20)
+    assert tb(out[:20]) == tb(glayer(x[:20]))
+    assert torch.isnan(out[20:].float()).all()
+    props = glayer.properties
+    assert props["backend"] == "cuda" and props["workspace_bytes"] > 0 and "tile_config" in props
