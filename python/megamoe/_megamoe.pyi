@@ -7,7 +7,7 @@ import numpy
 from numpy.typing import NDArray
 
 
-built_with_cuda: bool = False
+built_with_cuda: bool
 
 def cuda_available() -> tuple[bool, str]: ...
 
@@ -123,6 +123,8 @@ class _Layer:
     def stacked(shape: _Shape, device: str, max_tokens: int, workspace: _Workspace | None, borrow: bool, mode: str, w13: Annotated[NDArray, dict(writable=False)] | None, w13_scale: Annotated[NDArray, dict(writable=False)] | None, w2: Annotated[NDArray, dict(writable=False)] | None, w2_scale: Annotated[NDArray, dict(writable=False)] | None, router: Annotated[NDArray, dict(writable=False)] | None, bias: Annotated[NDArray, dict(writable=False)] | None, shared_w13: Annotated[NDArray, dict(writable=False)] | None, shared_w13_scale: Annotated[NDArray, dict(writable=False)] | None, shared_w2: Annotated[NDArray, dict(writable=False)] | None, shared_w2_scale: Annotated[NDArray, dict(writable=False)] | None) -> _Layer: ...
 
     def forward(self, x: Annotated[NDArray, dict(writable=False)], out: NDArray, topk_ids: Annotated[NDArray, dict(writable=False)] | None, topk_weights: Annotated[NDArray, dict(writable=False)] | None, num_tokens_dev: Annotated[NDArray, dict(writable=False)] | None, num_tokens: int, stream: int) -> None: ...
+
+    def forward_raw(self, x: int, y: int, tokens: int, ids: int, id_bytes: int, weights: int, num_tokens: int, stream: int) -> None: ...
 
     def begin(self, mode: str) -> None: ...
 
