@@ -522,8 +522,8 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
 // ============================================================================
 // route_external: the caller's ids and weights in place of route_logits + route_topk
 // ============================================================================
-constexpr int kRouteExternalThreads = 1024;
-constexpr int kRouteExternalUnroll = 4;  // slots a thread loads before it counts them
+constexpr int kRouteExternalThreads = 512;
+constexpr int kRouteExternalUnroll = 8;  // slots a thread loads before it counts them
 
 __global__ void __launch_bounds__(kRouteExternalThreads)
     route_external_kernel(RouteExternalArgs a, int E, int K) {
@@ -562,20 +562,30 @@ __global__ void __launch_bounds__(kRouteExternalThreads)
         w[j] = a.in_weights[i];
       }
     }
+    const int lane = tid % 32;
 #pragma unroll
     for (int j = 0; j < kRouteExternalUnroll; ++j) {
       const int i = base + j * kRouteExternalThreads + tid;
-      if (i >= n) continue;
-      int e = int(id[j]);
-      if (id[j] < 0 || id[j] >= E) {  // recorded; the slot computes expert 0 at weight 0
+      const bool valid = i < n;
+      int e = valid ? int(id[j]) : -1;
+      if (valid && (id[j] < 0 || id[j] >= E)) {  // recorded; the slot computes expert 0 at weight 0
         atomicAdd(&bad_s, 1);
         atomicMin(&first_bad_s, i);
         e = 0, w[j] = 0.0f;
       }
-      a.ids[i] = e;
-      a.weights[i] = w[j];
-      // (positions in any order: a row's result does not depend on its place in the segment)
-      a.pos[i] = atomicAdd(&count_s[e], 1);
+      // One shared atomic per expert and warp (a skewed routing sends most slots to one
+      // expert); positions in any order: a row's result does not depend on its place in
+      // the segment.
+      const unsigned peers = __match_any_sync(0xffffffffu, e);
+      const int leader = __ffs(peers) - 1;
+      int first = 0;
+      if (lane == leader && valid) first = atomicAdd(&count_s[e], __popc(peers));
+      first = __shfl_sync(0xffffffffu, first, leader);
+      if (valid) {
+        a.ids[i] = e;
+        a.weights[i] = w[j];
+        a.pos[i] = first + __popc(peers & ((1u << lane) - 1u));
+      }
     }
   }
   __syncthreads();
