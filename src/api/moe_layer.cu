@@ -111,31 +111,33 @@ CudaMoeLayer::CudaMoeLayer(const MoeShape& shape, const void* device_base, const
   finish_plan(*impl_, MoeWeightsView::at(impl_->weights, impl_->wlayout, impl_->shape));
 }
 
-// Every region of the shape's layout present (device memory of the current device, 16-byte
-// aligned: TMA and the router's 16-byte copies), every absent one null.
+// Every region of the shape's layout present (device memory of the current device; the
+// weights and the router 16-byte aligned: TMA and the router's 16-byte copies; the scales
+// and the bias read as floats, 4-byte aligned), every absent one null.
 static void check_weights_view(const MoeShape& s, const MoeWeightLayout& l, const MoeWeightsView& v) {
-  auto region = [&](const void* p, const Region& r, const char* name) {
+  auto region = [&](const void* p, const Region& r, const char* name, size_t align) {
     const std::string what = fmt::format("CudaMoeLayer weights view: {}", name);
     if (r.bytes == 0) {
       if (p)
-        throw std::invalid_argument(fmt::format(
-            "{}: the shape has no such region ({}), but pointer {} is given", what, s.describe(), p));
+        throw std::invalid_argument(
+            fmt::format("{}: the shape has no such region ({}), but pointer {} is given (expected null)",
+                        what, s.describe(), p));
       return;
     }
     if (!p) throw std::invalid_argument(fmt::format("{}: null pointer ({} bytes expected)", what, r.bytes));
     require_device_memory(p, what.c_str());
-    require_aligned(p, 16, what.c_str());
+    require_aligned(p, align, what.c_str());
   };
-  region(v.w13, l.w13, "w13");
-  region(v.w13_scale, l.w13_scale, "w13_scale");
-  region(v.w2, l.w2, "w2");
-  region(v.w2_scale, l.w2_scale, "w2_scale");
-  region(v.shared_w13, l.shared_w13, "shared_w13");
-  region(v.shared_w13_scale, l.shared_w13_scale, "shared_w13_scale");
-  region(v.shared_w2, l.shared_w2, "shared_w2");
-  region(v.shared_w2_scale, l.shared_w2_scale, "shared_w2_scale");
-  region(v.router, l.router, "router");
-  region(v.bias, l.bias, "bias");
+  region(v.w13, l.w13, "w13", 16);
+  region(v.w13_scale, l.w13_scale, "w13_scale", 4);
+  region(v.w2, l.w2, "w2", 16);
+  region(v.w2_scale, l.w2_scale, "w2_scale", 4);
+  region(v.shared_w13, l.shared_w13, "shared_w13", 16);
+  region(v.shared_w13_scale, l.shared_w13_scale, "shared_w13_scale", 4);
+  region(v.shared_w2, l.shared_w2, "shared_w2", 16);
+  region(v.shared_w2_scale, l.shared_w2_scale, "shared_w2_scale", 4);
+  region(v.router, l.router, "router", 16);
+  region(v.bias, l.bias, "bias", 4);
 }
 
 CudaMoeLayer::CudaMoeLayer(const MoeShape& shape, const MoeWeightsView& device_weights,

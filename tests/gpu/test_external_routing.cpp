@@ -469,6 +469,22 @@ TEST_F(ExternalRouting, LayerOverSeparateRegions) {
       const auto ye = external_forward(borrower, dx, dy, T, dr.input(8));
       EXPECT_EQ(0, std::memcmp(a.y.data(), ye.data(), a.y.size() * 2)) << "y on external routing";
     }
+    {
+      // Scales and bias read as floats: 4-byte aligned ones are taken (a slice of a larger tensor).
+      const MoeWeightLayout& l = w.layout;
+      DevBuf w13s(l.w13_scale.bytes + 16), w2s(l.w2_scale.bytes + 16);
+      MoeWeightsView v = rb.view;
+      CK(cudaMemcpy(w13s.as<uint8_t>() + 4, w.data() + l.w13_scale.offset, l.w13_scale.bytes,
+                    cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(w2s.as<uint8_t>() + 12, w.data() + l.w2_scale.offset, l.w2_scale.bytes,
+                    cudaMemcpyHostToDevice));
+      v.w13_scale = reinterpret_cast<const float*>(w13s.as<uint8_t>() + 4);
+      v.w2_scale = reinterpret_cast<const float*>(w2s.as<uint8_t>() + 12);
+      api::CudaMoeLayer sliced(s, v, opt);
+      const OwnRun a = own_forward(owner, dx, dy, 64);
+      const OwnRun b = own_forward(sliced, dx, dy, 64);
+      EXPECT_EQ(0, std::memcmp(a.y.data(), b.y.data(), a.y.size() * 2)) << "y with 4-byte aligned scales";
+    }
     // Rewritten in place between forwards: the layer reads the new weights.
     const HostMoeWeights w2 = make_random_weights(s, 53);
     const RegionBufs rb2 = upload_regions(w2);
@@ -498,6 +514,9 @@ TEST_F(ExternalRouting, LayerOverSeparateRegions) {
     v = rb.view;
     v.w2 = rb.view.w2 + 8;  // 8-byte aligned only
     expect_invalid(v, "w2");
+    v = rb.view;
+    v.w13_scale = reinterpret_cast<const float*>(rb.view.w13 + 2);  // not float-aligned
+    expect_invalid(v, "w13_scale");
     v = rb.view;
     v.router = w.view().router;  // host memory
     expect_invalid(v, "router");

@@ -50,11 +50,11 @@ class CudaMoeLayer {
   // pointer must be 256-byte aligned device memory of the current device.
   CudaMoeLayer(const MoeShape& shape, const void* device_base, const MoeLayerOptions& opt);
   // Borrows weights already in device memory as separate regions (a MoeWeightsView of device
-  // pointers, each region laid out as weights/layout.h says, 16-byte aligned; shared_* null
-  // when S = 0, bias null when the shape has no correction bias). The caller keeps them alive
-  // and may rewrite them in place between forwards. Throws std::invalid_argument naming the
-  // region that is null (or given where the shape has none), not device memory of the
-  // current device, or misaligned.
+  // pointers, each region laid out as weights/layout.h says, 16-byte aligned (the scales and
+  // the bias need only 4); shared_* null when S = 0, bias null when the shape has no
+  // correction bias). The caller keeps them alive and may rewrite them in place between
+  // forwards. Throws std::invalid_argument naming the region that is null (or given where
+  // the shape has none), not device memory of the current device, or misaligned.
   CudaMoeLayer(const MoeShape& shape, const MoeWeightsView& device_weights, const MoeLayerOptions& opt);
   // Borrows layer `layer` of a WeightStore in device memory (the usual way: the store
   // loads and reloads in place, the layer object and its graphs keep working). Throws
