@@ -16,6 +16,7 @@ namespace {
 
 using test::run_cli;
 
+#if defined(MEGAMOE_HAVE_CUDA)
 // The binary with `args` and `assignment` (NAME=VALUE, no quoting needed) in its
 // environment only.
 test::CliResult run_cli_with(const std::string& args, const std::string& assignment) {
@@ -30,6 +31,7 @@ test::CliResult run_cli_with(const std::string& args, const std::string& assignm
   r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
   return r;
 }
+#endif
 
 // The line of `out` that starts with `prefix` ("" where none does).
 std::string line_starting(const std::string& out, const std::string& prefix) {
