@@ -70,8 +70,8 @@ std::string version_refusal(int code) {
            " headers they were compiled with, whose layout NCCL keeps only within a minor release "
            "(build against " + v + "'s headers to use it)";
   if (r.patch < kPatch)
-    return "NCCL " + v + " is older than the " + h + " headers the kernels were compiled with (2.28.3 under " +
-           "2.28.9 headers crashed the peer lookup)";
+    return "NCCL " + v + " is older than the " + h + " headers the kernels were compiled with (an older "
+           "patch may lay out or fill the window differently: 2.28.3 under 2.28.9 headers crashed the peer lookup)";
   return {};
 }
 
@@ -98,7 +98,8 @@ struct NcclApi {
 };
 
 // Loads `name` (a path, or a bare name for the loader's search) and keeps it if it can
-// serve this build; otherwise closes it and fills c.refused. c.path ends as the file.
+// serve this build; otherwise closes it and fills c.refused. c.path ends as the file
+// loaded (its canonical path) where it loaded.
 bool try_load(const std::string& name, NcclCandidate& c, NcclApi& out) {
   c.path = name;
   void* h = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
@@ -126,8 +127,7 @@ bool try_load(const std::string& name, NcclCandidate& c, NcclApi& out) {
   if (a.GetVersion && dladdr(reinterpret_cast<void*>(a.GetVersion), &where) && where.dli_fname) {
     std::error_code ec;
     const std::filesystem::path real = std::filesystem::canonical(where.dli_fname, ec);
-    c.path = name.find('/') == std::string::npos ? name + " -> " + (ec ? where.dli_fname : real.string())
-                                                 : (ec ? std::string(where.dli_fname) : real.string());
+    c.path = ec ? std::string(where.dli_fname) : real.string();
   }
   if (a.GetVersion) a.GetVersion(&c.version);
   if (!missing.empty())
@@ -225,10 +225,9 @@ NcclLibrary search() {
   c.origin = "system loader";
   if (try_load("libnccl.so.2", c, g_api)) {
     found.path = c.path, found.version = c.version;
-  } else if (c.version != 0) {
-    const std::string file = c.path.substr(c.path.find(" -> ") == std::string::npos ? 0 : c.path.find(" -> ") + 4);
+  } else {
     for (const auto& s : seen)
-      if (s == file) c.refused = "resolves to " + file + ", tried above (" + c.refused + ")";
+      if (s == c.path) c.refused = "the loader's libnccl.so.2 is this one, tried above";
   }
   found.tried.push_back(c);
   return found;

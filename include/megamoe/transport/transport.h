@@ -67,7 +67,7 @@ struct NcclOptions {
 struct NcclCandidate {
   std::string origin;   // where the search found it: MEGAMOE_NCCL_LIB, beside the build's NCCL headers,
                         // Python package nvidia-nccl, system loader
-  std::string path;     // the file (the system's: the loader's name and the file it resolved to)
+  std::string path;     // the file (the system loader's: the file it resolved libnccl.so.2 to)
   int version = 0;      // its ncclGetVersion code (22809 = 2.28.9); 0 where not reached
   std::string refused;  // why it cannot serve this build; empty: usable
 };
