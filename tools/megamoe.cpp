@@ -1,4 +1,4 @@
-// The `megamoe` command: demo, forward, bench, make-checkpoint, inspect.
+// The `megamoe` command: demo, forward, bench, make-checkpoint, inspect, doctor.
 // Every error names what is wrong and exits non-zero.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -15,6 +15,7 @@
 #include <limits>
 #include <random>
 #include <set>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -30,6 +31,12 @@
 #include "megamoe/weights/host_weights.h"
 #include "megamoe/weights/store.h"
 #include "megamoe_git_commit.h"
+
+#if defined(MEGAMOE_HAVE_CUDA)
+#include <cuda_runtime_api.h>
+
+#include "megamoe/transport/transport.h"
+#endif
 
 namespace fs = std::filesystem;
 using namespace megamoe;
@@ -291,13 +298,116 @@ int run_ep_check(const EpCheckArgs& a) {
 #endif
 }
 
+// ---------------------------------------------------------------- doctor
+// What this build will run on: the GPUs, the driver, the CUDA runtime, whether the CUDA
+// backend is usable, and the NCCL the NCCL transport will load. Works without a GPU.
+#if defined(MEGAMOE_HAVE_CUDA)
+std::string cuda_version(int v) { return fmt::format("{}.{}", v / 1000, v % 1000 / 10); }
+
+// The kernel module's release ("580.159.04"); empty where the driver does not say.
+std::string driver_release() {
+  std::ifstream f("/proc/driver/nvidia/version");
+  std::string line, word, prev;
+  if (!f || !std::getline(f, line)) return {};
+  std::istringstream words(line);
+  while (words >> word) {
+    if (prev == "Module") return word;
+    prev = word;
+  }
+  return {};
+}
+
+std::string driver_line() {
+  int v = 0;
+  const cudaError_t e = cudaDriverGetVersion(&v);
+  if (e != cudaSuccess || v == 0) return "CUDA driver: none (no NVIDIA driver on this machine)";
+  const std::string rel = driver_release();
+  return fmt::format("CUDA driver: {}CUDA {} driver API", rel.empty() ? "" : rel + ", ", cuda_version(v));
+}
+
+std::string runtime_line() {
+  int v = 0;
+  cudaRuntimeGetVersion(&v);
+  return fmt::format("CUDA runtime: {} (linked statically)", cuda_version(v));
+}
+
+std::string nccl_line() {
+  const transport::NcclLibrary& lib = transport::find_nccl();
+  if (!lib.usable()) {
+    const std::string h = transport::nccl_version_string(transport::nccl_headers_version());
+    return fmt::format("NCCL: none usable (the nccl transport needs {}.x >= {}; `megamoe doctor` lists the "
+                       "candidates; MEGAMOE_NCCL_LIB names one)",
+                       h.substr(0, h.rfind('.')), h);
+  }
+  return fmt::format("NCCL: {} ({}, {})", lib.path, transport::nccl_version_string(lib.version),
+                     lib.tried.back().origin);
+}
+#endif
+
+std::string version_text() {
+  std::string s = std::string("megamoe ") + MEGAMOE_GIT_COMMIT;
+#if defined(MEGAMOE_HAVE_CUDA)
+  s += "\n" + runtime_line() + "\n" + driver_line() + "\n" + nccl_line();
+#else
+  s += "\nCUDA: this build has no CUDA backend";
+#endif
+  return s;
+}
+
+int run_doctor() {
+  fmt::print("megamoe {}\n", MEGAMOE_GIT_COMMIT);
+  std::string why;
+  const bool cuda_ok = api::cuda_available(&why);
+#if defined(MEGAMOE_HAVE_CUDA)
+  fmt::print("build: CUDA backend (sm_90a kernels), NCCL headers {}\n",
+             transport::nccl_version_string(transport::nccl_headers_version()));
+  fmt::print("{}\n{}\n", runtime_line(), driver_line());
+  int n = 0;
+  if (const cudaError_t e = cudaGetDeviceCount(&n); e != cudaSuccess) {
+    cudaGetLastError();
+    fmt::print("GPUs: none ({}: {})\n", cudaGetErrorName(e), cudaGetErrorString(e));
+    n = 0;
+  } else {
+    fmt::print("GPUs: {}\n", n);
+  }
+  for (int d = 0; d < n; ++d) {
+    cudaDeviceProp p{};
+    if (const cudaError_t e = cudaGetDeviceProperties(&p, d); e != cudaSuccess) {
+      cudaGetLastError();
+      fmt::print("  GPU {}: properties unreadable ({})\n", d, cudaGetErrorName(e));
+      continue;
+    }
+    fmt::print("  GPU {}: {}, {} SMs, {:.1f} GiB, compute capability {}.{}\n", d, p.name, p.multiProcessorCount,
+               p.totalGlobalMem / double(1ull << 30), p.major, p.minor);
+  }
+#else
+  fmt::print("build: CPU only (configured without nvcc: no CUDA backend, no NCCL transport)\n");
+#endif
+  fmt::print("CUDA backend: {}\n", cuda_ok ? "usable" : "not usable: " + why);
+#if defined(MEGAMOE_HAVE_CUDA)
+  const transport::NcclLibrary& lib = transport::find_nccl();
+  fmt::print("{}\n", nccl_line());
+  fmt::print("NCCL candidates, in search order{}:\n",
+             lib.explicit_choice ? " (MEGAMOE_NCCL_LIB set: the only one tried)" : "");
+  for (const auto& c : lib.tried)
+    fmt::print("  {}: {}{}: {}\n", c.origin, c.path,
+               c.version ? " (" + transport::nccl_version_string(c.version) + ")" : "",
+               c.refused.empty() ? "usable" : "refused: " + c.refused);
+  if (lib.tried.empty()) fmt::print("  (none found)\n");
+#else
+  fmt::print("NCCL: not searched (the NCCL transport needs the CUDA backend)\n");
+#endif
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{
       "megamoe: FP8 Mixture-of-Experts layers (DeepSeek-V3 / GLM-5 family) on Hopper GPUs and the CPU"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", std::string("megamoe ") + MEGAMOE_GIT_COMMIT);
+  app.set_version_flag("--version", version_text,
+                       "The build's commit, then the CUDA runtime, driver and NCCL it will use");
 
   DemoArgs demo;
   auto* c_demo =
@@ -389,6 +499,10 @@ int main(int argc, char** argv) {
   c_epc->add_option("--timeout", epc.timeout_s, "seconds before a missing peer is an error")
       ->capture_default_str();
 
+  auto* c_doctor = app.add_subcommand(
+      "doctor", "Print the GPUs, driver, CUDA runtime, whether the CUDA backend is usable and the NCCL the "
+                "nccl transport will load (and the candidates it refused); works without a GPU");
+
   // (CLI11_PARSE would exit with its own codes, 100+, and no "megamoe: error:" prefix: a bad
   // flag is an error like any other here, exit 1)
   try {
@@ -411,6 +525,7 @@ int main(int argc, char** argv) {
     }
   }
   try {
+    if (*c_doctor) return run_doctor();
     if (*c_epc) return run_ep_check(epc);
     if (*c_demo) return run_demo(demo);
     if (*c_mkin) return run_make_input(mkin);

@@ -4,14 +4,17 @@
 // nccl_device.h), once, to hand the kernels plain peer pointers.
 #include <cuda_runtime.h>
 #include <dlfcn.h>
+#include <glob.h>
 #include <nccl.h>
 #include <nccl_device.h>
+#include <pwd.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <stdexcept>
@@ -27,9 +30,56 @@ static_assert(NCCL_VERSION_CODE >= 22800, "the NCCL transport needs the 2.28 dev
 namespace megamoe::transport {
 namespace {
 
+// Which NCCL releases can serve this build. The host entry points (NcclApi) exist since
+// 2.27, but the device side compiled into resolve_peers reads the window structure
+// itself: ncclCommWindowRegister hands back a pointer to the library's device-resident
+// ncclWindow_vidmem, and ncclGetPeerPointer (inline, from *our* nccl_device.h) loads its
+// lsaFlatBase, lsaRank, worldRank and stride4G at our headers' offsets. What must match
+// is that structure's layout and meaning, which no symbol tells the loader, so:
+//  - before 2.28 a window is a host-side handle, not a device structure: refused;
+//  - NCCL promises no device-structure layout across minor releases (later minors grew
+//    the structure at its tail; nothing guarantees its head stays): a release of
+//    another major.minor than the headers' is refused (build against its headers);
+//  - within the headers' minor, a patch at least the headers' keeps the structure
+//    (patches fix, they do not re-lay out); an older patch may lack what the headers
+//    assume: a 2.28.3 under our 2.28.9 headers passed a ">= 2.28" check and crashed
+//    the peer lookup with an illegal address. Refused.
+// Whatever the release, a communicator without symmetric support (NCCL_WIN_ENABLE=0, cuMem
+// off, GPUs without direct peer access) registers a host-side local handle in place of
+// a device window: checked after registration, before any kernel reads it.
+constexpr int kMajor = NCCL_MAJOR, kMinor = NCCL_MINOR, kPatch = NCCL_PATCH;
+
+struct Release {
+  int major, minor, patch;
+};
+Release decode(int code) {  // NCCL_VERSION: X*1000+Y*100+Z up to 2.8, X*10000+Y*100+Z after
+  if (code < 10000) return {code / 1000, code / 100 % 10, code % 100};
+  return {code / 10000, code / 100 % 100, code % 100};
+}
+
+// Why a library of this version cannot serve the device side compiled here; empty: it can.
+std::string version_refusal(int code) {
+  const Release r = decode(code);
+  const std::string v = nccl_version_string(code), h = nccl_version_string(NCCL_VERSION_CODE);
+  if (r.major < 2 || (r.major == 2 && r.minor < 28))
+    return "NCCL " + v + " is older than 2.28: its windows are host handles, not the device structures the "
+           "kernels read";
+  if (r.major != kMajor || r.minor != kMinor)
+    return "NCCL " + v + " is not " + std::to_string(kMajor) + "." + std::to_string(kMinor) +
+           ".x: the kernels read the window structure of the " + h +
+           " headers they were compiled with, whose layout NCCL keeps only within a minor release "
+           "(build against " + v + "'s headers to use it)";
+  if (r.patch < kPatch)
+    return "NCCL " + v + " is older than the " + h + " headers the kernels were compiled with (an older "
+           "patch may lay out or fill the window differently: 2.28.3 under 2.28.9 headers crashed the peer lookup)";
+  return {};
+}
+
 // The NCCL entry points we use, resolved from the shared library at run time.
 struct NcclApi {
   void* lib = nullptr;
+  std::string path;
+  int version = 0;
   ncclResult_t (*GetUniqueId)(ncclUniqueId*) = nullptr;
   ncclResult_t (*CommInitRank)(ncclComm_t*, int, ncclUniqueId, int) = nullptr;
   ncclResult_t (*CommDestroy)(ncclComm_t) = nullptr;
@@ -40,60 +90,206 @@ struct NcclApi {
   ncclResult_t (*GetVersion)(int*) = nullptr;
   const char* (*GetErrorString)(ncclResult_t) = nullptr;
 
-  static const NcclApi& get(const std::string& path) {
-    static std::mutex m;
-    static NcclApi api;
-    std::lock_guard<std::mutex> lock(m);
-    if (api.lib) return api;
-    std::string name = path;
-    if (name.empty())
-      name = std::getenv("MEGAMOE_NCCL_LIB") ? std::getenv("MEGAMOE_NCCL_LIB") : "libnccl.so.2";
-    void* h = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (!h)
-      throw std::runtime_error("NCCL transport: cannot load " + name + " (" + dlerror() +
-                               "); put NCCL >= 2.28's lib/ on LD_LIBRARY_PATH or set MEGAMOE_NCCL_LIB");
-    auto sym = [&](auto& fn, const char* s) {
-      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(h, s));
-      if (!fn)
-        throw std::runtime_error(std::string("NCCL transport: ") + name + " has no " + s + " (NCCL < 2.28?)");
-    };
-    NcclApi a;
-    sym(a.GetUniqueId, "ncclGetUniqueId");
-    sym(a.CommInitRank, "ncclCommInitRank");
-    sym(a.CommDestroy, "ncclCommDestroy");
-    sym(a.MemAlloc, "ncclMemAlloc");
-    sym(a.MemFree, "ncclMemFree");
-    sym(a.CommWindowRegister, "ncclCommWindowRegister");
-    sym(a.CommWindowDeregister, "ncclCommWindowDeregister");
-    sym(a.GetVersion, "ncclGetVersion");
-    sym(a.GetErrorString, "ncclGetErrorString");
-    int v = 0;
-    a.GetVersion(&v);
-    Dl_info where{};
-    const std::string file =
-        dladdr(reinterpret_cast<void*>(a.GetVersion), &where) && where.dli_fname ? where.dli_fname : name;
-    // NOTE: the device API (nccl_device.h) is compiled into our kernels and reads the
-    // library's window structures, so the library must be the headers' exact release: on
-    // the H200 machine the system's 2.28.3 (first on the default library path) passed a
-    // >= 2.28 check and the peer lookup against our 2.28.9 headers died with an illegal
-    // address (v11); the torch venv's 2.28.9 works.
-    if (v != NCCL_VERSION_CODE) {
-      dlclose(h);
-      throw std::runtime_error("NCCL transport: " + file + " is version " + std::to_string(v) +
-                               ", built against " + std::to_string(NCCL_VERSION_CODE) +
-                               " (the device API needs that exact release); put its lib/ on LD_LIBRARY_PATH "
-                               "or set MEGAMOE_NCCL_LIB");
-    }
-    a.lib = h;
-    api = a;
-    return api;
-  }
   void check(ncclResult_t r, const char* call, int rank) const {
     if (r != ncclSuccess)
       throw std::runtime_error(std::string("NCCL transport: ") + call + " failed on rank " +
                                std::to_string(rank) + ": " + GetErrorString(r));
   }
 };
+
+// Loads `name` (a path, or a bare name for the loader's search) and keeps it if it can
+// serve this build; otherwise closes it and fills c.refused. c.path ends as the file
+// loaded (its canonical path) where it loaded.
+bool try_load(const std::string& name, NcclCandidate& c, NcclApi& out) {
+  c.path = name;
+  void* h = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    const char* e = dlerror();
+    c.refused = std::string("cannot load: ") + (e ? e : "unknown dlopen error");
+    return false;
+  }
+  NcclApi a;
+  std::string missing;
+  auto sym = [&](auto& fn, const char* s) {
+    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(h, s));
+    if (!fn) missing += std::string(missing.empty() ? "" : ", ") + s;
+  };
+  sym(a.GetVersion, "ncclGetVersion");
+  sym(a.GetErrorString, "ncclGetErrorString");
+  sym(a.GetUniqueId, "ncclGetUniqueId");
+  sym(a.CommInitRank, "ncclCommInitRank");
+  sym(a.CommDestroy, "ncclCommDestroy");
+  sym(a.MemAlloc, "ncclMemAlloc");
+  sym(a.MemFree, "ncclMemFree");
+  sym(a.CommWindowRegister, "ncclCommWindowRegister");
+  sym(a.CommWindowDeregister, "ncclCommWindowDeregister");
+  Dl_info where{};
+  if (a.GetVersion && dladdr(reinterpret_cast<void*>(a.GetVersion), &where) && where.dli_fname) {
+    std::error_code ec;
+    const std::filesystem::path real = std::filesystem::canonical(where.dli_fname, ec);
+    c.path = ec ? std::string(where.dli_fname) : real.string();
+  }
+  if (a.GetVersion) a.GetVersion(&c.version);
+  if (!missing.empty())
+    c.refused = "has no " + missing + " (not an NCCL >= 2.28 library)";
+  else
+    c.refused = version_refusal(c.version);
+  if (!c.refused.empty()) {
+    dlclose(h);
+    return false;
+  }
+  a.lib = h;
+  a.path = c.path;
+  a.version = c.version;
+  out = a;
+  return true;
+}
+
+// The one environment read of the transport (the search's roots): MEGAMOE_NCCL_LIB,
+// and where Python environments live (VIRTUAL_ENV, CONDA_PREFIX).
+std::string env_value(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? std::string(v) : std::string();
+}
+
+std::string home_dir() {  // from the password database: no environment read
+  struct passwd pw{}, *got = nullptr;
+  std::vector<char> buf(16384);
+  if (getpwuid_r(getuid(), &pw, buf.data(), buf.size(), &got) == 0 && got && got->pw_dir) return got->pw_dir;
+  return {};
+}
+
+// Where pip puts nvidia-nccl (PyTorch's NCCL) under the usual Python prefixes, in order.
+std::vector<std::string> python_package_libs() {
+  std::vector<std::string> prefixes;
+  for (const char* var : {"VIRTUAL_ENV", "CONDA_PREFIX"})
+    if (std::string p = env_value(var); !p.empty()) prefixes.push_back(p);
+  prefixes.push_back("/opt/*/.venv");
+  prefixes.push_back("/opt/*");
+  if (std::string h = home_dir(); !h.empty()) prefixes.push_back(h + "/.local");
+  prefixes.push_back("/usr/local");
+  prefixes.push_back("/usr");
+  std::vector<std::string> out;
+  for (const std::string& p : prefixes) {
+    const std::string pattern =
+        p + "/lib/python3*/{site,dist}-packages/nvidia/{nccl,cu13,cu12}/lib/libnccl.so.2";
+    glob_t g{};
+    if (glob(pattern.c_str(), GLOB_BRACE, nullptr, &g) == 0)
+      for (size_t i = 0; i < g.gl_pathc; ++i) out.push_back(g.gl_pathv[i]);
+    globfree(&g);
+  }
+  out.push_back("/usr/lib/python3/dist-packages/nvidia/nccl/lib/libnccl.so.2");
+  return out;
+}
+
+std::mutex g_mutex;
+NcclApi g_api;  // the library find_nccl() chose, loaded (g_api.lib null: none)
+
+NcclLibrary search() {
+  NcclLibrary found;
+  auto take = [&](const std::string& origin, const std::string& name) {
+    NcclCandidate c;
+    c.origin = origin;
+    const bool ok = try_load(name, c, g_api);
+    found.tried.push_back(c);
+    if (ok) found.path = c.path, found.version = c.version;
+    return ok;
+  };
+  if (const std::string lib = env_value("MEGAMOE_NCCL_LIB"); !lib.empty()) {
+    found.explicit_choice = true;
+    take("MEGAMOE_NCCL_LIB", lib);
+    return found;
+  }
+  std::vector<std::string> seen;  // canonical paths already tried
+  auto fresh = [&](const std::string& file) {
+    std::error_code ec;
+    const std::string real = std::filesystem::canonical(file, ec).string();
+    if (ec) return false;  // no such file
+    for (const auto& s : seen)
+      if (s == real) return false;
+    seen.push_back(real);
+    return true;
+  };
+#if defined(MEGAMOE_NCCL_BUILD_LIB)
+  if (fresh(MEGAMOE_NCCL_BUILD_LIB)) {
+    if (take("beside the build's NCCL headers", MEGAMOE_NCCL_BUILD_LIB)) return found;
+  } else {
+    found.tried.push_back({"beside the build's NCCL headers", MEGAMOE_NCCL_BUILD_LIB, 0,
+                           "not on this machine"});
+  }
+#endif
+  for (const std::string& file : python_package_libs())
+    if (fresh(file) && take("Python package nvidia-nccl", file)) return found;
+  // The loader's own search (LD_LIBRARY_PATH, the ld.so cache, the default paths).
+  NcclCandidate c;
+  c.origin = "system loader";
+  if (try_load("libnccl.so.2", c, g_api)) {
+    found.path = c.path, found.version = c.version;
+  } else {
+    for (const auto& s : seen)
+      if (s == c.path) c.refused = "the loader's libnccl.so.2 is this one, tried above";
+  }
+  found.tried.push_back(c);
+  return found;
+}
+
+}  // namespace
+
+std::string nccl_version_string(int code) {
+  const Release r = decode(code);
+  return std::to_string(r.major) + "." + std::to_string(r.minor) + "." + std::to_string(r.patch);
+}
+
+int nccl_headers_version() { return NCCL_VERSION_CODE; }
+
+std::string NcclLibrary::why_none() const {
+  std::string s = explicit_choice ? "the NCCL library MEGAMOE_NCCL_LIB names cannot serve the NCCL transport"
+                                  : "no usable NCCL for the NCCL transport";
+  s += " (needs " + std::to_string(kMajor) + "." + std::to_string(kMinor) + ".x >= " +
+       nccl_version_string(NCCL_VERSION_CODE) + ", the headers' release); tried:";
+  for (size_t i = 0; i < tried.size(); ++i)
+    s += std::string(i ? ";" : "") + " [" + tried[i].origin + "] " + tried[i].path + ": " +
+         (tried[i].refused.empty() ? "usable" : tried[i].refused);
+  if (tried.empty()) s += " nothing";
+  s += ". Set MEGAMOE_NCCL_LIB=/path/to/libnccl.so.2 of NCCL " + std::to_string(kMajor) + "." +
+       std::to_string(kMinor) + ".x >= " + nccl_version_string(NCCL_VERSION_CODE) +
+       " (pip's nvidia-nccl puts one in site-packages/nvidia/nccl/lib)";
+  return s;
+}
+
+const NcclLibrary& find_nccl() {
+  static const NcclLibrary found = [] {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    return search();
+  }();
+  return found;
+}
+
+namespace {
+
+// The loaded API: find_nccl()'s choice, or the library the options name (an explicit
+// choice: refused is an error naming it). One process keeps one NCCL.
+const NcclApi& nccl_api(const std::string& library) {
+  if (library.empty()) {
+    const NcclLibrary& lib = find_nccl();
+    if (!lib.usable()) throw std::runtime_error("NCCL transport: " + lib.why_none());
+    return g_api;
+  }
+  std::lock_guard<std::mutex> lock(g_mutex);
+  static std::string asked;
+  static NcclApi named;
+  if (named.lib) {
+    if (library != asked)
+      throw std::runtime_error("NCCL transport: NcclOptions::library " + library + ", but this process already "
+                               "loaded " + asked + " (one NCCL a process)");
+    return named;
+  }
+  NcclCandidate c;
+  if (!try_load(library, c, named))
+    throw std::runtime_error("NCCL transport: NcclOptions::library " + library + " cannot serve: " + c.refused);
+  asked = library;
+  return named;
+}
 
 // Every peer's base of the window as this rank's kernels address it, and the window's
 // own rank numbers: ncclGetPeerPointer is arithmetic on the window's flat base of its
@@ -169,7 +365,7 @@ class NcclTransport final : public Transport {
   NcclTransport(const kernels::EpLayout& l, const NcclOptions& opt) : layout_(l) {
     const int R = l.ranks;
     setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);  // never NVLink multicast objects
-    const NcclApi& api = NcclApi::get(opt.library);
+    const NcclApi& api = nccl_api(opt.library);
     api_ = &api;
     ranks_ = opt.local_ranks;
     devices_ = opt.devices;
@@ -227,6 +423,18 @@ class NcclTransport final : public Transport {
                     "ncclCommWindowRegister", r);
           MEGAMOE_CHECK(wins_[i] != nullptr, "NCCL transport: ncclCommWindowRegister gave rank " +
                                                  std::to_string(r) + " no window");
+          // (without symmetric support NCCL hands back its host-side local registration as
+          // the window: a kernel reading it would die with an illegal address)
+          cudaPointerAttributes pa{};
+          const cudaError_t pe = cudaPointerGetAttributes(&pa, wins_[i]);
+          if (pe != cudaSuccess) cudaGetLastError();
+          if (pe != cudaSuccess || pa.type != cudaMemoryTypeDevice)
+            throw std::runtime_error(
+                "NCCL transport: " + api.path + " (NCCL " + nccl_version_string(api.version) +
+                ") registered rank " + std::to_string(r) +
+                "'s buffer without symmetric support (the window it returned is not device memory): "
+                "NCCL_WIN_ENABLE=0, NCCL_CUMEM_ENABLE=0, or GPUs without direct peer access; the "
+                "kernels need symmetric windows");
           uint8_t** d = nullptr;
           MEGAMOE_CUDA_CHECK(cudaMalloc(&d, sizeof(uint8_t*) * kMaxRanks + 2 * sizeof(int)));
           int* wr = reinterpret_cast<int*>(d + kMaxRanks);

@@ -7,8 +7,8 @@
 //   - NCCL symmetric windows (NCCL >= 2.28, LSA pointers): R GPUs in one NVLink
 //     domain, one process driving several (or all) of them or one process per GPU
 //     (the unique id passes through a rendezvous file). NCCL is loaded at run time
-//     (dlopen), only when this transport is asked for: the library and the tools
-//     start without it.
+//     (dlopen), only when this transport is asked for (find_nccl): the library and
+//     the tools start without it.
 #pragma once
 
 #include <cstdint>
@@ -56,14 +56,48 @@ struct NcclOptions {
   // unique id here, the others wait for it (up to rendezvous_timeout_s).
   std::string rendezvous;
   double rendezvous_timeout_s = 60;
-  // libnccl.so.2 by default (MEGAMOE_NCCL_LIB overrides it).
+  // The NCCL library to load; empty: the one find_nccl() chooses. A library named here
+  // (like MEGAMOE_NCCL_LIB) is an explicit choice: if it cannot serve, that is an error.
   std::string library;
 };
+
+// ---- Which NCCL the transport loads (dlopen'ed: nothing links against libnccl) ----
+
+// One library the search looked at.
+struct NcclCandidate {
+  std::string origin;   // where the search found it: MEGAMOE_NCCL_LIB, beside the build's NCCL headers,
+                        // Python package nvidia-nccl, system loader
+  std::string path;     // the file (the system loader's: the file it resolved libnccl.so.2 to)
+  int version = 0;      // its ncclGetVersion code (22809 = 2.28.9); 0 where not reached
+  std::string refused;  // why it cannot serve this build; empty: usable
+};
+
+struct NcclLibrary {
+  std::string path;  // the library the transport uses; empty: none is usable
+  int version = 0;
+  bool explicit_choice = false;      // MEGAMOE_NCCL_LIB (or NcclOptions::library) named it
+  std::vector<NcclCandidate> tried;  // in search order; the chosen one last
+  bool usable() const { return !path.empty(); }
+  // One line: no usable NCCL, each candidate with why it was refused, and how to name one.
+  std::string why_none() const;
+};
+
+// The search, once a process (later calls return the first answer): MEGAMOE_NCCL_LIB
+// alone if set; else the library beside the NCCL headers of the build, the Python
+// packages' copy (nvidia-nccl, as PyTorch installs it: virtual envs, conda, /opt/*,
+// ~/.local, /usr/local), then the system's libnccl.so.2. The first that can serve the
+// device side compiled here is kept loaded (nccl.cu says which releases can, and why).
+// Needs no GPU.
+const NcclLibrary& find_nccl();
+// NCCL_VERSION_CODE of the headers this build compiled against, and a code as "2.28.9".
+int nccl_headers_version();
+std::string nccl_version_string(int code);
 
 // Symmetric buffers in NCCL windows (ncclMemAlloc + ncclCommWindowRegister, symmetric
 // registration); peer bases are the windows' LSA pointers, read once at setup. Sets
 // NCCL_NVLS_ENABLE=0 (no NVLink multicast objects) unless the caller set it. Errors
-// name the NCCL call, the rank and NCCL's message.
+// name the NCCL call, the rank and NCCL's message; with no usable NCCL, the error is
+// NcclLibrary::why_none().
 std::unique_ptr<Transport> make_nccl_transport(const kernels::EpLayout& layout, const NcclOptions& opt);
 
 }  // namespace megamoe::transport
