@@ -216,9 +216,6 @@ struct BenchArgs {
 };
 
 int run_bench_cmd(const BenchArgs& a) {
-  std::string why;
-  if (!api::cuda_available(&why)) throw std::runtime_error("bench needs the CUDA backend: " + why);
-#if defined(MEGAMOE_HAVE_CUDA)
   api::BenchOptions o;
   if (a.quick) api::make_quick(o);
   if (!a.presets.empty()) o.presets = a.presets;
@@ -244,8 +241,14 @@ int run_bench_cmd(const BenchArgs& a) {
   if (a.ranks > 1 && a.tokens.empty()) o.tokens = {1, 8, 64, 256, 1024};  // per rank
   for (const auto& p : o.presets) api::bench_shape(p, o);                 // fail early on a bad name
   api::validate_bench_options(o);
+  std::string why;
+  if (!api::cuda_available(&why)) throw std::runtime_error("bench needs the CUDA backend: " + why);
+#if defined(MEGAMOE_HAVE_CUDA)
   // --json auto: the card's file, named before the run so a wrong card fails at once.
   const std::string json_path = a.json == "auto" ? api::bench_results_path(api::bench_device_name()) : a.json;
+  if (const auto dir = std::filesystem::path(json_path).parent_path(); !dir.empty() && !std::filesystem::is_directory(dir))
+    throw std::invalid_argument("--json: no folder " + dir.string() + " for " + json_path +
+                                " (--json auto writes under bench/results: run from the repository root)");
   nlohmann::json j = api::run_bench(o, [](const std::string& line) {
     fmt::print("{}\n", line);
     std::fflush(stdout);
