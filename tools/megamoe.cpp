@@ -246,7 +246,8 @@ int run_bench_cmd(const BenchArgs& a) {
 #if defined(MEGAMOE_HAVE_CUDA)
   // --json auto: the card's file, named before the run so a wrong card fails at once.
   const std::string json_path = a.json == "auto" ? api::bench_results_path(api::bench_device_name()) : a.json;
-  if (const auto dir = std::filesystem::path(json_path).parent_path(); !dir.empty() && !std::filesystem::is_directory(dir))
+  if (const auto dir = std::filesystem::path(json_path).parent_path();
+      !dir.empty() && !std::filesystem::is_directory(dir))
     throw std::invalid_argument("--json: no folder " + dir.string() + " for " + json_path +
                                 " (--json auto writes under bench/results: run from the repository root)");
   nlohmann::json j = api::run_bench(o, [](const std::string& line) {
@@ -354,27 +355,35 @@ int main(int argc, char** argv) {
       ->capture_default_str();
 
   BenchArgs bench;
-  auto* c_bench =
-      app.add_subcommand("bench", "Time the CUDA layer against the floors, an in-run dense FP8 GEMM and cuBLASLt (GPU only)");
+  auto* c_bench = app.add_subcommand(
+      "bench", "Time the CUDA layer against the floors, an in-run dense FP8 GEMM and cuBLASLt (GPU only)");
   c_bench->add_option("--preset", bench.presets, "presets (default: glm-5.3-flash glm-5 deepseek-v3)");
   c_bench->add_option("--tokens", bench.tokens, "token counts (default: 1 8 64 256 1024 4096 16384)");
-  c_bench->add_option("--json", bench.json,
-                      "write the results as JSON here (auto: bench/results/h100.json or h200.json by the card)");
+  c_bench->add_option(
+      "--json", bench.json,
+      "write the results as JSON here (auto: bench/results/h100.json or h200.json by the card)");
   c_bench->add_option("--iters", bench.iters, "burst: timed calls a case (default 15, --quick 5)")
       ->check(CLI::PositiveNumber);
-  c_bench->add_option("--routing", bench.routings,
-                      "uniform (the router on random x) and / or zipf:S (expert popularity ~ 1/rank^S, external "
-                      "routing); default uniform");
-  c_bench->add_option("--regime", bench.regime,
-                      "sustained (back-to-back replays, ~1 s a case) | burst (single calls after an idle gap) | "
-                      "both")
+  c_bench->add_option(
+      "--routing", bench.routings,
+      "uniform (the router on random x) and / or zipf:S (expert popularity ~ 1/rank^S, external "
+      "routing); default uniform");
+  c_bench
+      ->add_option("--regime", bench.regime,
+                   "sustained (back-to-back replays, ~1 s a case) | burst (single calls after an idle gap) | "
+                   "both")
       ->capture_default_str();
-  c_bench->add_flag("--quick", bench.quick, "shorter windows, 5 burst calls, a smaller dense GEMM: a check it runs");
-  c_bench->add_option("--sustained-seconds", bench.sustained_seconds, "the timed window a case (default 1, --quick 0.25)")
+  c_bench->add_flag("--quick", bench.quick,
+                    "shorter windows, 5 burst calls, a smaller dense GEMM: a check it runs");
+  c_bench
+      ->add_option("--sustained-seconds", bench.sustained_seconds,
+                   "the timed window a case (default 1, --quick 0.25)")
       ->check(CLI::PositiveNumber);
   c_bench->add_option("--burst-gap-ms", bench.burst_gap_ms, "idle gap before each burst call (default 50)")
       ->check(CLI::NonNegativeNumber);
-  c_bench->add_option("--dense-m", bench.dense_m, "rows of the dense FP8 GEMM pair (default 16384, --quick 8192)")
+  c_bench
+      ->add_option("--dense-m", bench.dense_m,
+                   "rows of the dense FP8 GEMM pair (default 16384, --quick 8192)")
       ->check(CLI::PositiveNumber);
   c_bench->add_flag("--no-baseline", bench.no_baseline, "skip the cuBLASLt baseline");
   c_bench->add_flag("--no-ep", bench.no_ep, "skip the 8-way expert-parallel share");

@@ -21,8 +21,8 @@
 #include "device_run.h"
 #include "megamoe/api/bench.h"
 #include "megamoe/api/ep_layer.h"
-#include "megamoe/api/routing_gen.h"
 #include "megamoe/api/moe_layer.h"
+#include "megamoe/api/routing_gen.h"
 #include "megamoe/bench/baselines.h"
 #include "megamoe/kernels/fused_moe.h"
 #include "megamoe/weights/host_weights.h"
@@ -178,8 +178,7 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
     const double bytes = hit_by[r].size() * expert_bytes(s, s.inter) + shared_bytes(s, T);
     const double flops =
         double(rows_by[r]) * s.expert_flops(s.inter) + double(T) * s.expert_flops(s.shared_inter());
-    rank_floor_us =
-        std::max(rank_floor_us, std::max(bytes / read_bw, flops / (dense_tflops * 1e12)) * 1e6);
+    rank_floor_us = std::max(rank_floor_us, std::max(bytes / read_bw, flops / (dense_tflops * 1e12)) * 1e6);
   }
   const double tflops = double(Tall) * s.flops_per_token() / (t_ep.median_us * 1e-6) * 1e-12;
   const double link_gbps = moved / (t_ep.median_us * 1e-6) * 1e-9;
@@ -313,14 +312,15 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
         const bench::RegimeTiming rt = bench::time_regime(std::cref(g), stream, r, full);
         const double tf = dense.flops() / (rt.t.median_us * 1e-6) * 1e-12;
         dense_tflops[bench::regime_name(r)] = tf;
-        d[bench::regime_name(r)] = {{"tflops", tf},         {"us", rt.t.median_us},
+        d[bench::regime_name(r)] = {{"tflops", tf},          {"us", rt.t.median_us},
                                     {"us_p10", rt.t.p10_us}, {"us_p90", rt.t.p90_us},
                                     {"calls", rt.calls},     {"sm_clock_mhz", rt.sm_clock_mhz},
                                     {"power_w", rt.power_w}};
-        log(fmt::format("{:14s} dense FP8 GEMM pair m={} (N={} K={}; N={} K={}) {:9s}: {:8.1f} us, {:6.0f} TFLOP/s, "
-                        "{:4.0f} MHz, {:3.0f} W",
-                        name, dense.m(), 2 * shape.inter, shape.hidden, shape.hidden, shape.inter,
-                        bench::regime_name(r), rt.t.median_us, tf, rt.sm_clock_mhz, rt.power_w));
+        log(fmt::format(
+            "{:14s} dense FP8 GEMM pair m={} (N={} K={}; N={} K={}) {:9s}: {:8.1f} us, {:6.0f} TFLOP/s, "
+            "{:4.0f} MHz, {:3.0f} W",
+            name, dense.m(), 2 * shape.inter, shape.hidden, shape.hidden, shape.inter, bench::regime_name(r),
+            rt.t.median_us, tf, rt.sm_clock_mhz, rt.power_w));
       }
       out["dense_fp8"].push_back(d);
       // The top level's: GLM-5's when it runs (the issue's targets), else the first
@@ -363,7 +363,8 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
           DeviceBuffer dids(gen.ids.size() * 4), dwts(gen.weights.size() * 4);
           RoutingInput ext;
           if (external) {
-            MEGAMOE_CUDA_CHECK(cudaMemcpy(dids.p, gen.ids.data(), gen.ids.size() * 4, cudaMemcpyHostToDevice));
+            MEGAMOE_CUDA_CHECK(
+                cudaMemcpy(dids.p, gen.ids.data(), gen.ids.size() * 4, cudaMemcpyHostToDevice));
             MEGAMOE_CUDA_CHECK(
                 cudaMemcpy(dwts.p, gen.weights.data(), gen.weights.size() * 4, cudaMemcpyHostToDevice));
             ext.ids = dids.p;
@@ -395,12 +396,14 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
           kernels::fused_moe_print_profile(T);
           std::vector<int32_t> ids(size_t(T) * s.topk);
           std::vector<float> wts(ids.size());
-          MEGAMOE_CUDA_CHECK(cudaMemcpy(ids.data(), layer.topk_ids(), ids.size() * 4, cudaMemcpyDeviceToHost));
+          MEGAMOE_CUDA_CHECK(
+              cudaMemcpy(ids.data(), layer.topk_ids(), ids.size() * 4, cudaMemcpyDeviceToHost));
           MEGAMOE_CUDA_CHECK(
               cudaMemcpy(wts.data(), layer.topk_weights(), wts.size() * 4, cudaMemcpyDeviceToHost));
           if (external && ids != gen.ids)
-            throw std::runtime_error(fmt::format("bench: {} T={}: the layer's ids differ from the {} ids it was given",
-                                                 name, T, routing.text()));
+            throw std::runtime_error(
+                fmt::format("bench: {} T={}: the layer's ids differ from the {} ids it was given", name, T,
+                            routing.text()));
           std::vector<num::bf16_t> y(x.size());
           MEGAMOE_CUDA_CHECK(cudaMemcpy(y.data(), dy.p, y.size() * 2, cudaMemcpyDeviceToHost));
           size_t nonfinite = 0;
@@ -440,7 +443,8 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
               base_timing = "graph";
             } catch (const std::exception& e) {
               // Said in the log and the JSON: such a ratio counts the launches too.
-              log(fmt::format("{} T={}: the cuBLASLt baseline cannot be captured in a graph ({}); timed as "
+              log(
+                  fmt::format("{} T={}: the cuBLASLt baseline cannot be captured in a graph ({}); timed as "
                               "eager launches plus our routing's graph",
                               name, T, e.what()));
               base_timing = "eager";
@@ -464,9 +468,10 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
             const size_t case_bytes = size_t(bytes) / 16 * 16;
             diag_read_us =
                 case_bytes / bench::measure_read_bandwidth(case_bytes, opt.iters, stream, true) * 1e6;
-            log(fmt::format("{:14s} E={:3d} T={:5d}: logits alone {:.1f} us, top-k alone {:.1f}; "
-                            "reading the case's {:.1f} MB after a flush: {:.1f} us",
-                            name, s.experts, T, diag_logits_us, diag_topk_us, case_bytes * 1e-6, diag_read_us));
+            log(fmt::format(
+                "{:14s} E={:3d} T={:5d}: logits alone {:.1f} us, top-k alone {:.1f}; "
+                "reading the case's {:.1f} MB after a flush: {:.1f} us",
+                name, s.experts, T, diag_logits_us, diag_topk_us, case_bytes * 1e-6, diag_read_us));
           }
 
           std::vector<nlohmann::json> records;
@@ -477,8 +482,8 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
             if (g_base) {
               base_us = bench::time_regime(std::cref(*g_base), stream, r, side).t.median_us;
             } else if (base) {
-              base_us = bench::time_regime([&](cudaStream_t st2) { base->forward(*batch, xp, yp, st2); }, stream,
-                                           r, side)
+              base_us = bench::time_regime([&](cudaStream_t st2) { base->forward(*batch, xp, yp, st2); },
+                                           stream, r, side)
                             .t.median_us +
                         route.t.median_us;
             }
@@ -527,8 +532,8 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
               c["energy_power_W"] = energy.watts;
               c["energy_calls"] = energy.calls;
             }
-            log(fmt::format("{:14s} E={:3d} T={:5d}: {:.1f} mJ a layer, {:.0f} W over {} calls", name, s.experts, T,
-                            energy.mJ_per_call, energy.watts, energy.calls));
+            log(fmt::format("{:14s} E={:3d} T={:5d}: {:.1f} mJ a layer, {:.0f} W over {} calls", name,
+                            s.experts, T, energy.mJ_per_call, energy.watts, energy.calls));
           }
           for (auto& c : records) out["cases"].push_back(c);
         }

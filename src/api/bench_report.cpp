@@ -23,7 +23,8 @@ void make_quick(BenchOptions& opt) {
 void validate_bench_options(const BenchOptions& opt) {
   if (opt.routings.empty()) throw std::invalid_argument("--routing: expected at least one, found none");
   for (const std::string& r : opt.routings) parse_routing(r);
-  if (opt.regimes.empty()) throw std::invalid_argument("--regime: expected sustained, burst or both, found none");
+  if (opt.regimes.empty())
+    throw std::invalid_argument("--regime: expected sustained, burst or both, found none");
   for (const std::string& r : opt.regimes)
     if (r != "sustained" && r != "burst")
       throw std::invalid_argument(fmt::format("--regime: expected sustained, burst or both, found '{}'", r));
@@ -34,7 +35,8 @@ void validate_bench_options(const BenchOptions& opt) {
   if (!(opt.burst_gap_ms >= 0))
     throw std::invalid_argument(fmt::format("--burst-gap-ms: expected >= 0, found {}", opt.burst_gap_ms));
   if (opt.dense_m < 128 || opt.dense_m % 128 != 0)
-    throw std::invalid_argument(fmt::format("--dense-m: expected a multiple of 128, >= 128, found {}", opt.dense_m));
+    throw std::invalid_argument(
+        fmt::format("--dense-m: expected a multiple of 128, >= 128, found {}", opt.dense_m));
   if (opt.iters < 1) throw std::invalid_argument(fmt::format("--iters: expected >= 1, found {}", opt.iters));
 }
 
@@ -50,12 +52,14 @@ MoeShape bench_shape(const std::string& preset, const BenchOptions& opt) {
 
 std::string bench_results_path(const std::string& device_name) {
   std::string lower = device_name;
-  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return char(std::tolower(c)); });
   // (whole words: "H100" or "H200" followed by a non-digit or the end)
   auto has = [&](const std::string& w) {
     for (size_t p = lower.find(w); p != std::string::npos; p = lower.find(w, p + 1)) {
       const size_t e = p + w.size();
-      if ((p == 0 || !std::isalnum((unsigned char)lower[p - 1])) && (e == lower.size() || !std::isdigit((unsigned char)lower[e])))
+      if ((p == 0 || !std::isalnum((unsigned char)lower[p - 1])) &&
+          (e == lower.size() || !std::isdigit((unsigned char)lower[e])))
         return true;
     }
     return false;
@@ -75,10 +79,11 @@ void check_figures(const BenchCaseFigures& f) {
     throw std::invalid_argument(
         fmt::format("bench_case_record: regime expected sustained or burst, found '{}'", f.regime));
   if (!(f.us > 0) || !(f.dense_tflops > 0) || !(f.read_bw > 0) || !(f.flops >= 0) || !(f.weight_bytes >= 0))
-    throw std::invalid_argument(fmt::format(
-        "bench_case_record: expected us > 0, dense_tflops > 0, read_bw > 0, flops and bytes >= 0; found us {}, "
-        "dense_tflops {}, read_bw {}, flops {}, bytes {}",
-        f.us, f.dense_tflops, f.read_bw, f.flops, f.weight_bytes));
+    throw std::invalid_argument(
+        fmt::format("bench_case_record: expected us > 0, dense_tflops > 0, read_bw > 0, flops and bytes >= "
+                    "0; found us {}, "
+                    "dense_tflops {}, read_bw {}, flops {}, bytes {}",
+                    f.us, f.dense_tflops, f.read_bw, f.flops, f.weight_bytes));
 }
 
 struct Derived {
@@ -141,12 +146,13 @@ std::string bench_case_line(const BenchCaseFigures& f) {
   check_figures(f);
   const Derived d = derive(f);
   return fmt::format(
-      "{:14s} E={:3d} T={:5d} {} {:9s}: {:9.1f} us (p10 {:.1f}, p90 {:.1f}; route {:.1f}) floor {:8.1f} (x{:.2f}) "
+      "{:14s} E={:3d} T={:5d} {} {:9s}: {:9.1f} us (p10 {:.1f}, p90 {:.1f}; route {:.1f}) floor {:8.1f} "
+      "(x{:.2f}) "
       "{:7.1f} TFLOP/s = {:.3f} of dense {:.0f} | {:4.0f} MHz {:3.0f} W | {:5.2f} TB/s | cuBLASLt {:9.1f} us "
       "(x{:.2f}) | {}",
-      f.preset, f.local_experts, f.tokens, f.routing, f.regime, f.us, f.us_p10, f.us_p90, f.route_us, d.floor_us,
-      f.us / d.floor_us, d.tflops, d.dense_fraction, f.dense_tflops, f.sm_clock_mhz, f.power_w, d.weight_TBps,
-      f.baseline_us, d.speedup, f.config);
+      f.preset, f.local_experts, f.tokens, f.routing, f.regime, f.us, f.us_p10, f.us_p90, f.route_us,
+      d.floor_us, f.us / d.floor_us, d.tflops, d.dense_fraction, f.dense_tflops, f.sm_clock_mhz, f.power_w,
+      d.weight_TBps, f.baseline_us, d.speedup, f.config);
 }
 
 }  // namespace megamoe::api

@@ -1,12 +1,12 @@
 // Synthetic skewed routing (include/megamoe/api/routing_gen.h).
 #include "megamoe/api/routing_gen.h"
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <cstdlib>
 #include <numeric>
 #include <stdexcept>
-
-#include <fmt/format.h>
 
 namespace megamoe::api {
 
@@ -52,7 +52,8 @@ GeneratedRouting zipf_routing(const MoeShape& shape, int T, double s, uint64_t s
   const int E = shape.experts, K = shape.topk;
   if (T < 0) throw std::invalid_argument(fmt::format("zipf_routing: tokens must be >= 0, found {}", T));
   if (E < 1 || K < 1 || K > E)
-    throw std::invalid_argument(fmt::format("zipf_routing: need 1 <= topk <= experts, found topk {} experts {}", K, E));
+    throw std::invalid_argument(
+        fmt::format("zipf_routing: need 1 <= topk <= experts, found topk {} experts {}", K, E));
   if (!std::isfinite(s) || s < 0)
     throw std::invalid_argument(fmt::format("zipf_routing: exponent must be finite and >= 0, found {}", s));
   Rng rng{seed};

@@ -252,14 +252,15 @@ struct Nvml {
     MEGAMOE_CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof(bus), dev));
     Device d = nullptr;
     if (const int r = HandleByPciBusId(bus, &d); r != 0)
-      throw std::runtime_error(std::string("NVML: no device for ") + bus + " (NVML error " + std::to_string(r) +
-                               ")");
+      throw std::runtime_error(std::string("NVML: no device for ") + bus + " (NVML error " +
+                               std::to_string(r) + ")");
     return d;
   }
 
   // Millijoules since the driver loaded, for the current CUDA device.
   unsigned long long read_mJ() const {
-    if (!TotalEnergy) throw std::runtime_error("energy: libnvidia-ml.so.1 lacks nvmlDeviceGetTotalEnergyConsumption");
+    if (!TotalEnergy)
+      throw std::runtime_error("energy: libnvidia-ml.so.1 lacks nvmlDeviceGetTotalEnergyConsumption");
     unsigned long long mJ = 0;
     if (const int r = TotalEnergy(device(), &mJ); r != 0)
       throw std::runtime_error("energy: nvmlDeviceGetTotalEnergyConsumption failed (NVML error " +
@@ -270,7 +271,8 @@ struct Nvml {
   // The SM clock (MHz) and board power (W) of device d.
   void read_clock_power(Device d, double& mhz, double& watts) const {
     if (!ClockInfo || !PowerUsage)
-      throw std::runtime_error("NVML: libnvidia-ml.so.1 lacks nvmlDeviceGetClockInfo / nvmlDeviceGetPowerUsage");
+      throw std::runtime_error(
+          "NVML: libnvidia-ml.so.1 lacks nvmlDeviceGetClockInfo / nvmlDeviceGetPowerUsage");
     unsigned int clk = 0, mw = 0;
     if (const int r = ClockInfo(d, kClockSm, &clk); r != 0)
       throw std::runtime_error("NVML: nvmlDeviceGetClockInfo(NVML_CLOCK_SM) failed (NVML error " +
@@ -361,7 +363,6 @@ EnergyRun measure_energy(const std::function<void(cudaStream_t)>& fn, cudaStream
   return r;
 }
 
-
 const char* regime_name(Regime r) { return r == Regime::kSustained ? "sustained" : "burst"; }
 
 void check_nvml_clock_and_power() {
@@ -372,9 +373,11 @@ void check_nvml_clock_and_power() {
 
 RegimeTiming time_regime(const std::function<void(cudaStream_t)>& fn, cudaStream_t stream, Regime regime,
                          const RegimeOptions& opt) {
-  if (opt.burst_calls < 1 || !(opt.sustained_seconds > 0) || !(opt.ramp_seconds >= 0) || !(opt.burst_gap_ms >= 0))
-    throw std::invalid_argument("time_regime: burst_calls >= 1, sustained_seconds > 0, ramp_seconds >= 0, "
-                                "burst_gap_ms >= 0");
+  if (opt.burst_calls < 1 || !(opt.sustained_seconds > 0) || !(opt.ramp_seconds >= 0) ||
+      !(opt.burst_gap_ms >= 0))
+    throw std::invalid_argument(
+        "time_regime: burst_calls >= 1, sustained_seconds > 0, ramp_seconds >= 0, "
+        "burst_gap_ms >= 0");
   const Nvml* nvml = opt.sample_nvml ? &Nvml::get() : nullptr;
   const Nvml::Device nv_dev = nvml ? nvml->device() : nullptr;
   auto call = [&](cudaStream_t s) {

@@ -596,7 +596,6 @@ void CublasLtMoeBaseline::run(const DeviceRoutedBatch& b, num::bf16_t* y, cudaSt
   impl_->run(b, y, stream);
 }
 
-
 // ---------------------------------------------------------------------------
 // The dense yardstick
 // ---------------------------------------------------------------------------
@@ -622,8 +621,8 @@ __global__ void fill_e4m3_random(uint8_t* __restrict__ p, size_t n, uint64_t see
 // Positive scales in [0.5, 1.5) / 448 (a block amax near 448 maps to the E4M3 range).
 __global__ void fill_scale_random(float* __restrict__ p, size_t n, uint64_t seed) {
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = (0.5f + float(mix64(seed ^ (0xD1B54A32D192ED03ull * (i + 1))) >> 40) * (1.0f / 16777216.0f)) /
-           448.0f;
+    p[i] =
+        (0.5f + float(mix64(seed ^ (0xD1B54A32D192ED03ull * (i + 1))) >> 40) * (1.0f / 16777216.0f)) / 448.0f;
 }
 
 }  // namespace
@@ -636,11 +635,12 @@ struct DenseFp8GemmPair::Impl {
   DeviceArray<num::bf16_t> d1, d2;
 };
 
-DenseFp8GemmPair::DenseFp8GemmPair(int m, int hidden, int inter, uint64_t seed) : impl_(std::make_unique<Impl>()) {
+DenseFp8GemmPair::DenseFp8GemmPair(int m, int hidden, int inter, uint64_t seed)
+    : impl_(std::make_unique<Impl>()) {
   if (m < 4 || m % 4 != 0 || hidden < kBlk || hidden % kBlk != 0 || inter < kBlk || inter % kBlk != 0)
-    throw std::invalid_argument("DenseFp8GemmPair: need m % 4 == 0 (>= 4), hidden and inter multiples of 128, got m=" +
-                                std::to_string(m) + " hidden=" + std::to_string(hidden) +
-                                " inter=" + std::to_string(inter));
+    throw std::invalid_argument(
+        "DenseFp8GemmPair: need m % 4 == 0 (>= 4), hidden and inter multiples of 128, got m=" +
+        std::to_string(m) + " hidden=" + std::to_string(hidden) + " inter=" + std::to_string(inter));
   Impl& d = *impl_;
   d.m = m, d.H = hidden, d.I = inter;
   const size_t M = size_t(m), H = size_t(hidden), I = size_t(inter);

@@ -35,8 +35,8 @@ TEST(BenchRouting, ParsesUniformAndZipf) {
   EXPECT_EQ(z.text(), "zipf:1");
   EXPECT_EQ(parse_routing("zipf:0").zipf_s, 0.0);
   EXPECT_EQ(parse_routing("zipf:1.25").text(), "zipf:1.25");
-  for (const char* bad : {"", "zipf", "zipf:", "zipf:-1", "zipf:abc", "zipf:1x", "zipf:nan", "zipf:inf", "Uniform",
-                          "skewed"}) {
+  for (const char* bad :
+       {"", "zipf", "zipf:", "zipf:-1", "zipf:abc", "zipf:1x", "zipf:nan", "zipf:inf", "Uniform", "skewed"}) {
     try {
       parse_routing(bad);
       ADD_FAILURE() << "accepted '" << bad << "'";
@@ -189,12 +189,37 @@ BenchCaseFigures sample_figures() {
 TEST(BenchRecord, FieldsAndFloors) {
   BenchCaseFigures f = sample_figures();
   const nlohmann::json c = bench_case_record(f);
-  for (const char* k :
-       {"preset", "shape", "tokens", "local_experts", "ep_share", "routing", "regime", "us", "us_p10", "us_p90",
-        "calls", "route_us", "after_routing_us", "tflops", "dense_tflops", "dense_fraction", "floor_us",
-        "hbm_floor_us", "tc_floor_us", "ratio_to_floor", "experts_hit", "hot_expert_rows", "weight_bytes",
-        "weight_TBps", "sm_clock_mhz", "power_w", "baseline_us", "baseline_timing", "speedup_vs_baseline",
-        "nonfinite_outputs", "config"})
+  for (const char* k : {"preset",
+                        "shape",
+                        "tokens",
+                        "local_experts",
+                        "ep_share",
+                        "routing",
+                        "regime",
+                        "us",
+                        "us_p10",
+                        "us_p90",
+                        "calls",
+                        "route_us",
+                        "after_routing_us",
+                        "tflops",
+                        "dense_tflops",
+                        "dense_fraction",
+                        "floor_us",
+                        "hbm_floor_us",
+                        "tc_floor_us",
+                        "ratio_to_floor",
+                        "experts_hit",
+                        "hot_expert_rows",
+                        "weight_bytes",
+                        "weight_TBps",
+                        "sm_clock_mhz",
+                        "power_w",
+                        "baseline_us",
+                        "baseline_timing",
+                        "speedup_vs_baseline",
+                        "nonfinite_outputs",
+                        "config"})
     EXPECT_TRUE(c.contains(k)) << k;
   EXPECT_EQ(c["regime"], "sustained");
   EXPECT_EQ(c["routing"], "zipf:1");

@@ -44,10 +44,11 @@ TEST(BenchRegimes, SustainedAndBurst) {
   const RegimeTiming b = time_regime(fn, nullptr, Regime::kBurst, o);
   const double b_wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   MEGAMOE_CUDA_CHECK(cudaFree(buf));
-  std::printf("sustained: %d calls, %.1f us, %.0f MHz, %.0f W (%d samples, %.2f s); burst: %d calls, %.1f us, "
-              "%.0f MHz, %.0f W (%.2f s)\n",
-              s.calls, s.t.median_us, s.sm_clock_mhz, s.power_w, s.samples, s_wall, b.calls, b.t.median_us,
-              b.sm_clock_mhz, b.power_w, b_wall);
+  std::printf(
+      "sustained: %d calls, %.1f us, %.0f MHz, %.0f W (%d samples, %.2f s); burst: %d calls, %.1f us, "
+      "%.0f MHz, %.0f W (%.2f s)\n",
+      s.calls, s.t.median_us, s.sm_clock_mhz, s.power_w, s.samples, s_wall, b.calls, b.t.median_us,
+      b.sm_clock_mhz, b.power_w, b_wall);
   expect_ordered(s.t);
   expect_ordered(b.t);
   // The window is filled: the calls' time adds up to most of it (each call is a flush

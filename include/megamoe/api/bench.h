@@ -28,9 +28,9 @@ struct BenchOptions {
   // still at its cap) for this fraction of the window.
   double side_window_fraction = 0.25;
   double burst_gap_ms = 50;
-  int dense_m = 16384;     // rows of the dense GEMM pair (enough to saturate the card)
-  bool ep8_share = true;   // also the one-rank share of an 8-way expert-parallel layer
-  bool baseline = true;    // cuBLASLt expert-by-expert baseline
+  int dense_m = 16384;    // rows of the dense GEMM pair (enough to saturate the card)
+  bool ep8_share = true;  // also the one-rank share of an 8-way expert-parallel layer
+  bool baseline = true;   // cuBLASLt expert-by-expert baseline
   // Also time the routing's kernels one by one and a streaming read of each case's
   // weight bytes after the same L2 flush.
   bool diagnostics = false;
@@ -78,7 +78,7 @@ struct BenchCaseFigures {
   double read_bw = 0;          // bytes/s, the in-run streaming read
   double dense_tflops = 0;     // the in-run dense GEMM pair of this regime
   double us = 0, us_p10 = 0, us_p90 = 0, route_us = 0;
-  double baseline_us = -1;     // -1: not measured
+  double baseline_us = -1;  // -1: not measured
   double sm_clock_mhz = -1, power_w = -1;
   int calls = 0;
   size_t nonfinite = 0;
