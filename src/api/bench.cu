@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -229,6 +230,7 @@ std::string bench_device_name() {
 
 nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const std::string&)>& log) {
   validate_bench_options(opt);
+  const auto t_start = std::chrono::steady_clock::now();
   cudaStream_t stream;
   MEGAMOE_CUDA_CHECK(cudaStreamCreate(&stream));
   cudaDeviceProp prop{};
@@ -540,6 +542,9 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
       }
     }
   }
+  const double wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  out["wall_seconds"] = wall_s;
+  log(fmt::format("{} case records in {:.0f} s", out["cases"].size(), wall_s));
   cudaStreamDestroy(stream);
   return out;
 }
