@@ -209,9 +209,13 @@ struct BenchArgs {
   std::vector<std::string> presets;
   std::vector<int> tokens;
   std::string json;
-  bool no_baseline = false, no_ep = false, diagnostics = false;
+  bool no_baseline = false, no_ep = false, diagnostics = false, quick = false;
   double energy = 0;
-  int iters = 15;
+  int iters = 0;  // 0: 15 (5 with --quick)
+  std::vector<std::string> routings;
+  std::string regime = "both";
+  double sustained_seconds = 0, burst_gap_ms = -1;  // 0 / -1: the defaults (--quick's)
+  int dense_m = 0;
   int ranks = 1;
   std::string transport = "virtual";
   int experts = 0, topk = 0, shared_experts = -1;
@@ -219,22 +223,40 @@ struct BenchArgs {
 };
 
 int run_bench_cmd(const BenchArgs& a) {
-  std::string why;
-  if (!api::cuda_available(&why)) throw std::runtime_error("bench needs the CUDA backend: " + why);
-#if defined(MEGAMOE_HAVE_CUDA)
   api::BenchOptions o;
+  if (a.quick) api::make_quick(o);
   if (!a.presets.empty()) o.presets = a.presets;
   if (!a.tokens.empty()) o.tokens = a.tokens;
+  if (!a.routings.empty()) o.routings = a.routings;
+  if (a.regime == "both")
+    o.regimes = {"sustained", "burst"};
+  else if (a.regime == "sustained" || a.regime == "burst")
+    o.regimes = {a.regime};
+  else
+    throw std::invalid_argument("--regime: expected sustained, burst or both, found '" + a.regime + "'");
+  if (a.sustained_seconds > 0) o.sustained_seconds = a.sustained_seconds;
+  if (a.burst_gap_ms >= 0) o.burst_gap_ms = a.burst_gap_ms;
+  if (a.dense_m > 0) o.dense_m = a.dense_m;
   o.baseline = !a.no_baseline;
   o.diagnostics = a.diagnostics;
   o.energy_seconds = a.energy;
   o.ep8_share = !a.no_ep;
-  o.iters = a.iters;
+  if (a.iters > 0) o.iters = a.iters;
   o.ranks = a.ranks;
   o.ep_transport = a.transport;
   o.experts = a.experts, o.topk = a.topk, o.shared_experts = a.shared_experts;
   if (a.ranks > 1 && a.tokens.empty()) o.tokens = {1, 8, 64, 256, 1024};  // per rank
   for (const auto& p : o.presets) api::bench_shape(p, o);                 // fail early on a bad name
+  api::validate_bench_options(o);
+  std::string why;
+  if (!api::cuda_available(&why)) throw std::runtime_error("bench needs the CUDA backend: " + why);
+#if defined(MEGAMOE_HAVE_CUDA)
+  // --json auto: the card's file, named before the run so a wrong card fails at once.
+  const std::string json_path = a.json == "auto" ? api::bench_results_path(api::bench_device_name()) : a.json;
+  if (const auto dir = std::filesystem::path(json_path).parent_path();
+      !dir.empty() && !std::filesystem::is_directory(dir))
+    throw std::invalid_argument("--json: no folder " + dir.string() + " for " + json_path +
+                                " (--json auto writes under bench/results: run from the repository root)");
   nlohmann::json j = api::run_bench(o, [](const std::string& line) {
     fmt::print("{}\n", line);
     std::fflush(stdout);
@@ -245,11 +267,11 @@ int run_bench_cmd(const BenchArgs& a) {
   char date[32];
   std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   j["date"] = date;
-  if (!a.json.empty()) {
-    std::ofstream f(a.json);
-    if (!f) throw std::runtime_error("cannot write " + a.json);
+  if (!json_path.empty()) {
+    std::ofstream f(json_path);
+    if (!f) throw std::runtime_error("--json: cannot write " + json_path);
     f << j.dump(2) << "\n";
-    fmt::print("wrote {}\n", a.json);
+    fmt::print("wrote {}\n", json_path);
   }
 #endif
   return 0;
@@ -443,12 +465,36 @@ int main(int argc, char** argv) {
       ->capture_default_str();
 
   BenchArgs bench;
-  auto* c_bench =
-      app.add_subcommand("bench", "Time the CUDA layer against the floors and cuBLASLt (GPU only)");
+  auto* c_bench = app.add_subcommand(
+      "bench", "Time the CUDA layer against the floors, an in-run dense FP8 GEMM and cuBLASLt (GPU only)");
   c_bench->add_option("--preset", bench.presets, "presets (default: glm-5.3-flash glm-5 deepseek-v3)");
   c_bench->add_option("--tokens", bench.tokens, "token counts (default: 1 8 64 256 1024 4096 16384)");
-  c_bench->add_option("--json", bench.json, "write the results as JSON here");
-  c_bench->add_option("--iters", bench.iters, "timed iterations per case")->capture_default_str();
+  c_bench->add_option(
+      "--json", bench.json,
+      "write the results as JSON here (auto: bench/results/h100.json or h200.json by the card)");
+  c_bench->add_option("--iters", bench.iters, "burst: timed calls a case (default 15, --quick 5)")
+      ->check(CLI::PositiveNumber);
+  c_bench->add_option(
+      "--routing", bench.routings,
+      "uniform (the router on random x) and / or zipf:S (expert popularity ~ 1/rank^S, external "
+      "routing); default uniform");
+  c_bench
+      ->add_option("--regime", bench.regime,
+                   "sustained (back-to-back replays, ~1 s a case) | burst (single calls after an idle gap) | "
+                   "both")
+      ->capture_default_str();
+  c_bench->add_flag("--quick", bench.quick,
+                    "shorter windows, 5 burst calls, a smaller dense GEMM: a check it runs");
+  c_bench
+      ->add_option("--sustained-seconds", bench.sustained_seconds,
+                   "the timed window a case (default 1, --quick 0.25)")
+      ->check(CLI::PositiveNumber);
+  c_bench->add_option("--burst-gap-ms", bench.burst_gap_ms, "idle gap before each burst call (default 50)")
+      ->check(CLI::NonNegativeNumber);
+  c_bench
+      ->add_option("--dense-m", bench.dense_m,
+                   "rows of the dense FP8 GEMM pair (default 16384, --quick 8192)")
+      ->check(CLI::PositiveNumber);
   c_bench->add_flag("--no-baseline", bench.no_baseline, "skip the cuBLASLt baseline");
   c_bench->add_flag("--no-ep", bench.no_ep, "skip the 8-way expert-parallel share");
   c_bench->add_flag("--diagnostics", bench.diagnostics,

@@ -1,13 +1,19 @@
 // The benchmark driver behind `megamoe bench` (see include/megamoe/api/bench.h).
 // Every figure a case reports is measured in the same process: the streaming
-// read bandwidth (the decode floor), our layer, its routing alone, and the
-// cuBLASLt baseline fed with our routing.
+// read bandwidth (the decode floor), a dense block-scaled FP8 GEMM pair of the
+// preset's shapes (the compute floor's rate), our layer, its routing alone, and
+// the cuBLASLt baseline fed with the same routing, each in the sustained and the
+// burst regime (bench::time_regime) with the SM clock and power of the layer's
+// window.
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <functional>
+#include <map>
+#include <memory>
 #include <set>
 #include <stdexcept>
 #include <vector>
@@ -17,6 +23,7 @@
 #include "megamoe/api/bench.h"
 #include "megamoe/api/ep_layer.h"
 #include "megamoe/api/moe_layer.h"
+#include "megamoe/api/routing_gen.h"
 #include "megamoe/bench/baselines.h"
 #include "megamoe/kernels/fused_moe.h"
 #include "megamoe/weights/host_weights.h"
@@ -87,19 +94,11 @@ bench::Timing time_graph(cudaStream_t stream, const BenchOptions& opt,
   return bench::time_device(std::cref(g), stream, opt.warmup, opt.iters, true, devices);
 }
 
-// Board energy of graph replays of `body` (opt.energy_seconds of them, each after an L2
-// flush, as timed); call_us sizes the loop.
-bench::EnergyRun energy_graph(cudaStream_t stream, const BenchOptions& opt, double call_us,
-                              const std::function<void(cudaStream_t)>& body) {
-  const CapturedGraph g(stream, body);
-  return bench::measure_energy(std::cref(g), stream, opt.energy_seconds, call_us, true);
-}
-
 // The expert-parallel layer over opt.ranks virtual ranks, T tokens per rank, against
 // one device running all R * T tokens: time, exchanged bytes, and whether the bytes
 // of the outputs agree.
 void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostMoeWeights& hw, const void* dw,
-                   int T, double read_bw, cudaStream_t stream, nlohmann::json& out,
+                   int T, double read_bw, double dense_tflops, cudaStream_t stream, nlohmann::json& out,
                    const std::function<void(const std::string&)>& log) {
   const MoeShape& s = hw.shape;
   const int R = opt.ranks, Tall = R * T;
@@ -172,7 +171,7 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
   for (const std::set<int>& h : hit_by) hit += h.size();
   const double wbytes = hit * expert_bytes(s, s.inter) + shared_bytes(s, T);
   const double floor_us =
-      std::max(wbytes / read_bw, double(Tall) * s.flops_per_token() / (opt.tc_peak_tflops * 1e12)) * 1e6;
+      std::max(wbytes / read_bw, double(Tall) * s.flops_per_token() / (dense_tflops * 1e12)) * 1e6;
   // One rank's own floor (its experts' bytes, its rows' and its shared-expert tokens' flops):
   // the floor of the layer on R GPUs is the busiest rank's.
   double rank_floor_us = 0;
@@ -180,8 +179,7 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
     const double bytes = hit_by[r].size() * expert_bytes(s, s.inter) + shared_bytes(s, T);
     const double flops =
         double(rows_by[r]) * s.expert_flops(s.inter) + double(T) * s.expert_flops(s.shared_inter());
-    rank_floor_us =
-        std::max(rank_floor_us, std::max(bytes / read_bw, flops / (opt.tc_peak_tflops * 1e12)) * 1e6);
+    rank_floor_us = std::max(rank_floor_us, std::max(bytes / read_bw, flops / (dense_tflops * 1e12)) * 1e6);
   }
   const double tflops = double(Tall) * s.flops_per_token() / (t_ep.median_us * 1e-6) * 1e-12;
   const double link_gbps = moved / (t_ep.median_us * 1e-6) * 1e-9;
@@ -222,17 +220,17 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
 
 }  // namespace
 
-MoeShape bench_shape(const std::string& preset, const BenchOptions& opt) {
-  MoeShape s = find_preset(preset).shape;
-  if (opt.experts > 0) s.experts = opt.experts;
-  if (opt.topk > 0) s.topk = opt.topk;
-  if (opt.shared_experts >= 0) s.shared_experts = opt.shared_experts;
-  if (s.n_group > 1 && s.experts % s.n_group != 0) s.n_group = 1, s.topk_group = 1;
-  s.validate();
-  return s;
+std::string bench_device_name() {
+  int dev = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  MEGAMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  return prop.name;
 }
 
 nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const std::string&)>& log) {
+  validate_bench_options(opt);
+  const auto t_start = std::chrono::steady_clock::now();
   cudaStream_t stream;
   MEGAMOE_CUDA_CHECK(cudaStreamCreate(&stream));
   cudaDeviceProp prop{};
@@ -240,30 +238,101 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
   MEGAMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
   const double read_bw = bench::measure_read_bandwidth(size_t(4) << 30, 20, stream);
-  log(fmt::format("device {} ({} SMs), streaming read {:.3f} TB/s, FP8 tensor-core ceiling {:.0f} TFLOP/s",
-                  prop.name, prop.multiProcessorCount, read_bw * 1e-12, opt.tc_peak_tflops));
+  log(fmt::format("device {} ({} SMs), streaming read {:.3f} TB/s", prop.name, prop.multiProcessorCount,
+                  read_bw * 1e-12));
   nlohmann::json out;
   out["device"] = prop.name;
+  out["card"] = prop.name;
   out["sms"] = prop.multiProcessorCount;
   out["read_bw_TBps"] = read_bw * 1e-12;
-  out["tc_peak_tflops"] = opt.tc_peak_tflops;
   out["cases"] = nlohmann::json::array();
 
   if (opt.ranks > 1) {
+    // Expert parallelism: the dense GEMM pair timed as the EP cases are (back-to-back
+    // replays after flushes), its rate the compute floor.
     out["ranks"] = opt.ranks;
+    out["dense_fp8"] = nlohmann::json::array();
     for (const std::string& name : opt.presets) {
       const MoeShape s = bench_shape(name, opt);
+      bench::DenseFp8GemmPair dense(opt.dense_m, s.hidden, s.inter);
+      dense.run(stream);
+      const bench::Timing td = time_graph(stream, opt, [&](cudaStream_t st) { dense.run(st); });
+      const double dense_tflops = dense.flops() / (td.median_us * 1e-6) * 1e-12;
+      out["dense_fp8"].push_back({{"preset", name}, {"timing", "replays"}, {"tflops", dense_tflops}});
+      if (!out.contains("dense_fp8_tflops")) out["dense_fp8_tflops"] = {{"replays", dense_tflops}};
+      log(fmt::format("{}: dense FP8 GEMM pair m={} (N=2I K=H, N=H K=I): {:.0f} TFLOP/s", name, opt.dense_m,
+                      dense_tflops));
       HostMoeWeights hw = make_random_weights(s, 1234);
       DeviceBuffer dw(hw.bytes());
       MEGAMOE_CUDA_CHECK(cudaMemcpy(dw.p, hw.data(), hw.bytes(), cudaMemcpyHostToDevice));
-      for (int T : opt.tokens) bench_ep_case(opt, name, hw, dw.p, T, read_bw, stream, out, log);
+      for (int T : opt.tokens) bench_ep_case(opt, name, hw, dw.p, T, read_bw, dense_tflops, stream, out, log);
     }
     cudaStreamDestroy(stream);
     return out;
   }
 
+  bench::check_nvml_clock_and_power();  // (every case records the SM clock and power)
+  std::vector<bench::Regime> regimes;
+  for (const std::string& r : opt.regimes)
+    regimes.push_back(r == "sustained" ? bench::Regime::kSustained : bench::Regime::kBurst);
+  bench::RegimeOptions full;
+  full.sustained_seconds = opt.sustained_seconds;
+  full.ramp_seconds = opt.ramp_seconds;
+  full.burst_calls = opt.iters;
+  full.burst_gap_ms = opt.burst_gap_ms;
+  // The routing alone and the baseline follow the layer at once: no ramp, a shorter window.
+  bench::RegimeOptions side = full;
+  side.sustained_seconds = opt.sustained_seconds * opt.side_window_fraction;
+  side.ramp_seconds = 0;
+
+  out["routing"] = opt.routings;  // (each case names its own)
+  out["regimes"] = opt.regimes;
+  out["timing"] = {{"sustained_seconds", opt.sustained_seconds},
+                   {"ramp_seconds", opt.ramp_seconds},
+                   {"side_window_seconds", side.sustained_seconds},
+                   {"burst_calls", opt.iters},
+                   {"burst_gap_ms", opt.burst_gap_ms},
+                   {"l2_flush_each_call", true}};
+  out["dense_fp8"] = nlohmann::json::array();
   for (const std::string& name : opt.presets) {
     const MoeShape shape = bench_shape(name, opt);
+    // The yardstick of this preset: the layer's two GEMM shapes, dense, timed as its cases.
+    std::map<std::string, double> dense_tflops;
+    {
+      bench::DenseFp8GemmPair dense(opt.dense_m, shape.hidden, shape.inter);
+      dense.run(stream);
+      MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const CapturedGraph g(stream, [&](cudaStream_t st) { dense.run(st); });
+      nlohmann::json d;
+      d["preset"] = name;
+      d["m"] = dense.m();
+      d["gemm1"] = {{"n", 2 * shape.inter}, {"k", shape.hidden}};
+      d["gemm2"] = {{"n", shape.hidden}, {"k", shape.inter}};
+      d["scales"] = "1x128 activations (VEC128_32F), 128x128 weights (BLK128x128_32F), BF16 out, cuBLASLt";
+      d["flops"] = dense.flops();
+      for (bench::Regime r : regimes) {
+        const bench::RegimeTiming rt = bench::time_regime(std::cref(g), stream, r, full);
+        const double tf = dense.flops() / (rt.t.median_us * 1e-6) * 1e-12;
+        dense_tflops[bench::regime_name(r)] = tf;
+        d[bench::regime_name(r)] = {{"tflops", tf},          {"us", rt.t.median_us},
+                                    {"us_p10", rt.t.p10_us}, {"us_p90", rt.t.p90_us},
+                                    {"calls", rt.calls},     {"sm_clock_mhz", rt.sm_clock_mhz},
+                                    {"power_w", rt.power_w}};
+        log(fmt::format(
+            "{:14s} dense FP8 GEMM pair m={} (N={} K={}; N={} K={}) {:9s}: {:8.1f} us, {:6.0f} TFLOP/s, "
+            "{:4.0f} MHz, {:3.0f} W",
+            name, dense.m(), 2 * shape.inter, shape.hidden, shape.hidden, shape.inter, bench::regime_name(r),
+            rt.t.median_us, tf, rt.sm_clock_mhz, rt.power_w));
+      }
+      out["dense_fp8"].push_back(d);
+      // The top level's: GLM-5's when it runs (the issue's targets), else the first
+      // preset's; each case records its own preset's rate.
+      if (!out.contains("dense_fp8_tflops") || name == "glm-5") {
+        out["dense_fp8_tflops"] = dense_tflops;
+        out["dense_gemm"] = d;
+      }
+    }
+
     std::vector<std::pair<MoeShape, int>> shapes;  // (shape, local-expert divisor)
     shapes.push_back({shape, 1});
     if (opt.ep8_share && shape.experts % 8 == 0) {
@@ -277,153 +346,205 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
       DeviceBuffer dw(hw.bytes());
       MEGAMOE_CUDA_CHECK(cudaMemcpy(dw.p, hw.data(), hw.bytes(), cudaMemcpyHostToDevice));
       const MoeWeightsView dview = MoeWeightsView::at(dw.p, hw.layout, s);
-      for (int T : opt.tokens) {
-        const std::vector<num::bf16_t> x = bench_input(T, s.hidden);
-        DeviceBuffer dx(x.size() * 2), dy(x.size() * 2);
-        MEGAMOE_CUDA_CHECK(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
-        MoeLayerOptions lo;
-        lo.max_tokens = T;
-        CudaMoeLayer layer(s, dw.p, lo);
-        auto* xp = static_cast<const num::bf16_t*>(dx.p);
-        auto* yp = static_cast<num::bf16_t*>(dy.p);
-        // As served: the forward and the routing alone as CUDA-graph replays, the token
-        // count in device memory (no per-launch host gaps in the figures).
-        DeviceBuffer dT(sizeof(int));
-        MEGAMOE_CUDA_CHECK(cudaMemcpy(dT.p, &T, sizeof(int), cudaMemcpyHostToDevice));
-        const int* dTp = static_cast<const int*>(dT.p);
-        const bench::Timing ours =
-            time_graph(stream, opt, [&](cudaStream_t st2) { layer.forward(xp, yp, T, dTp, st2); });
-        const bench::Timing route =
-            time_graph(stream, opt, [&](cudaStream_t st2) { layer.route(xp, T, dTp, st2); });
-        bench::EnergyRun energy;
-        if (opt.energy_seconds > 0 && T > 0)
-          energy = energy_graph(stream, opt, ours.median_us,
-                                [&](cudaStream_t st2) { layer.forward(xp, yp, T, dTp, st2); });
-        layer.forward(xp, yp, T, nullptr, stream);
-        MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-        kernels::fused_moe_print_profile(T);
-        std::vector<int32_t> ids(size_t(T) * s.topk);
-        std::vector<float> wts(ids.size());
-        MEGAMOE_CUDA_CHECK(cudaMemcpy(ids.data(), layer.topk_ids(), ids.size() * 4, cudaMemcpyDeviceToHost));
-        MEGAMOE_CUDA_CHECK(
-            cudaMemcpy(wts.data(), layer.topk_weights(), wts.size() * 4, cudaMemcpyDeviceToHost));
-        std::vector<num::bf16_t> y(x.size());
-        MEGAMOE_CUDA_CHECK(cudaMemcpy(y.data(), dy.p, y.size() * 2, cudaMemcpyDeviceToHost));
-        size_t nonfinite = 0;
-        for (auto v : y) nonfinite += !std::isfinite(num::bf16_decode(v));
-
-        std::set<int> hit(ids.begin(), ids.end());
-        hit.erase(-1);
-        const double bytes = hit.size() * expert_bytes(s, s.inter) + shared_bytes(s, T);
-        const double flops = double(T) * s.flops_per_token();
-        const double hbm_floor_us = bytes / read_bw * 1e6;
-        const double tc_floor_us = flops / (opt.tc_peak_tflops * 1e12) * 1e6;
-        const double floor_us = std::max(hbm_floor_us, tc_floor_us);
-        double diag_logits_us = -1, diag_topk_us = -1, diag_read_us = -1;
-        if (opt.diagnostics && T > 0) {
-          // The routing's kernels alone (after a full routing, so the top-k reads real
-          // logits); each figure includes a graph launch.
-          auto parts = [&](int mask) {
-            kernels::set_route_parts_for_timing(mask);
-            const bench::Timing t =
-                time_graph(stream, opt, [&](cudaStream_t st2) { layer.route(xp, T, dTp, st2); });
-            kernels::set_route_parts_for_timing(kernels::kRoutePartLogits | kernels::kRoutePartTopk);
-            return t.median_us;
-          };
-          diag_logits_us = parts(kernels::kRoutePartLogits);
-          diag_topk_us = parts(kernels::kRoutePartTopk);
-          // The streaming read of this case's weight bytes after the same L2 flush: what
-          // reading them costs as a kernel (launch, ramp, the flush's dirty lines), beside
-          // the bandwidth floor.
-          const size_t case_bytes = size_t(bytes) / 16 * 16;
-          diag_read_us =
-              case_bytes / bench::measure_read_bandwidth(case_bytes, opt.iters, stream, true) * 1e6;
-          log(
-              fmt::format("{:14s} E={:3d} T={:5d}: route {:.1f} us; logits alone {:.1f}, top-k alone {:.1f}; "
-                          "reading the case's {:.1f} MB after a flush: {:.1f} us",
-                          name, s.experts, T, route.median_us, diag_logits_us, diag_topk_us,
-                          case_bytes * 1e-6, diag_read_us));
-        }
-
-        double base_us = -1;
-        std::string base_timing;
-        if (opt.baseline && T > 0) {
-          bench::CublasLtMoeBaseline base(s, dview, T);
-          const bench::DeviceRoutedBatch& b = base.plan(ids.data(), wts.data(), T, stream);
-          // Timed as ours: one graph replay of our routing and the expert-by-expert GEMMs
-          // (2 x the experts hit launches: eager, the host's launch gaps counted ~13-15 us
-          // a GEMM at decode), after one eager run that settles cuBLASLt's choices. The
-          // batch's counts come from the routing before timing (a served expert-by-expert
-          // layer would copy them to the host every forward: not counted).
-          base.forward(b, xp, yp, stream);
-          MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-          try {
-            base_us = time_graph(stream, opt, [&](cudaStream_t st2) {
-                        layer.route(xp, T, dTp, st2);
-                        base.forward(b, xp, yp, st2);
-                      }).median_us;
-            base_timing = "graph";
-          } catch (const std::exception& e) {
-            // Said in the log and the JSON: such a ratio counts the launches too.
-            log(
-                fmt::format("{} T={}: the cuBLASLt baseline cannot be captured in a graph ({}); timed as "
-                            "eager launches plus our routing's graph",
-                            name, T, e.what()));
-            const bench::Timing bt = bench::time_device(
-                [&](cudaStream_t st2) { base.forward(b, xp, yp, st2); }, stream, opt.warmup, opt.iters, true);
-            base_us = bt.median_us + route.median_us;
-            base_timing = "eager";
+      for (const std::string& routing_text : opt.routings) {
+        const RoutingSpec routing = parse_routing(routing_text);
+        const bool external = routing.kind == RoutingSpec::Kind::kZipf;
+        for (int T : opt.tokens) {
+          const std::vector<num::bf16_t> x = bench_input(T, s.hidden);
+          DeviceBuffer dx(x.size() * 2), dy(x.size() * 2);
+          MEGAMOE_CUDA_CHECK(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+          MoeLayerOptions lo;
+          lo.max_tokens = T;
+          CudaMoeLayer layer(s, dw.p, lo);
+          auto* xp = static_cast<const num::bf16_t*>(dx.p);
+          auto* yp = static_cast<num::bf16_t*>(dy.p);
+          // zipf: generated ids (the same popularity order for every T of the run) through
+          // external routing.
+          GeneratedRouting gen;
+          if (external) gen = zipf_routing(s, T, routing.zipf_s, opt.routing_seed);
+          DeviceBuffer dids(gen.ids.size() * 4), dwts(gen.weights.size() * 4);
+          RoutingInput ext;
+          if (external) {
+            MEGAMOE_CUDA_CHECK(
+                cudaMemcpy(dids.p, gen.ids.data(), gen.ids.size() * 4, cudaMemcpyHostToDevice));
+            MEGAMOE_CUDA_CHECK(
+                cudaMemcpy(dwts.p, gen.weights.data(), gen.weights.size() * 4, cudaMemcpyHostToDevice));
+            ext.ids = dids.p;
+            ext.id_bytes = 4;
+            ext.weights = static_cast<const float*>(dwts.p);
           }
+          // As served: the forward and the routing alone as CUDA-graph replays, the token
+          // count in device memory (no per-launch host gaps in the figures). External
+          // routing: the router still runs first (its cost is the same whatever ids it
+          // finds), so the times compare with uniform's.
+          DeviceBuffer dT(sizeof(int));
+          MEGAMOE_CUDA_CHECK(cudaMemcpy(dT.p, &T, sizeof(int), cudaMemcpyHostToDevice));
+          const int* dTp = static_cast<const int*>(dT.p);
+          auto forward = [&](cudaStream_t st2) {
+            if (external) {
+              layer.route(xp, T, dTp, st2);
+              layer.forward(xp, yp, T, dTp, st2, ext);
+            } else {
+              layer.forward(xp, yp, T, dTp, st2);
+            }
+          };
+          // One eager forward: the ids and the outputs this case reports.
+          if (external)
+            layer.forward(xp, yp, T, nullptr, stream, ext);
+          else
+            layer.forward(xp, yp, T, nullptr, stream);
+          MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+          layer.check();
+          kernels::fused_moe_print_profile(T);
+          std::vector<int32_t> ids(size_t(T) * s.topk);
+          std::vector<float> wts(ids.size());
+          MEGAMOE_CUDA_CHECK(
+              cudaMemcpy(ids.data(), layer.topk_ids(), ids.size() * 4, cudaMemcpyDeviceToHost));
+          MEGAMOE_CUDA_CHECK(
+              cudaMemcpy(wts.data(), layer.topk_weights(), wts.size() * 4, cudaMemcpyDeviceToHost));
+          if (external && ids != gen.ids)
+            throw std::runtime_error(
+                fmt::format("bench: {} T={}: the layer's ids differ from the {} ids it was given", name, T,
+                            routing.text()));
+          std::vector<num::bf16_t> y(x.size());
+          MEGAMOE_CUDA_CHECK(cudaMemcpy(y.data(), dy.p, y.size() * 2, cudaMemcpyDeviceToHost));
+          size_t nonfinite = 0;
+          for (auto v : y) nonfinite += !std::isfinite(num::bf16_decode(v));
+
+          // The read floor: the experts actually hit (and the shared one).
+          std::vector<int> rows(s.experts, 0);
+          for (int32_t id : ids)
+            if (id >= 0 && id < s.experts) ++rows[id];
+          const size_t hit = size_t(std::count_if(rows.begin(), rows.end(), [](int r) { return r > 0; }));
+          const double bytes = hit * expert_bytes(s, s.inter) + shared_bytes(s, T);
+          const double flops = double(T) * s.flops_per_token();
+          const double mean_rows = double(T) * s.topk / s.experts;
+          const double hot = mean_rows > 0 ? *std::max_element(rows.begin(), rows.end()) / mean_rows : 0.0;
+
+          const CapturedGraph g_fwd(stream, forward);
+          const CapturedGraph g_route(stream, [&](cudaStream_t st2) { layer.route(xp, T, dTp, st2); });
+
+          std::unique_ptr<bench::CublasLtMoeBaseline> base;
+          std::unique_ptr<CapturedGraph> g_base;
+          const bench::DeviceRoutedBatch* batch = nullptr;
+          std::string base_timing;
+          if (opt.baseline && T > 0) {
+            base = std::make_unique<bench::CublasLtMoeBaseline>(s, dview, T);
+            batch = &base->plan(ids.data(), wts.data(), T, stream);
+            // Timed as ours: one graph replay of our routing and the expert-by-expert GEMMs
+            // (2 x the experts hit launches), after one eager run that settles cuBLASLt's
+            // choices. The batch's counts come from the routing before timing (a served
+            // expert-by-expert layer would copy them to the host every forward: not counted).
+            base->forward(*batch, xp, yp, stream);
+            MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+            try {
+              g_base = std::make_unique<CapturedGraph>(stream, [&](cudaStream_t st2) {
+                layer.route(xp, T, dTp, st2);
+                base->forward(*batch, xp, yp, st2);
+              });
+              base_timing = "graph";
+            } catch (const std::exception& e) {
+              // Said in the log and the JSON: such a ratio counts the launches too.
+              log(
+                  fmt::format("{} T={}: the cuBLASLt baseline cannot be captured in a graph ({}); timed as "
+                              "eager launches plus our routing's graph",
+                              name, T, e.what()));
+              base_timing = "eager";
+            }
+          }
+
+          double diag_logits_us = -1, diag_topk_us = -1, diag_read_us = -1;
+          if (opt.diagnostics && T > 0) {
+            // The routing's kernels alone (after a full routing, so the top-k reads real
+            // logits); each figure includes a graph launch.
+            auto parts = [&](int mask) {
+              kernels::set_route_parts_for_timing(mask);
+              const bench::Timing t =
+                  time_graph(stream, opt, [&](cudaStream_t st2) { layer.route(xp, T, dTp, st2); });
+              kernels::set_route_parts_for_timing(kernels::kRoutePartLogits | kernels::kRoutePartTopk);
+              return t.median_us;
+            };
+            diag_logits_us = parts(kernels::kRoutePartLogits);
+            diag_topk_us = parts(kernels::kRoutePartTopk);
+            // The streaming read of this case's weight bytes after the same L2 flush.
+            const size_t case_bytes = size_t(bytes) / 16 * 16;
+            diag_read_us =
+                case_bytes / bench::measure_read_bandwidth(case_bytes, opt.iters, stream, true) * 1e6;
+            log(fmt::format(
+                "{:14s} E={:3d} T={:5d}: logits alone {:.1f} us, top-k alone {:.1f}; "
+                "reading the case's {:.1f} MB after a flush: {:.1f} us",
+                name, s.experts, T, diag_logits_us, diag_topk_us, case_bytes * 1e-6, diag_read_us));
+          }
+
+          std::vector<nlohmann::json> records;
+          for (bench::Regime r : regimes) {
+            const bench::RegimeTiming ours = bench::time_regime(std::cref(g_fwd), stream, r, full);
+            const bench::RegimeTiming route = bench::time_regime(std::cref(g_route), stream, r, side);
+            double base_us = -1;
+            if (g_base) {
+              base_us = bench::time_regime(std::cref(*g_base), stream, r, side).t.median_us;
+            } else if (base) {
+              base_us = bench::time_regime([&](cudaStream_t st2) { base->forward(*batch, xp, yp, st2); },
+                                           stream, r, side)
+                            .t.median_us +
+                        route.t.median_us;
+            }
+            BenchCaseFigures f;
+            f.preset = name;
+            f.shape = s.describe();
+            f.routing = routing.text();
+            f.regime = bench::regime_name(r);
+            f.config = layer.config_for(T);
+            f.baseline_timing = base_timing;
+            f.tokens = T;
+            f.local_experts = s.experts;
+            f.ep_share = ep_div;
+            f.experts_hit = hit;
+            f.hot_expert_rows = hot;
+            f.weight_bytes = bytes;
+            f.flops = flops;
+            f.read_bw = read_bw;
+            f.dense_tflops = dense_tflops.at(f.regime);
+            f.us = ours.t.median_us;
+            f.us_p10 = ours.t.p10_us;
+            f.us_p90 = ours.t.p90_us;
+            f.route_us = route.t.median_us;
+            f.baseline_us = base_us;
+            f.sm_clock_mhz = ours.sm_clock_mhz;
+            f.power_w = ours.power_w;
+            f.calls = ours.calls;
+            f.nonfinite = nonfinite;
+            nlohmann::json c = bench_case_record(f);
+            c["routing_source"] = external ? "external (the router timed alongside)" : "router";
+            if (opt.diagnostics && T > 0) {
+              c["route_logits_alone_us"] = diag_logits_us;
+              c["route_topk_alone_us"] = diag_topk_us;
+              c["read_after_flush_us"] = diag_read_us;
+            }
+            records.push_back(c);
+            log(bench_case_line(f));
+          }
+          layer.check();
+          if (opt.energy_seconds > 0 && T > 0) {
+            const bench::EnergyRun energy =
+                bench::measure_energy(std::cref(g_fwd), stream, opt.energy_seconds,
+                                      records.empty() ? 100.0 : records.front()["us"].get<double>(), true);
+            for (auto& c : records) {
+              c["energy_mJ"] = energy.mJ_per_call;
+              c["energy_power_W"] = energy.watts;
+              c["energy_calls"] = energy.calls;
+            }
+            log(fmt::format("{:14s} E={:3d} T={:5d}: {:.1f} mJ a layer, {:.0f} W over {} calls", name,
+                            s.experts, T, energy.mJ_per_call, energy.watts, energy.calls));
+          }
+          for (auto& c : records) out["cases"].push_back(c);
         }
-        nlohmann::json c;
-        c["preset"] = name;
-        c["shape"] = s.describe();
-        c["tokens"] = T;
-        c["local_experts"] = s.experts;
-        c["ep_share"] = ep_div;
-        c["us"] = ours.median_us;
-        c["us_p10"] = ours.p10_us;
-        c["us_p90"] = ours.p90_us;
-        c["route_us"] = route.median_us;
-        c["after_routing_us"] = ours.median_us - route.median_us;
-        c["floor_us"] = floor_us;
-        c["hbm_floor_us"] = hbm_floor_us;
-        c["tc_floor_us"] = tc_floor_us;
-        c["experts_hit"] = hit.size();
-        c["weight_bytes"] = bytes;
-        c["tflops"] = flops / (ours.median_us * 1e-6) * 1e-12;
-        c["weight_TBps"] = bytes / (ours.median_us * 1e-6) * 1e-12;
-        c["ratio_to_floor"] = ours.median_us / floor_us;
-        c["baseline_us"] = base_us;
-        if (!base_timing.empty()) c["baseline_timing"] = base_timing;  // "graph" from 2026-12-05 (v34)
-        c["speedup_vs_baseline"] = base_us > 0 ? base_us / ours.median_us : 0.0;
-        c["nonfinite_outputs"] = nonfinite;
-        c["config"] = layer.config_for(T);
-        if (energy.calls > 0) {
-          c["energy_mJ"] = energy.mJ_per_call;
-          c["power_W"] = energy.watts;
-          c["energy_calls"] = energy.calls;
-        }
-        if (opt.diagnostics && T > 0) {
-          c["route_logits_alone_us"] = diag_logits_us;
-          c["route_topk_alone_us"] = diag_topk_us;
-          c["read_after_flush_us"] = diag_read_us;
-        }
-        out["cases"].push_back(c);
-        const std::string energy_note = energy.calls > 0
-                                            ? fmt::format(" | {:.1f} mJ a layer, {:.0f} W over {} calls",
-                                                          energy.mJ_per_call, energy.watts, energy.calls)
-                                            : std::string();
-        log(fmt::format(
-            "{:14s} E={:3d} T={:5d}: {:9.1f} us (p10 {:.1f}, p90 {:.1f}; route {:.1f}) floor {:8.1f} "
-            "(x{:.2f}) {:7.1f} TFLOP/s {:5.2f} TB/s | cuBLASLt {:9.1f} us (x{:.2f}) | {}{}",
-            name, s.experts, T, ours.median_us, ours.p10_us, ours.p90_us, route.median_us, floor_us,
-            ours.median_us / floor_us, flops / (ours.median_us * 1e-6) * 1e-12,
-            bytes / (ours.median_us * 1e-6) * 1e-12, base_us, base_us > 0 ? base_us / ours.median_us : 0.0,
-            layer.config_for(T), energy_note));
       }
     }
   }
+  const double wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  out["wall_seconds"] = wall_s;
+  log(fmt::format("{} case records in {:.0f} s", out["cases"].size(), wall_s));
   cudaStreamDestroy(stream);
   return out;
 }

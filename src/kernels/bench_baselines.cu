@@ -4,12 +4,16 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <deque>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda_check.h"
@@ -198,64 +202,143 @@ Timing time_device(const std::function<void(cudaStream_t)>& fn, cudaStream_t str
 
 namespace {
 
-// NVML's energy counter through dlopen: nothing links against the driver's management
-// library, so the tools still start on a machine without it. Only the three entry
-// points used here are declared (C ABI, opaque device handle).
-struct NvmlEnergy {
+// NVML through dlopen: nothing links against the driver's management library, so the
+// tools still start on a machine without it. Only the entry points used here are
+// declared (C ABI, opaque device handle; NVML_CLOCK_SM is 1 in nvmlClockType_t).
+struct Nvml {
   using Device = void*;
+  static constexpr int kClockSm = 1;
   int (*Init)() = nullptr;
   int (*HandleByPciBusId)(const char*, Device*) = nullptr;
   int (*TotalEnergy)(Device, unsigned long long*) = nullptr;
+  int (*ClockInfo)(Device, int, unsigned int*) = nullptr;
+  int (*PowerUsage)(Device, unsigned int*) = nullptr;
 
-  static const NvmlEnergy& get() {
+  static const Nvml& get() {
     static std::mutex m;
-    static NvmlEnergy api;
+    static Nvml api;
+    static bool loaded = false;
     static std::string error;
     std::lock_guard<std::mutex> lock(m);
-    if (api.TotalEnergy) return api;
+    if (loaded) return api;
     if (!error.empty()) throw std::runtime_error(error);
     void* h = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!h) error = std::string("energy: cannot load libnvidia-ml.so.1 (") + dlerror() + ")";
-    NvmlEnergy a;
+    if (!h) error = std::string("NVML: cannot load libnvidia-ml.so.1 (") + dlerror() + ")";
+    Nvml a;
     if (h) {
       a.Init = reinterpret_cast<int (*)()>(dlsym(h, "nvmlInit_v2"));
       a.HandleByPciBusId =
           reinterpret_cast<int (*)(const char*, Device*)>(dlsym(h, "nvmlDeviceGetHandleByPciBusId_v2"));
       a.TotalEnergy = reinterpret_cast<int (*)(Device, unsigned long long*)>(
           dlsym(h, "nvmlDeviceGetTotalEnergyConsumption"));
-      if (!a.Init || !a.HandleByPciBusId || !a.TotalEnergy)
-        error = "energy: libnvidia-ml.so.1 lacks nvmlDeviceGetTotalEnergyConsumption";
+      a.ClockInfo = reinterpret_cast<int (*)(Device, int, unsigned int*)>(dlsym(h, "nvmlDeviceGetClockInfo"));
+      a.PowerUsage = reinterpret_cast<int (*)(Device, unsigned int*)>(dlsym(h, "nvmlDeviceGetPowerUsage"));
+      if (!a.Init || !a.HandleByPciBusId)
+        error = "NVML: libnvidia-ml.so.1 lacks nvmlInit_v2 / nvmlDeviceGetHandleByPciBusId_v2";
       else if (const int r = a.Init(); r != 0)
-        error = "energy: nvmlInit_v2 failed (NVML error " + std::to_string(r) + ")";
+        error = "NVML: nvmlInit_v2 failed (NVML error " + std::to_string(r) + ")";
     }
     if (!error.empty()) throw std::runtime_error(error);
     api = a;
+    loaded = true;
     return api;
   }
 
-  // Millijoules since the driver loaded, for the current CUDA device.
-  unsigned long long read_mJ() const {
+  // The NVML handle of the current CUDA device.
+  Device device() const {
     int dev = 0;
     MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
     char bus[32] = {};
     MEGAMOE_CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof(bus), dev));
     Device d = nullptr;
     if (const int r = HandleByPciBusId(bus, &d); r != 0)
-      throw std::runtime_error(std::string("energy: no NVML device for ") + bus + " (NVML error " +
+      throw std::runtime_error(std::string("NVML: no device for ") + bus + " (NVML error " +
                                std::to_string(r) + ")");
+    return d;
+  }
+
+  // Millijoules since the driver loaded, for the current CUDA device.
+  unsigned long long read_mJ() const {
+    if (!TotalEnergy)
+      throw std::runtime_error("energy: libnvidia-ml.so.1 lacks nvmlDeviceGetTotalEnergyConsumption");
     unsigned long long mJ = 0;
-    if (const int r = TotalEnergy(d, &mJ); r != 0)
+    if (const int r = TotalEnergy(device(), &mJ); r != 0)
       throw std::runtime_error("energy: nvmlDeviceGetTotalEnergyConsumption failed (NVML error " +
                                std::to_string(r) + ")");
     return mJ;
   }
+
+  // The SM clock (MHz) and board power (W) of device d.
+  void read_clock_power(Device d, double& mhz, double& watts) const {
+    if (!ClockInfo || !PowerUsage)
+      throw std::runtime_error(
+          "NVML: libnvidia-ml.so.1 lacks nvmlDeviceGetClockInfo / nvmlDeviceGetPowerUsage");
+    unsigned int clk = 0, mw = 0;
+    if (const int r = ClockInfo(d, kClockSm, &clk); r != 0)
+      throw std::runtime_error("NVML: nvmlDeviceGetClockInfo(NVML_CLOCK_SM) failed (NVML error " +
+                               std::to_string(r) + ")");
+    if (const int r = PowerUsage(d, &mw); r != 0)
+      throw std::runtime_error("NVML: nvmlDeviceGetPowerUsage failed (NVML error " + std::to_string(r) + ")");
+    mhz = clk;
+    watts = mw * 1e-3;
+  }
+};
+
+double median_of(std::vector<double> v) {
+  if (v.empty()) return -1;
+  std::sort(v.begin(), v.end());
+  return percentile(v, 0.5);
+}
+
+// Samples the SM clock and power of one device from a host thread every period_ms
+// until stopped; NVML errors in the thread are rethrown by stop().
+class NvmlSampler {
+ public:
+  NvmlSampler(const Nvml& nvml, Nvml::Device d, int period_ms) : nvml_(nvml), d_(d), period_ms_(period_ms) {}
+  void start() {
+    stop_ = false;
+    thread_ = std::thread([this] {
+      try {
+        while (!stop_.load()) {
+          double mhz = 0, w = 0;
+          nvml_.read_clock_power(d_, mhz, w);
+          clock_.push_back(mhz);
+          power_.push_back(w);
+          std::this_thread::sleep_for(std::chrono::milliseconds(period_ms_));
+        }
+      } catch (...) {
+        error_ = std::current_exception();
+      }
+    });
+  }
+  void stop(RegimeTiming& out) {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+    if (error_) std::rethrow_exception(error_);
+    out.sm_clock_mhz = median_of(clock_);
+    out.power_w = median_of(power_);
+    out.samples = int(clock_.size());
+  }
+  ~NvmlSampler() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  const Nvml& nvml_;
+  Nvml::Device d_;
+  int period_ms_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+  std::exception_ptr error_;
+  std::vector<double> clock_, power_;
 };
 
 }  // namespace
 
 EnergyRun measure_energy(const std::function<void(cudaStream_t)>& fn, cudaStream_t stream, double seconds,
                          double call_us_estimate, bool flush_l2_each) {
-  const NvmlEnergy& nvml = NvmlEnergy::get();
+  const Nvml& nvml = Nvml::get();
   // Enough calls for `seconds`, enqueued in batches so the host never runs far ahead.
   const int calls = std::max(1, int(std::ceil(seconds * 1e6 / std::max(call_us_estimate, 1.0))));
   const int batch = std::max(1, std::min(calls, int(std::ceil(0.05e6 / std::max(call_us_estimate, 1.0)))));
@@ -278,6 +361,126 @@ EnergyRun measure_energy(const std::function<void(cudaStream_t)>& fn, cudaStream
   r.mJ_per_call = double(e1 - e0) / calls;
   r.watts = double(e1 - e0) * 1e-3 / std::chrono::duration<double>(t1 - t0).count();
   return r;
+}
+
+const char* regime_name(Regime r) { return r == Regime::kSustained ? "sustained" : "burst"; }
+
+void check_nvml_clock_and_power() {
+  const Nvml& nvml = Nvml::get();
+  double mhz = 0, w = 0;
+  nvml.read_clock_power(nvml.device(), mhz, w);
+}
+
+RegimeTiming time_regime(const std::function<void(cudaStream_t)>& fn, cudaStream_t stream, Regime regime,
+                         const RegimeOptions& opt) {
+  if (opt.burst_calls < 1 || !(opt.sustained_seconds > 0) || !(opt.ramp_seconds >= 0) ||
+      !(opt.burst_gap_ms >= 0))
+    throw std::invalid_argument(
+        "time_regime: burst_calls >= 1, sustained_seconds > 0, ramp_seconds >= 0, "
+        "burst_gap_ms >= 0");
+  const Nvml* nvml = opt.sample_nvml ? &Nvml::get() : nullptr;
+  const Nvml::Device nv_dev = nvml ? nvml->device() : nullptr;
+  auto call = [&](cudaStream_t s) {
+    if (opt.flush_l2_each) flush_l2(s);
+    fn(s);
+  };
+  // Warm-up, and the time one flushed call takes (sizes the sustained batches).
+  EventPair w;
+  for (int i = 0; i < 2; ++i) call(stream);
+  MEGAMOE_CUDA_CHECK(cudaEventRecord(w.start, stream));
+  call(stream);
+  MEGAMOE_CUDA_CHECK(cudaEventRecord(w.stop, stream));
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  float warm_ms = 0;
+  MEGAMOE_CUDA_CHECK(cudaEventElapsedTime(&warm_ms, w.start, w.stop));
+
+  RegimeTiming out;
+  std::vector<double> us;
+  if (regime == Regime::kBurst) {
+    std::vector<EventPair> ev(opt.burst_calls);
+    std::vector<double> clock, power;
+    for (int i = 0; i < opt.burst_calls; ++i) {
+      MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(opt.burst_gap_ms));
+      if (opt.flush_l2_each) flush_l2(stream);
+      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev[i].start, stream));
+      fn(stream);
+      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev[i].stop, stream));
+      if (nvml) {
+        double mhz = 0, watts = 0;
+        nvml->read_clock_power(nv_dev, mhz, watts);
+        clock.push_back(mhz);
+        power.push_back(watts);
+      }
+    }
+    MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    for (auto& e : ev) {
+      float ms = 0;
+      MEGAMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, e.start, e.stop));
+      us.push_back(double(ms) * 1e3);
+    }
+    out.sm_clock_mhz = median_of(clock);
+    out.power_w = median_of(power);
+    out.samples = int(clock.size());
+  } else {
+    // Batches of ~20 ms of calls; the host enqueues batch n+1 before it waits for batch
+    // n, so the device never idles between them. Timed batches keep an event pair a
+    // call (two pools, used in turn).
+    const double call_ms = std::max(double(warm_ms), 1e-3);
+    const int batch = std::clamp(int(std::ceil(20.0 / call_ms)), 1, 2048);
+    std::vector<EventPair> pool[2] = {std::vector<EventPair>(batch), std::vector<EventPair>(batch)};
+    struct Pending {
+      EventPair* done;  // (its stop: the batch's last call)
+      int pool, calls;
+      bool timed;
+    };
+    std::deque<Pending> pending;
+    int turn = 0;
+    auto collect = [&](const Pending& p) {
+      MEGAMOE_CUDA_CHECK(cudaEventSynchronize(p.done->stop));
+      if (!p.timed) return;
+      for (int i = 0; i < p.calls; ++i) {
+        float ms = 0;
+        MEGAMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, pool[p.pool][i].start, pool[p.pool][i].stop));
+        us.push_back(double(ms) * 1e3);
+      }
+    };
+    auto window = [&](double seconds, bool timed) {
+      const auto t0 = std::chrono::steady_clock::now();
+      do {
+        // (a pool is reused only after the batch that used it was collected)
+        if (pending.size() == 2) collect(pending.front()), pending.pop_front();
+        const int p = turn;
+        turn ^= 1;
+        for (int i = 0; i < batch; ++i) {
+          if (opt.flush_l2_each) flush_l2(stream);
+          MEGAMOE_CUDA_CHECK(cudaEventRecord(pool[p][i].start, stream));
+          fn(stream);
+          MEGAMOE_CUDA_CHECK(cudaEventRecord(pool[p][i].stop, stream));
+        }
+        pending.push_back(Pending{&pool[p][batch - 1], p, batch, timed});
+      } while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < seconds);
+    };
+    if (opt.ramp_seconds > 0) window(opt.ramp_seconds, false);
+    std::unique_ptr<NvmlSampler> sampler;
+    if (nvml) {
+      // (the ramp's batches drain first, so the samples cover the timed calls)
+      while (!pending.empty()) collect(pending.front()), pending.pop_front();
+      sampler = std::make_unique<NvmlSampler>(*nvml, nv_dev, 25);
+      sampler->start();
+    }
+    window(opt.sustained_seconds, true);
+    while (!pending.empty()) collect(pending.front()), pending.pop_front();
+    if (sampler) sampler->stop(out);
+  }
+  std::sort(us.begin(), us.end());
+  out.calls = int(us.size());
+  out.t.median_us = percentile(us, 0.5);
+  out.t.min_us = us.front();
+  out.t.max_us = us.back();
+  out.t.p10_us = percentile(us, 0.1);
+  out.t.p90_us = percentile(us, 0.9);
+  return out;
 }
 
 }  // namespace megamoe::bench

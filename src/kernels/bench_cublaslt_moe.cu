@@ -596,4 +596,99 @@ void CublasLtMoeBaseline::run(const DeviceRoutedBatch& b, num::bf16_t* y, cudaSt
   impl_->run(b, y, stream);
 }
 
+// ---------------------------------------------------------------------------
+// The dense yardstick
+// ---------------------------------------------------------------------------
+
+namespace {
+
+__device__ __forceinline__ uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Random E4M3 bytes, every code but the two NaNs (0x7F, 0xFF): random signs and the
+// full exponent range, as random weights and quantized activations toggle the bits.
+__global__ void fill_e4m3_random(uint8_t* __restrict__ p, size_t n, uint64_t seed) {
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint8_t b = uint8_t(mix64(seed + 0x9E3779B97F4A7C15ull * (i + 1)));
+    if ((b & 0x7F) == 0x7F) b ^= 0x01;
+    p[i] = b;
+  }
+}
+
+// Positive scales in [0.5, 1.5) / 448 (a block amax near 448 maps to the E4M3 range).
+__global__ void fill_scale_random(float* __restrict__ p, size_t n, uint64_t seed) {
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] =
+        (0.5f + float(mix64(seed ^ (0xD1B54A32D192ED03ull * (i + 1))) >> 40) * (1.0f / 16777216.0f)) / 448.0f;
+}
+
+}  // namespace
+
+struct DenseFp8GemmPair::Impl {
+  int m = 0, H = 0, I = 0;
+  CublasLtBlockScaledGemm gemm;
+  DeviceArray<uint8_t> x, w13, a, w2;
+  DeviceArray<float> xs, w13s, as, w2s;
+  DeviceArray<num::bf16_t> d1, d2;
+};
+
+DenseFp8GemmPair::DenseFp8GemmPair(int m, int hidden, int inter, uint64_t seed)
+    : impl_(std::make_unique<Impl>()) {
+  if (m < 4 || m % 4 != 0 || hidden < kBlk || hidden % kBlk != 0 || inter < kBlk || inter % kBlk != 0)
+    throw std::invalid_argument(
+        "DenseFp8GemmPair: need m % 4 == 0 (>= 4), hidden and inter multiples of 128, got m=" +
+        std::to_string(m) + " hidden=" + std::to_string(hidden) + " inter=" + std::to_string(inter));
+  Impl& d = *impl_;
+  d.m = m, d.H = hidden, d.I = inter;
+  const size_t M = size_t(m), H = size_t(hidden), I = size_t(inter);
+  d.x = DeviceArray<uint8_t>(M * H);
+  d.w13 = DeviceArray<uint8_t>(2 * I * H);
+  d.a = DeviceArray<uint8_t>(M * I);
+  d.w2 = DeviceArray<uint8_t>(H * I);
+  d.xs = DeviceArray<float>(H / kBlk * M);
+  d.w13s = DeviceArray<float>(2 * I / kBlk * size_t(round_up(hidden / kBlk, 4)));
+  d.as = DeviceArray<float>(I / kBlk * M);
+  d.w2s = DeviceArray<float>(H / kBlk * size_t(round_up(inter / kBlk, 4)));
+  d.d1 = DeviceArray<num::bf16_t>(M * 2 * I);
+  d.d2 = DeviceArray<num::bf16_t>(M * H);
+  uint64_t k = seed;
+  for (auto* arr : {&d.x, &d.w13, &d.a, &d.w2}) {
+    fill_e4m3_random<<<1024, 256>>>(arr->p, arr->n, ++k);
+    MEGAMOE_CUDA_CHECK_LAUNCH();
+  }
+  for (auto* arr : {&d.xs, &d.w13s, &d.as, &d.w2s}) {
+    fill_scale_random<<<256, 256>>>(arr->p, arr->n, ++k);
+    MEGAMOE_CUDA_CHECK_LAUNCH();
+  }
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+DenseFp8GemmPair::~DenseFp8GemmPair() = default;
+
+void DenseFp8GemmPair::run(cudaStream_t stream) {
+  Impl& d = *impl_;
+  BlockScaledGemmArgs g1;
+  g1.out = 2 * d.I, g1.rows = d.m, g1.k = d.H;
+  g1.w = d.w13.p, g1.ldw = d.H, g1.w_scale = d.w13s.p;
+  g1.x = d.x.p, g1.ldx = d.H, g1.x_scale = d.xs.p;
+  g1.d = d.d1.p, g1.ldd = 2 * d.I, g1.d_type = GemmOut::kBF16;
+  d.gemm.run(g1, stream);
+  BlockScaledGemmArgs g2;
+  g2.out = d.H, g2.rows = d.m, g2.k = d.I;
+  g2.w = d.w2.p, g2.ldw = d.I, g2.w_scale = d.w2s.p;
+  g2.x = d.a.p, g2.ldx = d.I, g2.x_scale = d.as.p;
+  g2.d = d.d2.p, g2.ldd = d.H, g2.d_type = GemmOut::kBF16;
+  d.gemm.run(g2, stream);
+}
+
+double DenseFp8GemmPair::flops() const {
+  const Impl& d = *impl_;
+  return 2.0 * d.m * (2.0 * d.I * d.H + double(d.I) * d.H);
+}
+
+int DenseFp8GemmPair::m() const { return impl_->m; }
+
 }  // namespace megamoe::bench

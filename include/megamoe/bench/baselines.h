@@ -90,6 +90,47 @@ struct EnergyRun {
 EnergyRun measure_energy(const std::function<void(cudaStream_t)>& fn, cudaStream_t stream, double seconds,
                          double call_us_estimate, bool flush_l2_each);
 
+// ---- the two timing regimes ----
+
+// sustained: graph replays back to back (each after an L2 flush when flush_l2_each) for
+//   ramp_seconds untimed, then for sustained_seconds timed, as a busy server runs: the
+//   card settles at its power cap and the SM clock where the cap puts it.
+// burst: burst_calls single calls, each after the stream drained and the host slept
+//   burst_gap_ms (then the flush), as peers' benchmarks time: the card starts every
+//   call rested, near its boost clock.
+enum class Regime { kSustained, kBurst };
+const char* regime_name(Regime r);  // "sustained" | "burst"
+
+struct RegimeOptions {
+  double sustained_seconds = 1.0;
+  double ramp_seconds = 0.2;
+  int burst_calls = 15;
+  double burst_gap_ms = 50;
+  bool flush_l2_each = true;
+  bool sample_nvml = true;  // the SM clock and board power (throws when NVML cannot read them)
+};
+
+struct RegimeTiming {
+  Timing t;  // over every timed call
+  int calls = 0;
+  // Medians of NVML samples (-1 when not sampled). sustained: a host thread samples
+  // every 25 ms during the timed window. burst: one sample right after each call is
+  // enqueued (the clock the call starts at; the driver averages power over about a
+  // second on Hopper, so a burst's power is mostly the idle gaps').
+  double sm_clock_mhz = -1, power_w = -1;
+  int samples = 0;
+};
+
+// Times fn(stream) in regime r (3 untimed calls first, which also size the batches the
+// sustained loop enqueues; the host stays at most two batches of ~20 ms ahead).
+// Synchronizes the stream.
+RegimeTiming time_regime(const std::function<void(cudaStream_t)>& fn, cudaStream_t stream, Regime r,
+                         const RegimeOptions& opt);
+
+// Throws std::runtime_error when NVML (libnvidia-ml.so.1, opened at run time) cannot
+// read the current device's SM clock and power: call before a run that records them.
+void check_nvml_clock_and_power();
+
 // ---- one block-scaled FP8 GEMM through cuBLASLt ----
 
 enum class GemmOut { kF32, kBF16 };
@@ -125,6 +166,31 @@ class CublasLtBlockScaledGemm {
   CublasLtBlockScaledGemm& operator=(const CublasLtBlockScaledGemm&) = delete;
 
   void run(const BlockScaledGemmArgs& a, cudaStream_t stream);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// ---- the in-run dense yardstick ----
+
+// A dense block-scaled FP8 GEMM pair of a layer's shapes on fresh random E4M3 data
+// (no NaN codes) and positive scales: GEMM1 D1[m][2I] = X[m][H] W13[2I][H]^T, then GEMM2
+// D2[m][H] = A[m][I] W2[H][I]^T, both through CublasLtBlockScaledGemm (VEC128
+// activation, BLK128x128 weight scales, BF16 out), so one call does the FLOPs of m
+// token rows through one expert: flops() = 2 m (2 I H + I H). The card's own
+// block-scaled FP8 rate at the layer's K and N, for the compute floor.
+class DenseFp8GemmPair {
+ public:
+  // m % 4 == 0, hidden % 128 == 0, inter % 128 == 0 (throws std::invalid_argument).
+  DenseFp8GemmPair(int m, int hidden, int inter, uint64_t seed = 0x5EED);
+  ~DenseFp8GemmPair();
+  DenseFp8GemmPair(const DenseFp8GemmPair&) = delete;
+  DenseFp8GemmPair& operator=(const DenseFp8GemmPair&) = delete;
+
+  void run(cudaStream_t stream);  // capturable in a CUDA graph after one eager call
+  double flops() const;
+  int m() const;
 
  private:
   struct Impl;
