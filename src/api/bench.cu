@@ -395,7 +395,7 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
         c["weight_TBps"] = bytes / (ours.median_us * 1e-6) * 1e-12;
         c["ratio_to_floor"] = ours.median_us / floor_us;
         c["baseline_us"] = base_us;
-        if (!base_timing.empty()) c["baseline_timing"] = base_timing;  // "graph" from 2026-12-05 (v34)
+        if (!base_timing.empty()) c["baseline_timing"] = base_timing;  // "graph" from 2026-12-05 on
         c["speedup_vs_baseline"] = base_us > 0 ? base_us / ours.median_us : 0.0;
         c["nonfinite_outputs"] = nonfinite;
         c["config"] = layer.config_for(T);

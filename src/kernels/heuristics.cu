@@ -38,7 +38,8 @@ FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms, int loc
   }
   c.block_n = ov.block_n.value_or(c.block_n);
   c.half_tiles = ov.half_tiles.value_or(c.block_n == 128 && avg_rows <= kHalfTileMaxAvgRows);
-  c.pair_tiles = ov.pair_tiles.value_or(kPairTiles && local_experts >= kPairTilesMinExperts) && c.block_n == 128;
+  c.pair_tiles =
+      ov.pair_tiles.value_or(kPairTiles && local_experts >= kPairTilesMinExperts) && c.block_n == 128;
   c.pair_weights = ov.pair_weights.value_or(kPairWeights);
   if (c.block_n <= kDecodePairsMaxBlockN) {
     // GEMM1 tiles (128 columns of an expert hit) at most: every routed row another expert.
@@ -67,7 +68,7 @@ double device_read_gbps_per_sm(int device) {
 std::string describe(const FusedMoeConfig& c) {
   // (each mechanism under its one name: docs/kernel.md's glossary)
   return fmt::format(
-      "block_m={} block_n={} block_k={} stages={} smem={}B sms={} read={:.0f}GB/s/SM "
+      "block_m={} block_n={} block_k={} stages={} smem={}B num_sms={} read_gbps_per_sm={:.0f} "
       "router_ksplit={}{}{}{}{}{}{}{}{}{}",
       kBlockM, c.block_n, kBlockK, c.stages, smem_bytes(c.block_n, c.wide_tiles), c.num_sms,
       c.read_gbps_per_sm, c.router_ksplit, c.half_tiles ? " half_tiles" : "",

@@ -33,7 +33,7 @@ constexpr int kSmemBudget = 227 * 1024;
 constexpr int kRowAlign = 8;
 // L2 promotion of the expert weights' TMA loads: a box row is 128 bytes of one weight row,
 // and 128-byte promotion beat 256 at decode sizes (level at prefill; none measured as 128).
-// The token maps keep 256. (docs/performance-history.md, decode / weight stream)
+// The token maps keep 256. (docs/performance-history.md, "Decode: the weight stream")
 constexpr int kWeightL2PromotionBytes = 128;
 // Finished tiles that may wait for the signal thread's release (fused_moe.cu) before
 // a consumer warp blocks on it.
@@ -41,7 +41,7 @@ constexpr int kTileSlots = 4;
 // The tail pool: GEMM2 tiles per CTA at the end of the schedule that no CTA owns; whoever is
 // done with its own list claims the next (TileSchedule), so the tail evens out. 4 beat a
 // static tail (0) by 1-2 %, and with wide tiles (prefill) 16 beat 4 where the combine waited
-// for the last GEMM2 tile. (docs/performance-history.md, schedule)
+// for the last GEMM2 tile. (docs/performance-history.md, "Schedule and placement")
 constexpr int kTailPool = 4;
 constexpr int kTailPoolWide = 16;
 constexpr int tail_pool_for(bool wide_tiles) { return wide_tiles ? kTailPoolWide : kTailPool; }
@@ -64,7 +64,7 @@ constexpr int kCombineStages = 8;
 // N: a decode tile wastes no rows), 128 tokens in M and weights in N (prefill: the fold needs
 // four scale products per thread, not one per token). Both give the same bytes. The schedule
 // is static and byte-balanced (TileSchedule) up to the tail pool; an atomic counter for every
-// tile measured ~5 % slower from 64 tokens. (docs/performance-history.md, schedule)
+// tile measured ~5 % slower from 64 tokens. (docs/performance-history.md, "Schedule and placement")
 constexpr bool swap_ab(int block_n) { return block_n < 128; }
 // The token blocks the kernel is built for (one instantiation each). 48 sits between 32 and
 // 64 for ~21-23 rows an expert: the decode loop is bound by its own instructions there, which
@@ -74,11 +74,11 @@ constexpr int kNumBlockNs = 6;
 // Half tiles: a 128-token tile with at most 64 rows (an expert's last block) runs on
 // warpgroup 0 alone (warpgroup 1 hands the stages back), up to this many rows an expert on
 // average: 7-11 % faster at 1536-2048 tokens, but slower at 4096 and more (not explained).
-// (docs/performance-history.md, prefill tiles)
+// (docs/performance-history.md, "Prefill tiles")
 constexpr double kHalfTileMaxAvgRows = 96.0;
 // The 64-token tile from this many rows an expert on average (below it, the smallest of
 // kBlockNs that holds the rows, choose_config): it measured ahead of both 48 and 128 from 24
-// rows, behind 48 at 21. (docs/performance-history.md, prefill tiles)
+// rows, behind 48 at 21. (docs/performance-history.md, "Prefill tiles")
 constexpr double kTile64MinAvgRows = 24.0;
 // ... and 128-token tiles (with half tiles) from this many: level with 64 at 40 rows, ahead
 // from 48.
@@ -87,20 +87,20 @@ constexpr double kTile128MinAvgRows = 38.0;
 // kFastReadGBpsPerSm (FusedMoeConfig::read_gbps_per_sm: the H200's 36 GB/s, the H100 SXM's
 // 25): the H200 measured 128-token pair tiles 1.5-2.4 % ahead of 64 from 24 rows. Why the
 // edge moves with the card is not measured; the pairs' multicast halves the token tile's
-// bytes a stage into each SM. (docs/performance-history.md, prefill tiles)
+// bytes a stage into each SM. (docs/performance-history.md, "Prefill tiles")
 constexpr double kTile128MinAvgRowsFastRead = kTile64MinAvgRows;
 constexpr double kFastReadGBpsPerSm = 30.0;
 // With fewer local experts than kTile128ManyExperts (an expert-parallel rank's share) the
 // edge lies higher: the 64-token tile stayed ahead up to ~57 rows on the H100 (2-4 %),
 // behind from 64; on a fast-read card 128 took over from 48 (57 rows: -7.9 % on the H200).
-// (docs/performance-history.md, expert parallelism)
+// (docs/performance-history.md, "Expert parallelism")
 constexpr double kTile128MinAvgRowsFewExperts = 60.0;
 constexpr double kTile128MinAvgRowsFewExpertsFastRead = 48.0;
 constexpr int kTile128ManyExperts = 128;
 // Pair tiles (FusedMoeConfig::pair_tiles): 128-token tiles in clusters of two CTAs, each
 // loading half of the operand both need into both by TMA multicast: 24 KB a stage from L2
 // instead of 32, 2-6 % faster at 4096-16384 tokens. Off, the tail pool evens out the last
-// tiles (a cluster cannot claim them). (docs/performance-history.md, prefill tiles)
+// tiles (a cluster cannot claim them). (docs/performance-history.md, "Prefill tiles")
 constexpr bool kPairTiles = true;
 // ... on at least this many local experts: on fewer (an expert-parallel rank's share) single
 // CTAs measured 1-2 % ahead; on the full layers the pairs stay ahead.
@@ -108,28 +108,28 @@ constexpr int kPairTilesMinExperts = 128;
 // What a pair tile shares (FusedMoeConfig::pair_weights): the weight tile (the pair takes
 // token blocks 2p, 2p + 1 of one output block), so a weight tile is read once for two token
 // blocks whether or not neighbouring clusters run in step; sharing the token tile instead
-// read 19 % more from DRAM at 16384 tokens. (docs/performance-history.md, prefill tiles)
+// read 19 % more from DRAM at 16384 tokens. (docs/performance-history.md, "Prefill tiles")
 constexpr bool kPairWeights = true;
 // Decode pairs (FusedMoeConfig::decode_pairs, block_n <= kDecodePairsMaxBlockN): clusters
 // of two CTAs that share each GEMM1 tile, one 64-column half each, exchanging the tokens'
 // amax through shared memory (the 1x128 act2 group spans both halves). Where the GEMM1 tiles
 // number fewer than kDecodePairsMaxTilesPerCta a CTA (one token on GLM-5: 144 tiles for 132
 // CTAs), a tile more or less is most of a CTA's work: -8 % at one token; forced on at 8-256
-// tokens level. (docs/performance-history.md, decode / weight stream)
+// tokens level. (docs/performance-history.md, "Decode: the weight stream")
 constexpr int kDecodePairsMaxBlockN = 16;
 constexpr int kDecodePairsMaxTilesPerCta = 2;
 // Wide tiles (FusedMoeConfig::wide_tiles): a 128-token tile against two neighbouring output
 // blocks in one CTA (a pair tile's two tiles without a cluster): a stage holds 256 weight rows
 // and the 128 token rows (48 KB, four stages), one wait, one release and three TMA issues a
 // stage for two blocks' work: 2-5 % faster than pairs at 4096-16384 tokens. Chosen where half
-// tiles are not (level with them below 96 rows). (docs/performance-history.md, prefill tiles)
+// tiles are not (level with them below 96 rows). (docs/performance-history.md, "Prefill tiles")
 constexpr bool kWideTiles = true;
 
 // Expert parallelism, the row pull beside the tiles (KernelArgs::ep_overlap): warps 2-3 of the
 // producer warpgroup pull the rows in the GEMM1 tiles' order and count them into the units'
 // done1 counters, which a tile's token loads wait for. Off until measured over NVLink (on
 // virtual ranks: -3..-5 % with wide tiles at 4096-8192 tokens a rank, +42 % at 1024 over 8
-// ranks). (docs/performance-history.md, expert parallelism)
+// ranks). (docs/performance-history.md, "Expert parallelism")
 constexpr bool kEpOverlap = false;
 // Expert parallelism with wide tiles (kWideTiles) where one device takes them: 8-12 % faster
 // at 4096-8192 tokens a rank (virtual ranks), the bytes equal.
@@ -140,7 +140,7 @@ constexpr bool kEpWideTiles = true;
 // (griddepcontrol) before reading what it wrote; up to kProgrammaticLaunchMaxTokens tokens
 // (-0.4..-1.2 % at one token). From 256 tokens it gains nothing: launched behind busy SMs the
 // CTAs land on other SMs, and the prefill layer depends on which SM runs which schedule unit
-// (sm_units below). (docs/performance-history.md, schedule)
+// (sm_units below). (docs/performance-history.md, "Schedule and placement")
 constexpr bool kProgrammaticLaunch = true;
 constexpr int kProgrammaticLaunchMaxTokens = 64;
 // The schedule's units by SM (FusedMoeConfig::sm_units, fused_moe.cu's schedule_unit): at
@@ -151,7 +151,7 @@ constexpr int kProgrammaticLaunchMaxTokens = 64;
 // launch +10..+15 % -> +0.1..+0.7 %. Up to kSmUnitsMaxTokens: at 16384 a fixed table measured
 // +1-2 % on plain launches (not understood). Off where a probe run breaks a TPC pair, an SM id
 // passes the table, the grid is smaller than the card or clusters place the CTAs.
-// (docs/performance-history.md, schedule)
+// (docs/performance-history.md, "Schedule and placement")
 constexpr bool kSmUnits = true;
 constexpr int kSmUnitsMaxTokens = 4096;
 
@@ -160,7 +160,7 @@ constexpr int kSmUnitsMaxTokens = 4096;
 // kRouteWideTokens the 64x32 tile with its group's four K slices side by side (16 warps), up
 // to route_medium_max_tokens 64x32, above 128x64 (fewer L2 re-reads). With fewer than
 // kRouteLargeMinExperts experts (a rank's share) the large tile's 64 expert rows are half
-// empty, so the medium one holds to 1024. (docs/performance-history.md, routing)
+// empty, so the medium one holds to 1024. (docs/performance-history.md, "Routing")
 constexpr int kRouteSmallTokens = 64;
 constexpr int kRouteWideTokens = 256;
 constexpr int kRouteMediumTokens = 512;
@@ -173,7 +173,7 @@ constexpr int route_medium_max_tokens(int experts) {
 
 // Pipeline depth for a token block: as many stages as fit the budget, at most kMaxStages:
 // the decode tiles' 9th-12th stages bought nothing (level or up to 1.3 % slower).
-// (docs/performance-history.md, decode / weight stream)
+// (docs/performance-history.md, "Decode: the weight stream")
 constexpr int kMaxStages = 8;
 // wide: a wide tile's stage (kWideTiles), two output blocks' weight rows.
 // A stage: weight rows, token rows, the tokens' float32 scales of the K block (either GEMM).

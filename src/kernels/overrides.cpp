@@ -41,7 +41,8 @@ std::optional<T> with_alias(const std::function<const char*(const char*)>& get, 
   if (a) {
     const T x = parse(alias, a);
     if (out && *out != x)
-      throw std::invalid_argument(fmt::format("{}=\"{}\" contradicts its older name {}=\"{}\"", name, v, alias, a));
+      throw std::invalid_argument(
+          fmt::format("{}=\"{}\" contradicts its older name {}=\"{}\"", name, v, alias, a));
     out = x;
   }
   return out;
@@ -101,11 +102,16 @@ Overrides Overrides::parse(const std::function<const char*(const char*)>& get) {
   o.ep_overlap = flag("MEGAMOE_EP_OVERLAP");
   if (const char* v = get("MEGAMOE_ROUTE_TILE")) {
     const std::string s(v);
-    if (s == "small") o.route_tile = RouteTile::kSmall;
-    else if (s == "wide") o.route_tile = RouteTile::kWide;
-    else if (s == "medium") o.route_tile = RouteTile::kMedium;
-    else if (s == "large") o.route_tile = RouteTile::kLarge;
-    else bad_value("MEGAMOE_ROUTE_TILE", "small, wide, medium or large", v);
+    if (s == "small")
+      o.route_tile = RouteTile::kSmall;
+    else if (s == "wide")
+      o.route_tile = RouteTile::kWide;
+    else if (s == "medium")
+      o.route_tile = RouteTile::kMedium;
+    else if (s == "large")
+      o.route_tile = RouteTile::kLarge;
+    else
+      bad_value("MEGAMOE_ROUTE_TILE", "small, wide, medium or large", v);
   }
 
   if (const char* v = get("MEGAMOE_DEBUG_STOP"))
@@ -116,16 +122,17 @@ Overrides Overrides::parse(const std::function<const char*(const char*)>& get) {
     if (bits & 2) bad_value("MEGAMOE_DEBUG_SKIP", "a sum of the bits 1, 4, 8, 16", v);
     o.debug_skip = bits;
   }
-  o.round_robin = with_alias<bool>(get, "MEGAMOE_ROUND_ROBIN", "MEGAMOE_SCHEDULE", [](const char* n, const char* v) {
-    // (the older name's values: rr, or the balanced schedule's name)
-    if (std::string(n) == "MEGAMOE_SCHEDULE") {
-      const std::string s(v);
-      if (s == "rr") return true;
-      if (s == "balanced") return false;
-      bad_value(n, "rr or balanced", v);
-    }
-    return parse_bool(n, v);
-  });
+  o.round_robin =
+      with_alias<bool>(get, "MEGAMOE_ROUND_ROBIN", "MEGAMOE_SCHEDULE", [](const char* n, const char* v) {
+        // (the older name's values: rr, or the balanced schedule's name)
+        if (std::string(n) == "MEGAMOE_SCHEDULE") {
+          const std::string s(v);
+          if (s == "rr") return true;
+          if (s == "balanced") return false;
+          bad_value(n, "rr or balanced", v);
+        }
+        return parse_bool(n, v);
+      });
   o.early_weights = flag("MEGAMOE_EARLY_WEIGHTS");
 
   o.print_config = flag("MEGAMOE_PRINT_CONFIG").value_or(false);

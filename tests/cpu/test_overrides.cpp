@@ -1,12 +1,12 @@
 // The environment switches (megamoe/kernels/overrides.h): parsed from a fake environment,
 // malformed values refused naming the variable, older names kept as aliases, the test hook.
-#include "megamoe/kernels/overrides.h"
-
 #include <gtest/gtest.h>
 
 #include <map>
 #include <stdexcept>
 #include <string>
+
+#include "megamoe/kernels/overrides.h"
 
 namespace megamoe::kernels {
 namespace {
@@ -30,10 +30,10 @@ std::string error_of(const std::map<std::string, std::string>& env) {
 
 TEST(Overrides, NothingSetLeavesEveryChoiceToTheRule) {
   const Overrides o = parse_env({});
-  EXPECT_FALSE(o.block_n || o.half_tiles || o.wide_tiles || o.pair_tiles || o.pair_weights || o.decode_pairs ||
-               o.programmatic_launch || o.read_gbps_per_sm || o.num_sms || o.sm_units || o.sm_units_max_tokens ||
-               o.unit_stride || o.unit_turn || o.tail_pool || o.ep_wide_tiles || o.ep_overlap || o.route_tile ||
-               o.round_robin || o.early_weights || o.nccl_lib);
+  EXPECT_FALSE(o.block_n || o.half_tiles || o.wide_tiles || o.pair_tiles || o.pair_weights ||
+               o.decode_pairs || o.programmatic_launch || o.read_gbps_per_sm || o.num_sms || o.sm_units ||
+               o.sm_units_max_tokens || o.unit_stride || o.unit_turn || o.tail_pool || o.ep_wide_tiles ||
+               o.ep_overlap || o.route_tile || o.round_robin || o.early_weights || o.nccl_lib);
   EXPECT_EQ(o.debug_stop, 0);
   EXPECT_EQ(o.debug_skip, 0);
   EXPECT_FALSE(o.print_config);
@@ -89,15 +89,16 @@ TEST(Overrides, EverySwitchParses) {
   EXPECT_EQ(o.nccl_lib, "/opt/nccl/lib/libnccl.so.2");
   // describe() names every set switch as it is spelled in the environment.
   const std::string d = o.describe();
-  for (const char* part :
-       {"MEGAMOE_BLOCK_N=48", "MEGAMOE_WIDE_TILES=1", "MEGAMOE_PROGRAMMATIC_LAUNCH=1", "MEGAMOE_ROUTE_TILE=wide",
-        "MEGAMOE_DEBUG_SKIP=13", "MEGAMOE_EARLY_WEIGHTS=0", "MEGAMOE_NCCL_LIB=/opt/nccl/lib/libnccl.so.2"})
+  for (const char* part : {"MEGAMOE_BLOCK_N=48", "MEGAMOE_WIDE_TILES=1", "MEGAMOE_PROGRAMMATIC_LAUNCH=1",
+                           "MEGAMOE_ROUTE_TILE=wide", "MEGAMOE_DEBUG_SKIP=13", "MEGAMOE_EARLY_WEIGHTS=0",
+                           "MEGAMOE_NCCL_LIB=/opt/nccl/lib/libnccl.so.2"})
     EXPECT_NE(d.find(part), std::string::npos) << part << " not in " << d;
 }
 
 TEST(Overrides, OlderNamesAreAliases) {
   EXPECT_EQ(parse_env({{"MEGAMOE_PDL", "0"}}).programmatic_launch, false);
-  EXPECT_EQ(parse_env({{"MEGAMOE_PDL", "1"}, {"MEGAMOE_PROGRAMMATIC_LAUNCH", "1"}}).programmatic_launch, true);
+  EXPECT_EQ(parse_env({{"MEGAMOE_PDL", "1"}, {"MEGAMOE_PROGRAMMATIC_LAUNCH", "1"}}).programmatic_launch,
+            true);
   EXPECT_EQ(parse_env({{"MEGAMOE_EP_WIDE", "0"}}).ep_wide_tiles, false);
   EXPECT_EQ(parse_env({{"MEGAMOE_SCHEDULE", "rr"}}).round_robin, true);
   EXPECT_EQ(parse_env({{"MEGAMOE_SCHEDULE", "balanced"}}).round_robin, false);
@@ -111,23 +112,17 @@ TEST(Overrides, MalformedValuesNameTheVariableTheExpectedAndTheFound) {
   struct Bad {
     const char *name, *value, *expected;
   };
-  for (const Bad& b : {Bad{"MEGAMOE_BLOCK_N", "12", "8, 16, 32, 48, 64, 128"},
-                       Bad{"MEGAMOE_BLOCK_N", "128x", "8, 16, 32, 48, 64, 128"},
-                       Bad{"MEGAMOE_BLOCK_N", "", "8, 16, 32, 48, 64, 128"},
-                       Bad{"MEGAMOE_HALF_TILES", "yes", "0 or 1"},
-                       Bad{"MEGAMOE_PAIR_TILES", "2", "0 or 1"},
-                       Bad{"MEGAMOE_PDL", "true", "0 or 1"},
-                       Bad{"MEGAMOE_READ_GBPS_PER_SM", "-3", "GB/s"},
-                       Bad{"MEGAMOE_READ_GBPS_PER_SM", "nan", "GB/s"},
-                       Bad{"MEGAMOE_NUM_SMS", "0", ">= 1"},
-                       Bad{"MEGAMOE_UNIT_TURN", "37", "even"},
-                       Bad{"MEGAMOE_UNIT_STRIDE", "-1", ">= 0"},
-                       Bad{"MEGAMOE_TAIL_POOL", "99999999999", ">= 0"},
-                       Bad{"MEGAMOE_ROUTE_TILE", "huge", "small, wide, medium or large"},
-                       Bad{"MEGAMOE_DEBUG_STOP", "4", "0, 1, 2 or 3"},
-                       Bad{"MEGAMOE_DEBUG_SKIP", "2", "1, 4, 8, 16"},
-                       Bad{"MEGAMOE_SCHEDULE", "static", "rr or balanced"},
-                       Bad{"MEGAMOE_NCCL_LIB", "", "library"}}) {
+  for (const Bad& b :
+       {Bad{"MEGAMOE_BLOCK_N", "12", "8, 16, 32, 48, 64, 128"},
+        Bad{"MEGAMOE_BLOCK_N", "128x", "8, 16, 32, 48, 64, 128"},
+        Bad{"MEGAMOE_BLOCK_N", "", "8, 16, 32, 48, 64, 128"}, Bad{"MEGAMOE_HALF_TILES", "yes", "0 or 1"},
+        Bad{"MEGAMOE_PAIR_TILES", "2", "0 or 1"}, Bad{"MEGAMOE_PDL", "true", "0 or 1"},
+        Bad{"MEGAMOE_READ_GBPS_PER_SM", "-3", "GB/s"}, Bad{"MEGAMOE_READ_GBPS_PER_SM", "nan", "GB/s"},
+        Bad{"MEGAMOE_NUM_SMS", "0", ">= 1"}, Bad{"MEGAMOE_UNIT_TURN", "37", "even"},
+        Bad{"MEGAMOE_UNIT_STRIDE", "-1", ">= 0"}, Bad{"MEGAMOE_TAIL_POOL", "99999999999", ">= 0"},
+        Bad{"MEGAMOE_ROUTE_TILE", "huge", "small, wide, medium or large"},
+        Bad{"MEGAMOE_DEBUG_STOP", "4", "0, 1, 2 or 3"}, Bad{"MEGAMOE_DEBUG_SKIP", "2", "1, 4, 8, 16"},
+        Bad{"MEGAMOE_SCHEDULE", "static", "rr or balanced"}, Bad{"MEGAMOE_NCCL_LIB", "", "library"}}) {
     const std::string e = error_of({{b.name, b.value}});
     EXPECT_NE(e.find(b.name), std::string::npos) << b.name << "=" << b.value << ": " << e;
     EXPECT_NE(e.find(b.expected), std::string::npos) << b.name << "=" << b.value << ": " << e;

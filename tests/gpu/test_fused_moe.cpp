@@ -24,12 +24,12 @@
 namespace megamoe {
 namespace {
 
+using kernels::Overrides;
+using kernels::ScopedOverrides;
 using testutil::have_device;
 using testutil::odd_blocks_shape;
 using testutil::random_x;
 using testutil::reduced_shape;
-using kernels::Overrides;
-using kernels::ScopedOverrides;
 
 #define CK(call) ASSERT_EQ((call), cudaSuccess) << #call
 
@@ -328,9 +328,9 @@ TEST_F(FusedMoe, TileEdgeFollowsReadBandwidth) {
   // Without the override the plan passes the card's own figure (nonzero on any sm_90 card)
   // and the tile at 30 rows follows it.
   const std::string own = tc.layer->config_for(960);
-  const size_t at = own.find(" read=");
+  const size_t at = own.find(" read_gbps_per_sm=");
   ASSERT_NE(at, std::string::npos) << own;
-  const double own_gbps = std::atof(own.c_str() + at + 6);
+  const double own_gbps = std::atof(own.c_str() + at + 18);
   EXPECT_GT(own_gbps, 0) << own;
   EXPECT_NE(own.find(own_gbps >= 30 ? "block_n=128 " : "block_n=64 "),
             std::string::npos)  // (kFastReadGBpsPerSm)
@@ -410,7 +410,8 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
         set();
         const GpuRun c = run_gpu(layer, x, T);
         EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
-            << s.describe() << ": " << name << "=" << v << " changes the bytes (" << layer.config_for(T) << ")";
+            << s.describe() << ": " << name << "=" << v << " changes the bytes (" << layer.config_for(T)
+            << ")";
       }
       ov.*field = std::nullopt;
       set();
@@ -446,8 +447,9 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
       const char* name;
       bool wide, pairs, pair_weights;
     };
-    for (const Tiles& v : {Tiles{"alone", false, false, false}, Tiles{"pairs sharing tokens", false, true, false},
-                           Tiles{"pairs sharing weights", false, true, true}, Tiles{"wide tiles", true, false, false}}) {
+    for (const Tiles& v :
+         {Tiles{"alone", false, false, false}, Tiles{"pairs sharing tokens", false, true, false},
+          Tiles{"pairs sharing weights", false, true, true}, Tiles{"wide tiles", true, false, false}}) {
       ov.block_n = 128, ov.wide_tiles = v.wide, ov.pair_tiles = v.pairs, ov.pair_weights = v.pair_weights;
       set();
       const GpuRun c = run_gpu(layer, x, T);
@@ -489,8 +491,10 @@ TEST_F(FusedMoe, UnitsBySmKeepTheBytes) {
       const GpuRun a = run_gpu(*tc.layer, x, T), b = run_gpu(by_block, x, T);
       const std::string cfg = tc.layer->config_for(T), plain = by_block.config_for(T);
       EXPECT_EQ(0, std::memcmp(a.y.data(), b.y.data(), a.y.size() * 2))
-          << "T = " << T << " programmatic_launch " << pdl << ": units by SM change the bytes (" << cfg << ")";
-      const bool clusters = cfg.find("pair_tiles") != std::string::npos || cfg.find("decode_pairs") != std::string::npos;
+          << "T = " << T << " programmatic_launch " << pdl << ": units by SM change the bytes (" << cfg
+          << ")";
+      const bool clusters =
+          cfg.find("pair_tiles") != std::string::npos || cfg.find("decode_pairs") != std::string::npos;
       EXPECT_EQ(cfg.find(" sm_units") != std::string::npos, !clusters && T <= 4096)
           << "T = " << T << ": the unit table did not hold: " << cfg;
       EXPECT_EQ(plain.find("sm_units"), std::string::npos) << plain;
@@ -499,10 +503,11 @@ TEST_F(FusedMoe, UnitsBySmKeepTheBytes) {
         const GpuRun c = run_gpu(turned, x, T);
         const std::string tcfg = turned.config_for(T);
         EXPECT_EQ(0, std::memcmp(c.y.data(), b.y.data(), c.y.size() * 2))
-            << "T = " << T << " programmatic_launch " << pdl << ": the turned unit table changes the bytes (" << tcfg
-            << ")";
-        EXPECT_EQ(tcfg.find(" sm_units") != std::string::npos,
-                  tcfg.find("pair_tiles") == std::string::npos && tcfg.find("decode_pairs") == std::string::npos)
+            << "T = " << T << " programmatic_launch " << pdl << ": the turned unit table changes the bytes ("
+            << tcfg << ")";
+        EXPECT_EQ(
+            tcfg.find(" sm_units") != std::string::npos,
+            tcfg.find("pair_tiles") == std::string::npos && tcfg.find("decode_pairs") == std::string::npos)
             << "T = " << T << ": the table's token limit did not lift: " << tcfg;
       }
     }

@@ -37,13 +37,13 @@ struct Overrides {
   std::optional<RouteTile> route_tile;     // MEGAMOE_ROUTE_TILE=small|wide|medium|large
 
   // ---- measurement only ----
-  int debug_stop = 0;                       // MEGAMOE_DEBUG_STOP=0..3: WRONG outputs unless 0
-  int debug_skip = 0;                       // MEGAMOE_DEBUG_SKIP: bits 1|4|8|16, WRONG outputs unless 0
-  std::optional<bool> round_robin;          // MEGAMOE_ROUND_ROBIN=0|1 (alias MEGAMOE_SCHEDULE=rr)
-  std::optional<bool> early_weights;        // MEGAMOE_EARLY_WEIGHTS=0|1
+  int debug_stop = 0;                 // MEGAMOE_DEBUG_STOP=0..3: WRONG outputs unless 0
+  int debug_skip = 0;                 // MEGAMOE_DEBUG_SKIP: bits 1|4|8|16, WRONG outputs unless 0
+  std::optional<bool> round_robin;    // MEGAMOE_ROUND_ROBIN=0|1 (alias MEGAMOE_SCHEDULE=rr)
+  std::optional<bool> early_weights;  // MEGAMOE_EARLY_WEIGHTS=0|1
 
   // ---- reports and the NCCL transport ----
-  bool print_config = false;           // MEGAMOE_PRINT_CONFIG=0|1
+  bool print_config = false;            // MEGAMOE_PRINT_CONFIG=0|1
   std::optional<std::string> nccl_lib;  // MEGAMOE_NCCL_LIB: the NCCL library to load
 
   // Reads every switch through `get` (getenv's contract: nullptr where unset); throws on a
