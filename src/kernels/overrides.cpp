@@ -140,6 +140,9 @@ Overrides Overrides::parse(const std::function<const char*(const char*)>& get) {
     if (*v == '\0') bad_value("MEGAMOE_NCCL_LIB", "a library name or path", v);
     o.nccl_lib = std::string(v);
   }
+  for (auto [name, field] : {std::pair{"VIRTUAL_ENV", &Overrides::virtual_env},
+                             std::pair{"CONDA_PREFIX", &Overrides::conda_prefix}})
+    if (const char* v = get(name); v && *v) o.*field = std::string(v);
   return o;
 }
 
@@ -177,6 +180,8 @@ std::string Overrides::describe() const {
   add_flag("MEGAMOE_EARLY_WEIGHTS", early_weights);
   if (print_config) add_flag("MEGAMOE_PRINT_CONFIG", std::optional<bool>(true));
   add("MEGAMOE_NCCL_LIB", nccl_lib);
+  add("VIRTUAL_ENV", virtual_env);
+  add("CONDA_PREFIX", conda_prefix);
   return s;
 }
 

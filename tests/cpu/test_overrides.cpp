@@ -33,7 +33,8 @@ TEST(Overrides, NothingSetLeavesEveryChoiceToTheRule) {
   EXPECT_FALSE(o.block_n || o.half_tiles || o.wide_tiles || o.pair_tiles || o.pair_weights ||
                o.decode_pairs || o.programmatic_launch || o.read_gbps_per_sm || o.num_sms || o.sm_units ||
                o.sm_units_max_tokens || o.unit_stride || o.unit_turn || o.tail_pool || o.ep_wide_tiles ||
-               o.ep_overlap || o.route_tile || o.round_robin || o.early_weights || o.nccl_lib);
+               o.ep_overlap || o.route_tile || o.round_robin || o.early_weights || o.nccl_lib ||
+               o.virtual_env || o.conda_prefix);
   EXPECT_EQ(o.debug_stop, 0);
   EXPECT_EQ(o.debug_skip, 0);
   EXPECT_FALSE(o.print_config);
@@ -63,7 +64,9 @@ TEST(Overrides, EverySwitchParses) {
                                  {"MEGAMOE_ROUND_ROBIN", "1"},
                                  {"MEGAMOE_EARLY_WEIGHTS", "0"},
                                  {"MEGAMOE_PRINT_CONFIG", "1"},
-                                 {"MEGAMOE_NCCL_LIB", "/opt/nccl/lib/libnccl.so.2"}});
+                                 {"MEGAMOE_NCCL_LIB", "/opt/nccl/lib/libnccl.so.2"},
+                                 {"VIRTUAL_ENV", "/opt/venv"},
+                                 {"CONDA_PREFIX", ""}});
   EXPECT_EQ(o.block_n, 48);
   EXPECT_EQ(o.half_tiles, false);
   EXPECT_EQ(o.wide_tiles, true);
@@ -87,6 +90,8 @@ TEST(Overrides, EverySwitchParses) {
   EXPECT_EQ(o.early_weights, false);
   EXPECT_TRUE(o.print_config);
   EXPECT_EQ(o.nccl_lib, "/opt/nccl/lib/libnccl.so.2");
+  EXPECT_EQ(o.virtual_env, "/opt/venv");
+  EXPECT_FALSE(o.conda_prefix);  // (empty: unset)
   // describe() names every set switch as it is spelled in the environment.
   const std::string d = o.describe();
   for (const char* part : {"MEGAMOE_BLOCK_N=48", "MEGAMOE_WIDE_TILES=1", "MEGAMOE_PROGRAMMATIC_LAUNCH=1",

@@ -45,6 +45,10 @@ struct Overrides {
   // ---- reports and the NCCL transport ----
   bool print_config = false;            // MEGAMOE_PRINT_CONFIG=0|1
   std::optional<std::string> nccl_lib;  // MEGAMOE_NCCL_LIB: the NCCL library to load
+  // Where Python environments live, for the NCCL transport's search of PyTorch's NCCL (not
+  // switches of ours: read here so the library reads its environment in one place).
+  std::optional<std::string> virtual_env;   // VIRTUAL_ENV (unset where empty)
+  std::optional<std::string> conda_prefix;  // CONDA_PREFIX (unset where empty)
 
   // Reads every switch through `get` (getenv's contract: nullptr where unset); throws on a
   // malformed value or an alias that contradicts its name.
