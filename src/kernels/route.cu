@@ -321,13 +321,15 @@ using RouteLarge = RouteTile<WT, 128, 64, 1, 2, 2, 3>;  // prefill: fewer re-rea
 
 template <typename WT>
 void launch_route_logits(const RouteArgs& a, const MoeShape& s, int hint, cudaStream_t stream) {
-  // Overrides::route_tile forces a tile shape (the same bits; for timing).
-  if (const std::optional<RouteTile> forced = overrides().route_tile) {
+  // Overrides::route_tile forces a tile shape (the same bits; for timing). (kernels::
+  // names the switch's enum, which the RouteTile template above hides.)
+  using Forced = kernels::RouteTile;
+  if (const std::optional<Forced> forced = overrides().route_tile) {
     switch (*forced) {
-      case RouteTile::kSmall: return RouteSmall<WT>::launch(a, s, hint, stream);
-      case RouteTile::kMedium: return RouteMedium<WT>::launch(a, s, hint, stream);
-      case RouteTile::kWide: return RouteMediumWide<WT>::launch(a, s, hint, stream);
-      case RouteTile::kLarge: return RouteLarge<WT>::launch(a, s, hint, stream);
+      case Forced::kSmall: return RouteSmall<WT>::launch(a, s, hint, stream);
+      case Forced::kMedium: return RouteMedium<WT>::launch(a, s, hint, stream);
+      case Forced::kWide: return RouteMediumWide<WT>::launch(a, s, hint, stream);
+      case Forced::kLarge: return RouteLarge<WT>::launch(a, s, hint, stream);
     }
   }
   if (hint <= kRouteSmallTokens)
