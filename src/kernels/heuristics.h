@@ -114,7 +114,7 @@ constexpr bool kPairWeights = true;
 // of two CTAs that share each GEMM1 tile, one 64-column half each, exchanging the tokens'
 // amax through shared memory (the 1x128 act2 group spans both halves). Where the GEMM1 tiles
 // number fewer than kDecodePairsMaxTilesPerCta a CTA (one token on GLM-5: 144 tiles for 132
-// CTAs), a tile more or less is most of a CTA's work: -8 % at one token; forced on at 8-256
+// CTAs), a tile more or less is most of a CTA's work: -7 % at one token; forced on at 8-256
 // tokens level. (docs/performance-history.md, "Decode: the weight stream")
 constexpr int kDecodePairsMaxBlockN = 16;
 constexpr int kDecodePairsMaxTilesPerCta = 2;

@@ -392,7 +392,7 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
   for (int t = blockIdx.x * kTopkWarps + warp; t < T; t += gridDim.x * kTopkWarps) {
     // Logits: sum the split-K partials in split order.
     // NOTE: all loads of a token first (unrolled, up to kMaxE / 32 experts a lane):
-    // one round trip instead of one per expert and slice (v6: ~30 us at T=1).
+    // one round trip instead of one per expert and slice (~30 us at T=1).
     float zmax = -FLT_MAX;
     float part[kMaxE / 32][kRouterGroups];
     float bias[kMaxE / 32];  // with the partials: one round trip (not one load per expert below)
