@@ -1336,8 +1336,8 @@ void set_smem_attr() {
   }
 }
 
-// A fused kernel's launch: pair tiles in clusters of two CTAs along x (cluster rank =
-// blockIdx.x % 2); programmatic: the CTAs may start while route_topk runs.
+// A fused kernel's launch: pair tiles and decode pairs in clusters of two CTAs along x
+// (cluster rank = blockIdx.x % 2); programmatic: the CTAs may start while route_topk runs.
 struct FusedLaunch {
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr[2]{};
@@ -1373,7 +1373,7 @@ void launch_fused(const KernelArgs& args, const TensorMaps& maps, int grid, cons
     }
   }
   if constexpr (BN == 128 || BN <= kDecodePairsMaxBlockN) {
-    if (cfg.pair_tiles) {
+    if (BN == 128 ? cfg.pair_tiles : cfg.decode_pairs) {
       FusedLaunch(grid, smem_bytes(BN), true, pdl, stream)(fused_moe_kernel<BN, false, true>, args, maps);
       return;
     }
@@ -1393,7 +1393,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm_probe_kernel(uint32_t* sm) {
 
 // FusedMoePlan's unit table (KernelArgs::sm_unit): the probe twice on a stream of its own.
 // A plain launch on an idle GPU walks the SMs in one fixed cyclic order, starting a few SMs
-// further on at each launch (ab/placement_probe_v43.log: blockIdx 0 on SM 124, then on 128),
+// further on at each launch (bench/probes/placement_probe.cu shows it),
 // and puts blockIdx 2k, 2k + 1 on the two SMs of one TPC. So the table is the first run's
 // order (any other run's is the same order turned) where both runs pass sm_unit_table's
 // checks (tile_schedule.h). Anything else (another stream's kernels moving the CTAs, SM ids
@@ -1428,8 +1428,7 @@ bool probe_sm_units_now(int grid, uint8_t (&table)[kSmUnitSlots]) {
     const uint32_t* r = sm.data() + size_t(run) * grid;
     const int bad = sm_unit_table(r, grid, table, kSmUnitSlots, kNoSmUnit);
     if (bad >= 0) {
-      const char* env = std::getenv("MEGAMOE_PRINT_CONFIG");
-      if (env && env[0] == '1')
+      if (overrides().print_config)
         std::fprintf(stderr,
                      "megamoe: no unit table: probe run %d put blockIdx %d on SM %u (an SM twice, past the "
                      "table or off its pair's TPC)\n",
@@ -1475,11 +1474,11 @@ struct FusedMoePlan {
   void* workspace = nullptr;
   int num_sms = 0;
   double read_gbps_per_sm = 0;      // the card's (device_read_gbps_per_sm; the tile rule's input)
-  bool pairs_ok[kNumBlockNs] = {};  // the shape and grid allow pair tiles of a block_n (pair_tiles)
+  bool pairs_ok[kNumBlockNs] = {};  // the shape and grid allow clusters at a block_n (pair_tiles, decode_pairs)
   bool wide_ok = false;             // the shape allows wide tiles (FusedMoeConfig::wide_tiles)
   bool sm_units_ok = false;         // the unit table holds (probe_sm_units; FusedMoeConfig::sm_units)
-  int sm_units_max_tokens = kSmUnitsMaxTokens;  // (MEGAMOE_SM_UNITS_MAX_TOKENS: a measurement switch)
-  int tail_pool_env = -1;                       // MEGAMOE_TAIL_POOL (-1: kTailPool / kTailPoolWide)
+  int sm_units_max_tokens = kSmUnitsMaxTokens;  // (Overrides::sm_units_max_tokens: a measurement switch)
+  std::optional<int> tail_pool;                 // Overrides::tail_pool (unset: tail_pool_for)
   int smem_per_sm = 0;                          // shared memory of an SM (one fused CTA an SM: sm_units)
   TensorMaps maps[kNumBlockNs];
   KernelArgs args{};
@@ -1520,9 +1519,10 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   const int card_sms = plan->num_sms;
   plan->read_gbps_per_sm = device_read_gbps_per_sm(dev);
   if (cfg.num_sms > 0) plan->num_sms = std::min(plan->num_sms, cfg.num_sms);
-  // MEGAMOE_NUM_SMS: a smaller persistent grid (measurement: does the time scale with SMs?).
-  if (const char* env = std::getenv("MEGAMOE_NUM_SMS"))
-    plan->num_sms = std::clamp(std::atoi(env), 1, plan->num_sms);
+  // The switches of the plan, read when the layer is made (docs/tuning.md).
+  const Overrides& ov = overrides();
+  // A smaller persistent grid (measurement: does the time scale with SMs?).
+  if (ov.num_sms) plan->num_sms = std::min(*ov.num_sms, plan->num_sms);
 
   const uint64_t H = s.hidden, I = s.inter, E = ws.local_experts, Is = s.shared_inter(), R = ws.rows_cap;
   const uint64_t P = ws.inter_pitch;
@@ -1605,10 +1605,8 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   // barrier waits for every CTA). Wide tiles pair GEMM2's output blocks only (H / 128 even).
   const bool even_h = (s.hidden / 128) % 2 == 0;
   const bool even_blocks = even_h && (s.inter / 128) % 2 == 0 && (s.shared_inter() / 128) % 2 == 0;
-  // Expert parallelism: wide tiles where kEpWideTiles says so (on since v35; MEGAMOE_EP_WIDE=0/1).
-  bool ep_wide = kEpWideTiles;
-  if (const char* env = std::getenv("MEGAMOE_EP_WIDE")) ep_wide = std::atoi(env) != 0;
-  plan->wide_ok = even_h && (!ep || ep_wide);
+  // Expert parallelism: wide tiles where kEpWideTiles says so.
+  plan->wide_ok = even_h && (!ep || ov.ep_wide_tiles.value_or(kEpWideTiles));
   // Decode pairs (BN <= kDecodePairsMaxBlockN) pair GEMM2's output blocks only (H / 128 even).
   auto resident = [&](int bn, auto kernel) {
     FusedLaunch l(plan->num_sms, smem_bytes(bn), true, false, nullptr);
@@ -1632,43 +1630,35 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   a.has_shared = s.has_shared() ? 1 : 0;
   a.rows_cap = ws.rows_cap, a.inter_pitch = ws.inter_pitch;
   a.swiglu_limit = s.swiglu_limit;
-  // Debug and measurement switches (read once per layer, not per forward).
-  if (const char* env = std::getenv("MEGAMOE_DEBUG_STOP")) a.debug_stop = std::atoi(env);
-  if (const char* env = std::getenv("MEGAMOE_DEBUG_SKIP")) a.debug_skip = std::atoi(env);
-  if (const char* env = std::getenv("MEGAMOE_SCHEDULE")) a.round_robin = std::string(env) == "rr";
-  if (const char* env = std::getenv("MEGAMOE_EARLY_WEIGHTS")) a.no_early_loads = std::string(env) == "0";
+  // Measurement switches (the debug ones make the outputs wrong; docs/tuning.md).
+  a.debug_stop = ov.debug_stop;
+  a.debug_skip = ov.debug_skip;
+  a.round_robin = ov.round_robin.value_or(false) ? 1 : 0;
+  a.no_early_loads = ov.early_weights.value_or(true) ? 0 : 1;
   a.unit_stride = 1;
-  if (const char* env = std::getenv("MEGAMOE_UNIT_STRIDE")) {
-    a.unit_stride = std::max(0, std::atoi(env));
-    MEGAMOE_CHECK(
-        a.unit_stride == 0 || std::gcd(a.unit_stride, plan->num_sms) == 1,
-        "MEGAMOE_UNIT_STRIDE must be coprime to the grid's " + std::to_string(plan->num_sms) + " CTAs");
-  } else if (kSmUnits && plan->num_sms == card_sms) {
-    // The units by SM (kSmUnits): only where the grid covers the card, so every SM holds one CTA.
+  if (ov.unit_stride) {
+    a.unit_stride = *ov.unit_stride;
+    MEGAMOE_CHECK(a.unit_stride == 0 || std::gcd(a.unit_stride, plan->num_sms) == 1,
+                  "MEGAMOE_UNIT_STRIDE=" + std::to_string(a.unit_stride) + ": expected 0 or a stride coprime to " +
+                      "the grid's " + std::to_string(plan->num_sms) + " CTAs");
+  } else if (ov.sm_units.value_or(kSmUnits) && plan->num_sms == card_sms) {
+    // The units by SM: only where the grid covers the card, so every SM holds one CTA.
     plan->sm_units_ok = probe_sm_units(plan->num_sms, a.sm_unit);
-    if (const char* env = std::getenv("MEGAMOE_UNIT_TURN")) {
-      a.unit_turn = std::atoi(env);
-      MEGAMOE_CHECK(a.unit_turn >= 0 && a.unit_turn % 2 == 0,
-                    "MEGAMOE_UNIT_TURN must be even and >= 0 (the table's units come in TPC pairs)");
-    }
-    if (const char* env = std::getenv("MEGAMOE_SM_UNITS_MAX_TOKENS"))
-      plan->sm_units_max_tokens = std::max(0, std::atoi(env));
+    a.unit_turn = ov.unit_turn.value_or(0);
+    plan->sm_units_max_tokens = ov.sm_units_max_tokens.value_or(kSmUnitsMaxTokens);
   }
   // The overlapped pull keeps its tables beside the schedule's (EpPullTables): where they do
-  // not fit, the pull runs before the tiles. MEGAMOE_EP_OVERLAP=0 / 1 chooses (an A/B switch).
+  // not fit, the pull runs before the tiles.
   if (ep) {
     const bool fits = s.experts + int(ws.local_experts) + a.has_shared <= kMaxExpertsTotal;
-    bool overlap = kEpPullOverlap && fits;
-    if (const char* env = std::getenv("MEGAMOE_EP_OVERLAP")) {
-      overlap = std::atoi(env) != 0;
-      MEGAMOE_CHECK(!overlap || fits, "MEGAMOE_EP_OVERLAP=1: " + std::to_string(s.experts) + " routing + " +
-                                          std::to_string(int(ws.local_experts) + a.has_shared) +
-                                          " local experts exceed the " + std::to_string(kMaxExpertsTotal) +
-                                          " table entries of the overlapped pull");
-    }
+    const bool overlap = ov.ep_overlap.value_or(kEpOverlap && fits);
+    MEGAMOE_CHECK(!overlap || fits, "MEGAMOE_EP_OVERLAP=1: " + std::to_string(s.experts) + " routing + " +
+                                        std::to_string(int(ws.local_experts) + a.has_shared) +
+                                        " local experts exceed the " + std::to_string(kMaxExpertsTotal) +
+                                        " table entries of the overlapped pull");
     a.ep_overlap = overlap ? 1 : 0;
   }
-  if (const char* env = std::getenv("MEGAMOE_TAIL_POOL")) plan->tail_pool_env = std::max(0, std::atoi(env));
+  plan->tail_pool = ov.tail_pool;
   a.counters = reinterpret_cast<int*>(base + ws.counters.offset);
   a.topk_ids = reinterpret_cast<const int*>(base + ws.topk_ids.offset);
   a.topk_weights = reinterpret_cast<const float*>(base + ws.topk_weights.offset);
@@ -1842,13 +1832,17 @@ FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
   cfg.router_ksplit = kRouterSlices;
   cfg.wide_tiles = cfg.wide_tiles && cfg.block_n == 128 && p->wide_ok;
   // (wide tiles take the pair tiles' place: one CTA computes both tiles of a token pair)
-  cfg.pair_tiles = cfg.pair_tiles && p->pairs_ok[block_n_index(cfg.block_n)] && !cfg.wide_tiles;
+  const bool pairs_ok = p->pairs_ok[block_n_index(cfg.block_n)];
+  cfg.pair_tiles = cfg.pair_tiles && cfg.block_n == 128 && pairs_ok && !cfg.wide_tiles;
+  cfg.pair_weights = cfg.pair_weights && cfg.pair_tiles;
+  cfg.decode_pairs = cfg.decode_pairs && cfg.block_n <= kDecodePairsMaxBlockN && pairs_ok;
   cfg.stages = stages_for(cfg.block_n, cfg.wide_tiles);
   cfg.ep_overlap = p->args.ep_overlap != 0;
   // (clusters keep blockIdx: the hardware places a pair; two CTAs on one SM would take one unit)
-  cfg.sm_units = p->sm_units_ok && !cfg.pair_tiles && int64_t(tokens) * R <= p->sm_units_max_tokens &&
+  cfg.sm_units = p->sm_units_ok && !cfg.pair_tiles && !cfg.decode_pairs &&
+                 int64_t(tokens) * R <= p->sm_units_max_tokens &&
                  2 * smem_bytes(cfg.block_n, cfg.wide_tiles) > p->smem_per_sm;
-  cfg.tail_pool = p->tail_pool_env >= 0 ? p->tail_pool_env : tail_pool_for(cfg.wide_tiles);
+  cfg.tail_pool = p->tail_pool.value_or(tail_pool_for(cfg.wide_tiles));
   return cfg;
 }
 

@@ -29,7 +29,7 @@ namespace {
 // a group's kSlicesPerGroup slices summed in order (0 + s0 + s1 + ...) into one partial
 // by the block, the groups summed in order by route_topk. A block covers one group:
 // its WK warp slices run the group's slices side by side (the decode tile: a shorter
-// dependent chain a warp, v13) or one after the other (WK = 1). The tile shape (picked from the token hint)
+// dependent chain a warp) or one after the other (WK = 1). The tile shape (picked from the token hint)
 // only changes which threads do the work, so a graph captured at a large hint replays bit-identically at any
 // smaller count.
 constexpr int kRouteStepK = 64;  // columns per pipeline stage
@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(WK* WM* WN * 32) route_logits_kernel(RouteArgs
   const int tid = threadIdx.x;
   // This thread's 16-byte chunks: the same rows and column every stage (kThreads is a
   // multiple of the chunks a row), a stage moves the columns by kRouteStepK. Worked out
-  // once: per stage and chunk they cost ~35 instructions (v12, ncu: more than the mma
+  // once: per stage and chunk they cost ~35 instructions (ncu: more than the mma
   // steps of the 16 x 16 tile). A stage row r of x is token r % BT of slice r / BT
   // (likewise for W); a thread's rows are r0 + j * RS, so its chunks are one element
   // offset from x / W plus j times a fixed step (T * H and E * H < 2^31,
@@ -311,27 +311,28 @@ using RouteSmall = RouteTile<WT, 16, 16, kSlicesPerGroup, 1, 2, 6>;  // decode: 
 template <typename WT>
 using RouteMedium = RouteTile<WT, 64, 32, 1, 2, 2, 4>;
 // The medium tile with the group's four slices side by side (16 warps): a quarter of the
-// dependent chain a warp and four times the copies in flight a block (v19).
+// dependent chain a warp and four times the copies in flight a block.
 template <typename WT>
 using RouteMediumWide = RouteTile<WT, 64, 32, kSlicesPerGroup, 2, 2, 3>;
 template <typename WT>
 using RouteLarge = RouteTile<WT, 128, 64, 1, 2, 2, 3>;  // prefill: fewer re-reads
 // NOTE: with the running sum of the slices the F32 router's 2 x 2 warps spill six ints,
 // reloaded once per 64-column step (~1100 instructions); 2 x 4 warps (no spill) measured
-// slower (v13: GLM-5 16384 tokens 745 vs 721 us, DeepSeek-V3 567 vs 477).
+// slower (GLM-5 16384 tokens 745 against 721 us, DeepSeek-V3 567 against 477).
 
 template <typename WT>
 void launch_route_logits(const RouteArgs& a, const MoeShape& s, int hint, cudaStream_t stream) {
-  // MEGAMOE_ROUTE_TILE=small|wide|medium|large forces a tile shape (same bits; for timing),
-  // read once per process.
-  static const std::string forced = [] {
-    const char* env = std::getenv("MEGAMOE_ROUTE_TILE");
-    return std::string(env ? env : "");
-  }();
-  if (forced == "small") return RouteSmall<WT>::launch(a, s, hint, stream);
-  if (forced == "medium") return RouteMedium<WT>::launch(a, s, hint, stream);
-  if (forced == "wide") return RouteMediumWide<WT>::launch(a, s, hint, stream);
-  if (forced == "large") return RouteLarge<WT>::launch(a, s, hint, stream);
+  // Overrides::route_tile forces a tile shape (the same bits; for timing). (kernels::
+  // names the switch's enum, which the RouteTile template above hides.)
+  using Forced = kernels::RouteTile;
+  if (const std::optional<Forced> forced = overrides().route_tile) {
+    switch (*forced) {
+      case Forced::kSmall: return RouteSmall<WT>::launch(a, s, hint, stream);
+      case Forced::kMedium: return RouteMedium<WT>::launch(a, s, hint, stream);
+      case Forced::kWide: return RouteMediumWide<WT>::launch(a, s, hint, stream);
+      case Forced::kLarge: return RouteLarge<WT>::launch(a, s, hint, stream);
+    }
+  }
   if (hint <= kRouteSmallTokens)
     RouteSmall<WT>::launch(a, s, hint, stream);
   else if (hint <= kRouteWideTokens)
@@ -392,10 +393,10 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
   for (int t = blockIdx.x * kTopkWarps + warp; t < T; t += gridDim.x * kTopkWarps) {
     // Logits: sum the split-K partials in split order.
     // NOTE: all loads of a token first (unrolled, up to kMaxE / 32 experts a lane):
-    // one round trip instead of one per expert and slice (v6: ~30 us at T=1).
+    // one round trip instead of one per expert and slice (~30 us at T=1).
     float zmax = -FLT_MAX;
     float part[kMaxE / 32][kRouterGroups];
-    float bias[kMaxE / 32];  // with the partials: one round trip (v8 loaded it per expert below)
+    float bias[kMaxE / 32];  // with the partials: one round trip (not one load per expert below)
 #pragma unroll
     for (int i = 0; i < kMaxE / 32; ++i) {
       const int e = lane + 32 * i;
@@ -474,7 +475,7 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
     // Top-K by selection score, ties to the lower id. The candidates stay in registers as
     // order-preserving keys (a lane's experts lane, lane + 32, ...) with each lane's best
     // kept: a pick is two warp reductions (the largest key, then the lowest id holding it)
-    // and a rescan by the one lane that gave it (v12; five shuffle rounds a pick before).
+    // and a rescan by the one lane that gave it (the earlier five shuffle rounds a pick were slower).
     uint32_t cand[kMaxE / 32];
 #pragma unroll
     for (int i = 0; i < kMaxE / 32; ++i)

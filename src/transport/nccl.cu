@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "../kernels/cuda_check.h"
+#include "megamoe/kernels/overrides.h"
 #include "megamoe/transport/transport.h"
 
 static_assert(NCCL_VERSION_CODE >= 22800, "the NCCL transport needs the 2.28 device API (symmetric windows)");
@@ -145,12 +146,6 @@ bool try_load(const std::string& name, NcclCandidate& c, NcclApi& out) {
   return true;
 }
 
-// The one environment read of the transport (the search's roots): MEGAMOE_NCCL_LIB,
-// and where Python environments live (VIRTUAL_ENV, CONDA_PREFIX).
-std::string env_value(const char* name) {
-  const char* v = std::getenv(name);
-  return v ? std::string(v) : std::string();
-}
 
 std::string home_dir() {  // from the password database: no environment read
   struct passwd pw{}, *got = nullptr;
@@ -162,8 +157,9 @@ std::string home_dir() {  // from the password database: no environment read
 // Where pip puts nvidia-nccl (PyTorch's NCCL) under the usual Python prefixes, in order.
 std::vector<std::string> python_package_libs() {
   std::vector<std::string> prefixes;
-  for (const char* var : {"VIRTUAL_ENV", "CONDA_PREFIX"})
-    if (std::string p = env_value(var); !p.empty()) prefixes.push_back(p);
+  // (the environment through kernels::overrides(): the library's one read of it)
+  for (const auto& p : {kernels::overrides().virtual_env, kernels::overrides().conda_prefix})
+    if (p && !p->empty()) prefixes.push_back(*p);
   prefixes.push_back("/opt/*/.venv");
   prefixes.push_back("/opt/*");
   if (std::string h = home_dir(); !h.empty()) prefixes.push_back(h + "/.local");
@@ -195,7 +191,7 @@ NcclLibrary search() {
     if (ok) found.path = c.path, found.version = c.version;
     return ok;
   };
-  if (const std::string lib = env_value("MEGAMOE_NCCL_LIB"); !lib.empty()) {
+  if (const std::string lib = kernels::overrides().nccl_lib.value_or(""); !lib.empty()) {
     found.explicit_choice = true;
     take("MEGAMOE_NCCL_LIB", lib);
     return found;

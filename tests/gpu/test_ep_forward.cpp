@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -21,6 +22,7 @@
 #include "megamoe/api/ep_layer.h"
 #include "megamoe/api/forward.h"
 #include "megamoe/api/moe_layer.h"
+#include "megamoe/kernels/overrides.h"
 #include "megamoe/reference/moe.h"
 #include "megamoe/transport/transport.h"
 #include "megamoe/weights/host_weights.h"
@@ -64,16 +66,18 @@ bool ranks_fit(int R) {
   if (const transport::NcclLibrary& nccl_ = transport::find_nccl(); !nccl_.usable() && !nccl_.explicit_choice) \
   GTEST_SKIP() << nccl_.why_none()
 
-// Sets a measurement switch of the kernels (read when a layer is made) for the scope.
-struct ScopedEnv {
-  const char* name;
-  std::string old;
-  bool had;
-  ScopedEnv(const char* n, const char* v) : name(n), had(std::getenv(n) != nullptr) {
-    if (had) old = std::getenv(n);
-    setenv(n, v, 1);
+// Sets one switch of the kernels (kernels::Overrides; the plan's are read when a layer is
+// made) over the ones in force, for the scope.
+struct ScopedSwitch {
+  template <typename T>
+  ScopedSwitch(std::optional<T> kernels::Overrides::*field, T value) : scope(with(field, value)) {}
+  template <typename T>
+  static kernels::Overrides with(std::optional<T> kernels::Overrides::*field, T value) {
+    kernels::Overrides o = kernels::overrides();
+    o.*field = value;
+    return o;
   }
-  ~ScopedEnv() { had ? setenv(name, old.c_str(), 1) : unsetenv(name); }
+  kernels::ScopedOverrides scope;
 };
 
 // Sets device d for the scope (when d >= 0), restoring the caller's.
@@ -332,7 +336,7 @@ TEST_F(EpForward, BytesMatchSingleDeviceAndCpuReference) {
 }
 
 // Prefill-sized batches: the ranks run 128-token tiles (tokens in the wgmma M), plain
-// (MEGAMOE_EP_WIDE=0) and wide (the default, kEpWideTiles).
+// (ep_wide_tiles off) and wide (the default, kEpWideTiles).
 TEST_F(EpForward, PrefillTilesMatchSingleDevice) {
   const MoeShape s = reduced_shape();
   HostMoeWeights w = make_random_weights(s, 53);
@@ -341,12 +345,12 @@ TEST_F(EpForward, PrefillTilesMatchSingleDevice) {
   const std::vector<int> tokens = {600, 411};
   const auto xs = rank_inputs(s, tokens, 900);
   const auto want = single_device(w, xs, tokens);
-  for (const char* wide : {"0", "1"}) {
-    const ScopedEnv env("MEGAMOE_EP_WIDE", wide);
+  for (const bool wide : {false, true}) {
+    const ScopedSwitch sw(&kernels::Overrides::ep_wide_tiles, wide);
     api::CudaEpMoeLayer layer(w, ep_options(R, Tmax));
     const std::string cfg = layer.config_for(Tmax);
     ASSERT_NE(cfg.find("block_n=128"), std::string::npos) << cfg;
-    ASSERT_EQ(cfg.find("wide_tiles") != std::string::npos, wide[0] == '1') << cfg;
+    ASSERT_EQ(cfg.find("wide_tiles") != std::string::npos, wide) << cfg;
     RankBuffers b(xs, layer);
     b.poison();
     layer.forward(b.x, b.y, tokens, nullptr);
@@ -354,7 +358,7 @@ TEST_F(EpForward, PrefillTilesMatchSingleDevice) {
     const auto got = b.read(tokens, s.hidden);
     for (int r = 0; r < R; ++r)
       EXPECT_EQ(0, std::memcmp(got[r].data(), want[r].data(), got[r].size() * 2))
-          << "rank " << r << ", MEGAMOE_EP_WIDE=" << wide;
+          << "rank " << r << ", ep_wide_tiles " << wide;
   }
 }
 
@@ -448,8 +452,8 @@ TEST_F(EpForward, ForwardsAfterATimeoutEndUntilCheck) {
   const std::vector<int> tokens = {160, 7, 96, 130};
   const auto xs = rank_inputs(s, tokens, 1300);
   const auto want = single_device(w, xs, tokens);
-  for (const char* overlap : {"0", "1"}) {
-    const ScopedEnv ov("MEGAMOE_EP_OVERLAP", overlap);
+  for (const bool overlap : {false, true}) {
+    const ScopedSwitch sw(&kernels::Overrides::ep_overlap, overlap);
     api::EpLayerOptions opt = ep_options(R, 160);
     opt.timeout_s = 0.1;
     api::CudaEpMoeLayer layer(w, opt);
@@ -585,12 +589,12 @@ void expect_matches_one_device(const HostMoeWeights& w, const std::vector<int>& 
   }
 }
 
-// The row pull beside the tiles (MEGAMOE_EP_OVERLAP=1, heuristics.h kEpPullOverlap): each
+// The row pull beside the tiles (ep_overlap on; heuristics.h kEpOverlap): each
 // unit's rows counted into its done1 counter as they land (the rank's second grid barrier
 // stays, for a peer's timeout only). The bytes of one device at decode and prefill sizes
 // (an empty rank, a full one), on two epochs, and in a graph replayed with other counts.
 TEST_F(EpForward, OverlappedPullMatchesSingleDevice) {
-  const ScopedEnv overlap("MEGAMOE_EP_OVERLAP", "1");
+  const ScopedSwitch overlap(&kernels::Overrides::ep_overlap, true);
   const MoeShape s = reduced_shape();
   HostMoeWeights w = make_random_weights(s, 57);
   const std::vector<std::vector<int>> cases = {
@@ -609,24 +613,24 @@ TEST_F(EpForward, OverlappedPullMatchesSingleDevice) {
   expect_replays_match(layer, graph, b, w, xs, {{160, 7, 0, 99}, {1, 160, 160, 2}});
 }
 
-// Wide tiles on the ranks (heuristics.h kEpWideTiles; MEGAMOE_EP_WIDE=1 whatever it says): prefill-sized
+// Wide tiles on the ranks (heuristics.h kEpWideTiles; ep_wide_tiles on whatever it says): prefill-sized
 // batches (over kHalfTileMaxAvgRows rows an expert), alone and with the pull beside the
 // tiles; the bytes of one device.
 TEST_F(EpForward, WideTilesMatchSingleDevice) {
-  const ScopedEnv wide("MEGAMOE_EP_WIDE", "1");
+  const ScopedSwitch wide(&kernels::Overrides::ep_wide_tiles, true);
   const MoeShape s = reduced_shape();
   HostMoeWeights w = make_random_weights(s, 59);
-  for (const char* overlap : {"0", "1"}) {
-    const ScopedEnv ov("MEGAMOE_EP_OVERLAP", overlap);
+  for (const bool overlap : {false, true}) {
+    const ScopedSwitch sw(&kernels::Overrides::ep_overlap, overlap);
     for (const std::vector<int>& tokens : {std::vector<int>{600, 517}, std::vector<int>{900, 0, 777, 900}})
-      expect_matches_one_device(w, tokens, 1200, overlap[0] == '1' ? "wide_tiles ep_overlap" : "wide_tiles",
-                                std::string("wide tiles, overlap ") + overlap);
+      expect_matches_one_device(w, tokens, 1200, overlap ? "wide_tiles ep_overlap" : "wide_tiles",
+                                std::string("wide tiles, overlap ") + (overlap ? "1" : "0"));
   }
   // Wide tiles with half tiles (forced: the rule takes half tiles instead), so a wide tile
   // of at most 64 rows gives each warpgroup one block (`split`): 65-75 rows an expert (a rank
   // picks its tiles from its count times R; 128-token tiles from 60 rows on 16 local experts,
   // 48 on a card reading at least 30 GB/s a SM: heuristics.h kTile128MinAvgRowsFewExperts*).
-  const ScopedEnv half_wide("MEGAMOE_WIDE_TILES", "1");
+  const ScopedSwitch half_wide(&kernels::Overrides::wide_tiles, true);
   expect_matches_one_device(w, {300, 260}, 1250, "half_tiles wide_tiles", "split wide tiles");
 }
 

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -17,6 +18,7 @@
 
 #include "gpu_test_util.h"
 #include "megamoe/api/moe_layer.h"
+#include "megamoe/kernels/overrides.h"
 #include "megamoe/reference/moe.h"
 #include "megamoe/weights/host_weights.h"
 
@@ -174,9 +176,7 @@ class ExternalRouting : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!have_device()) GTEST_SKIP() << "no sm_90 device";
-    unsetenv("MEGAMOE_PDL");
   }
-  void TearDown() override { unsetenv("MEGAMOE_PDL"); }
 };
 
 // (a) The layer's own ids and weights handed back as the caller's give the layer's bytes,
@@ -220,17 +220,22 @@ TEST_F(ExternalRouting, OwnRoutingGivesTheSameBytes) {
     CK(cudaStreamCreate(&st));  // (blocking: ordered after the legacy stream's poison and copies)
     for (const char* pdl : {"1", "0"}) {
       for (int id_bytes : {4, 8}) {
-        setenv("MEGAMOE_PDL", pdl, 1);
+        std::optional<kernels::ScopedOverrides> launch;  // the capture's programmatic_launch
+        {
+          kernels::Overrides o = kernels::overrides();
+          o.programmatic_launch = pdl[0] == '1';
+          launch.emplace(o);
+        }
         cudaGraph_t graph;
         cudaGraphExec_t exec;
         CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
         layer.forward(dx.as<num::bf16_t>(), dy.as<num::bf16_t>(), Tmax, dT.as<int>(), st, dr.input(id_bytes));
         CK(cudaStreamEndCapture(st, &graph));
         CK(cudaGraphInstantiate(&exec, graph, 0));
-        unsetenv("MEGAMOE_PDL");
+        launch.reset();
         for (int T : {300, 7, 1000, 0, 1, 64}) {
           SCOPED_TRACE("graph at " + std::to_string(Tmax) + ", replay T=" + std::to_string(T) +
-                       " MEGAMOE_PDL=" + pdl + " id_bytes=" + std::to_string(id_bytes));
+                       " programmatic_launch=" + pdl + " id_bytes=" + std::to_string(id_bytes));
           const OwnRun own = own_forward(layer, dx, dy, T);
           CK(cudaMemcpy(dT.p, &T, sizeof(int), cudaMemcpyHostToDevice));
           dy.poison();

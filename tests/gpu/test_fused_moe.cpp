@@ -8,6 +8,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -16,12 +17,15 @@
 #include "gpu_test_util.h"
 #include "megamoe/api/forward.h"
 #include "megamoe/api/moe_layer.h"
+#include "megamoe/kernels/overrides.h"
 #include "megamoe/reference/moe.h"
 #include "megamoe/weights/host_weights.h"
 
 namespace megamoe {
 namespace {
 
+using kernels::Overrides;
+using kernels::ScopedOverrides;
 using testutil::have_device;
 using testutil::odd_blocks_shape;
 using testutil::random_x;
@@ -152,19 +156,19 @@ void check_against_reference(const MoeShape& s, int T, uint64_t seed) {
 
 class FusedMoe : public ::testing::Test {
  protected:
+  // Every test starts with no switch set, whatever the environment says; `ov` holds the
+  // switches a test sets, in force from set() until the next set() or the test's end.
   void SetUp() override {
     if (!have_device()) GTEST_SKIP() << "no sm_90 device";
-    clear_switches();
+    set();
   }
-  // (also after each test: a failed assertion can leave a switch set for the next suite)
-  void TearDown() override { clear_switches(); }
-  static void clear_switches() {
-    for (const char* var :
-         {"MEGAMOE_BLOCK_N", "MEGAMOE_HALF_TILES", "MEGAMOE_PAIR_TILES", "MEGAMOE_PAIR_WEIGHTS",
-          "MEGAMOE_WIDE_TILES", "MEGAMOE_PDL", "MEGAMOE_READ_GBPS_PER_SM", "MEGAMOE_UNIT_STRIDE",
-          "MEGAMOE_SM_UNITS_MAX_TOKENS", "MEGAMOE_UNIT_TURN"})
-      unsetenv(var);
+  void TearDown() override { scope.reset(); }
+  void set() {
+    scope.reset();
+    scope.emplace(ov);
   }
+  Overrides ov;
+  std::optional<ScopedOverrides> scope;
 };
 
 TEST_F(FusedMoe, ReducedShapeSmallT) {
@@ -184,13 +188,12 @@ TEST_F(FusedMoe, PairTilesSmall) {
   // (T = 200: a token block a routed expert, the shared expert's two make a weight pair;
   // 8 experts at T = 300: one to three blocks an expert, so routed weight pairs and odd
   // last blocks).
-  setenv("MEGAMOE_BLOCK_N", "128", 1);
-  setenv("MEGAMOE_WIDE_TILES", "0", 1);
-  setenv("MEGAMOE_PAIR_TILES", "1", 1);
-  for (const char* weights : {"0", "1"}) {
-    setenv("MEGAMOE_PAIR_WEIGHTS", weights, 1);
-    for (const char* half : {"1", "0"}) {
-      setenv("MEGAMOE_HALF_TILES", half, 1);
+  ov.block_n = 128, ov.wide_tiles = false, ov.pair_tiles = true;
+  for (const bool weights : {false, true}) {
+    ov.pair_weights = weights;
+    for (const bool half : {true, false}) {
+      ov.half_tiles = half;
+      set();
       check_against_reference(reduced_shape(), 200, 500);
     }
     MoeShape few = reduced_shape();
@@ -198,7 +201,7 @@ TEST_F(FusedMoe, PairTilesSmall) {
     check_against_reference(few, 300, 501);
     const std::string cfg = make_case(reduced_shape(), 500, 200, 200).layer->config_for(200);
     EXPECT_NE(cfg.find("pair_tiles"), std::string::npos) << "pair tiles did not run: " << cfg;
-    EXPECT_EQ(cfg.find("pair_weights") != std::string::npos, weights[0] == '1') << cfg;
+    EXPECT_EQ(cfg.find("pair_weights") != std::string::npos, weights) << cfg;
   }
 }
 
@@ -208,17 +211,17 @@ TEST_F(FusedMoe, DecodePairsSmall) {
   // off at block_n 8 and 16: a small case for compute-sanitizer. T = 5: a token block an
   // expert; T = 40: up to 16 rows an expert.
   const TestCase tc = make_case(reduced_shape(), 600, 40, 40);
-  for (const char* pairs : {"1", "0"}) {
-    setenv("MEGAMOE_PAIR_TILES", pairs, 1);
-    for (const char* bn : {"8", "16"}) {
-      setenv("MEGAMOE_BLOCK_N", bn, 1);
+  for (const bool pairs : {true, false}) {
+    ov.decode_pairs = pairs;
+    for (const int bn : {8, 16}) {
+      ov.block_n = bn;
+      set();
       for (int T : {5, 40}) check_against_reference(reduced_shape(), T, 600 + T);
       const std::string cfg = tc.layer->config_for(40);
-      EXPECT_EQ(cfg.find("pair_tiles") != std::string::npos, pairs[0] == '1') << cfg;
+      EXPECT_EQ(cfg.find("decode_pairs") != std::string::npos, pairs) << cfg;
+      EXPECT_EQ(cfg.find("pair_tiles"), std::string::npos) << cfg;
     }
   }
-  unsetenv("MEGAMOE_PAIR_TILES");
-  unsetenv("MEGAMOE_BLOCK_N");
 }
 
 TEST_F(FusedMoe, DecodePairsWhereGemm1TilesAreFew) {
@@ -230,9 +233,9 @@ TEST_F(FusedMoe, DecodePairsWhereGemm1TilesAreFew) {
   const TestCase tc = make_case(s, 602, 8, 64);
   const std::string few = tc.layer->config_for(8), many = tc.layer->config_for(64);
   EXPECT_NE(few.find("block_n=8"), std::string::npos) << few;
-  EXPECT_NE(few.find("pair_tiles"), std::string::npos) << few;
+  EXPECT_NE(few.find("decode_pairs"), std::string::npos) << few;
   EXPECT_NE(many.find("block_n=8"), std::string::npos) << many;
-  EXPECT_EQ(many.find("pair_tiles"), std::string::npos) << many;
+  EXPECT_EQ(many.find("decode_pairs"), std::string::npos) << many;
 }
 
 TEST_F(FusedMoe, WideTilesSmall) {
@@ -240,16 +243,16 @@ TEST_F(FusedMoe, WideTilesSmall) {
   // against the reference: a small case for compute-sanitizer (the large-T cases run wide
   // tiles by the heuristic's choice). 8 experts at T = 300: one to three token blocks an
   // expert.
-  setenv("MEGAMOE_BLOCK_N", "128", 1);
-  setenv("MEGAMOE_WIDE_TILES", "1", 1);
+  ov.block_n = 128, ov.wide_tiles = true;
   const TestCase tc = make_case(reduced_shape(), 502, 200, 200);
-  for (const char* half : {"1", "0"}) {
-    setenv("MEGAMOE_HALF_TILES", half, 1);
+  for (const bool half : {true, false}) {
+    ov.half_tiles = half;
+    set();
     check_against_reference(reduced_shape(), 200, 502);
     // (half tiles on: the split, each warpgroup one block)
     const std::string cfg = tc.layer->config_for(200);
-    EXPECT_NE(cfg.find(half[0] == '1' ? "half_tiles wide_tiles" : " wide_tiles"), std::string::npos)
-        << "wide tiles did not run (MEGAMOE_HALF_TILES=" << half << "): " << cfg;
+    EXPECT_NE(cfg.find(half ? "half_tiles wide_tiles" : " wide_tiles"), std::string::npos)
+        << "wide tiles did not run (half_tiles " << half << "): " << cfg;
   }
   MoeShape few = reduced_shape();
   few.experts = 8;
@@ -263,7 +266,8 @@ TEST_F(FusedMoe, WideTilesWhereHalfTilesAreOff) {
   // on one reading more (kTile128MinAvgRowsFewExpertsFastRead), half tiles without pairs
   // (kPairTilesMinExperts); from 24 rows to there the 64-token tile.
   const TestCase tc = make_case(reduced_shape(), 1, 8, 2048);
-  setenv("MEGAMOE_READ_GBPS_PER_SM", "25", 1);
+  ov.read_gbps_per_sm = 25;
+  set();
   for (int T : {1024, 2048}) {
     const std::string cfg = tc.layer->config_for(T);
     EXPECT_NE(cfg.find("stages=4"), std::string::npos) << T << ": " << cfg;
@@ -281,7 +285,8 @@ TEST_F(FusedMoe, WideTilesWhereHalfTilesAreOff) {
     const std::string cfg = tc.layer->config_for(T);
     EXPECT_NE(cfg.find("block_n=64 "), std::string::npos) << T << ": " << cfg;
   }
-  setenv("MEGAMOE_READ_GBPS_PER_SM", "37", 1);
+  ov.read_gbps_per_sm = 37;
+  set();
   for (int T : {384, 472}) {  // 48 and 59 rows
     const std::string cfg = tc.layer->config_for(T);
     EXPECT_NE(cfg.find("block_n=128"), std::string::npos) << T << ": " << cfg;
@@ -323,19 +328,21 @@ TEST_F(FusedMoe, TileEdgeFollowsReadBandwidth) {
   // Without the override the plan passes the card's own figure (nonzero on any sm_90 card)
   // and the tile at 30 rows follows it.
   const std::string own = tc.layer->config_for(960);
-  const size_t at = own.find(" read=");
+  const size_t at = own.find(" read_gbps_per_sm=");
   ASSERT_NE(at, std::string::npos) << own;
-  const double own_gbps = std::atof(own.c_str() + at + 6);
+  const double own_gbps = std::atof(own.c_str() + at + 18);
   EXPECT_GT(own_gbps, 0) << own;
   EXPECT_NE(own.find(own_gbps >= 30 ? "block_n=128 " : "block_n=64 "),
             std::string::npos)  // (kFastReadGBpsPerSm)
       << own;
-  setenv("MEGAMOE_READ_GBPS_PER_SM", "25", 1);
+  ov.read_gbps_per_sm = 25;
+  set();
   std::string cfg = tc.layer->config_for(960);
   EXPECT_NE(cfg.find("block_n=64 "), std::string::npos) << cfg;
   cfg = tc.layer->config_for(704);
   EXPECT_NE(cfg.find("block_n=48 "), std::string::npos) << cfg;
-  setenv("MEGAMOE_READ_GBPS_PER_SM", "37", 1);
+  ov.read_gbps_per_sm = 37;
+  set();
   cfg = tc.layer->config_for(960);
   EXPECT_NE(cfg.find("block_n=128 "), std::string::npos) << cfg;
   EXPECT_NE(cfg.find("half_tiles pair_tiles pair_weights"), std::string::npos) << cfg;
@@ -397,68 +404,67 @@ TEST_F(FusedMoe, DeterministicAndTileIndependent) {
     const GpuRun b = run_gpu(layer, x, T);
     EXPECT_EQ(0, std::memcmp(a.y.data(), b.y.data(), a.y.size() * 2)) << s.describe() << ": two runs differ";
     // A forward with each value of one switch gives a's bytes; the switch is unset after.
-    auto same_bytes_each = [&](const char* var, std::initializer_list<const char*> values) {
-      for (const char* v : values) {
-        setenv(var, v, 1);
+    auto same_bytes_each = [&](const char* name, auto field, auto values) {
+      for (const auto v : values) {
+        ov.*field = v;
+        set();
         const GpuRun c = run_gpu(layer, x, T);
         EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
-            << s.describe() << ": " << var << "=" << v << " changes the bytes (" << layer.config_for(T)
+            << s.describe() << ": " << name << "=" << v << " changes the bytes (" << layer.config_for(T)
             << ")";
       }
-      unsetenv(var);
+      ov.*field = std::nullopt;
+      set();
     };
-    same_bytes_each("MEGAMOE_BLOCK_N", {"8", "16", "32", "48", "64", "128"});
+    same_bytes_each("block_n", &Overrides::block_n, std::initializer_list<int>{8, 16, 32, 48, 64, 128});
     // Decode pairs (block_n 8 and 16; the odd shape's H / 128 = 9 output blocks cannot pair)
     // and the same tiles alone: the same bytes.
-    for (const char* bn : {"8", "16"})
-      for (const char* pairs : {"0", "1"}) {
-        setenv("MEGAMOE_BLOCK_N", bn, 1);
-        setenv("MEGAMOE_PAIR_TILES", pairs, 1);
+    for (const int bn : {8, 16})
+      for (const bool pairs : {false, true}) {
+        ov.block_n = bn, ov.decode_pairs = pairs;
+        set();
         const GpuRun c = run_gpu(layer, x, T);
         EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
-            << s.describe() << ": block_n " << bn << " MEGAMOE_PAIR_TILES=" << pairs << " changes the bytes ("
+            << s.describe() << ": block_n " << bn << " decode_pairs " << pairs << " changes the bytes ("
             << layer.config_for(T) << ")";
       }
-    unsetenv("MEGAMOE_PAIR_TILES");
+    ov.decode_pairs = std::nullopt;
     // 128-token tiles with warpgroup 1 idle on tiles of <= 64 rows (T = 200: ~25 rows an
     // expert, so every routed tile) and with both warpgroups computing (without half tiles
-    // the heuristic takes wide tiles where the shape allows them): the same bytes. (Until
-    // v38 this ran with the loop's last block_n, 16, still set: half tiles did not apply.)
-    setenv("MEGAMOE_BLOCK_N", "128", 1);
-    same_bytes_each("MEGAMOE_HALF_TILES", {"0", "1"});
-    unsetenv("MEGAMOE_BLOCK_N");  // (the rule's tiles for the launch switches below)
+    // the rule takes wide tiles where the shape allows them): the same bytes.
+    ov.block_n = 128;
+    same_bytes_each("half_tiles", &Overrides::half_tiles, std::initializer_list<bool>{false, true});
+    ov.block_n = std::nullopt;  // (the rule's tiles for the launch switches below)
     // route_topk and the fused kernel launched as programmatic dependents (their CTAs start
     // while the kernel before them runs; the rule takes it up to 64 tokens) and not: the same bytes.
-    same_bytes_each("MEGAMOE_PDL", {"0", "1"});
-    // 128-token tiles in CTA pairs (clusters of two, the token tile multicast) and alone:
-    // the same bytes (the odd shape's H / 128 = 9 output blocks cannot pair: it runs alone).
-    setenv("MEGAMOE_BLOCK_N", "128", 1);
-    // Pairs sharing the token tile or the weight tile, and wide tiles (both tiles of a token
-    // pair in one CTA; the odd shape cannot take them either).
+    same_bytes_each("programmatic_launch", &Overrides::programmatic_launch,
+                    std::initializer_list<bool>{false, true});
+    // 128-token tiles in CTA pairs (clusters of two) and alone: the same bytes (the odd
+    // shape's H / 128 = 9 output blocks cannot pair: it runs alone). Pairs sharing the token
+    // tile or the weight tile, and wide tiles (both tiles of a token pair in one CTA; the odd
+    // shape cannot take them either).
     struct Tiles {
-      const char *name, *wide, *pairs, *pair_weights;  // the MEGAMOE_* switches
+      const char* name;
+      bool wide, pairs, pair_weights;
     };
     for (const Tiles& v :
-         {Tiles{"alone", "0", "0", "0"}, Tiles{"pairs sharing tokens", "0", "1", "0"},
-          Tiles{"pairs sharing weights", "0", "1", "1"}, Tiles{"wide tiles", "1", "0", "0"}}) {
-      setenv("MEGAMOE_WIDE_TILES", v.wide, 1);
-      setenv("MEGAMOE_PAIR_TILES", v.pairs, 1);
-      setenv("MEGAMOE_PAIR_WEIGHTS", v.pair_weights, 1);
+         {Tiles{"alone", false, false, false}, Tiles{"pairs sharing tokens", false, true, false},
+          Tiles{"pairs sharing weights", false, true, true}, Tiles{"wide tiles", true, false, false}}) {
+      ov.block_n = 128, ov.wide_tiles = v.wide, ov.pair_tiles = v.pairs, ov.pair_weights = v.pair_weights;
+      set();
       const GpuRun c = run_gpu(layer, x, T);
       EXPECT_EQ(0, std::memcmp(a.y.data(), c.y.data(), a.y.size() * 2))
           << s.describe() << ": 128-token tiles " << v.name << " change the bytes (" << layer.config_for(T)
           << ")";
     }
-    unsetenv("MEGAMOE_WIDE_TILES");
-    unsetenv("MEGAMOE_PAIR_TILES");
-    unsetenv("MEGAMOE_PAIR_WEIGHTS");
-    unsetenv("MEGAMOE_BLOCK_N");
+    ov = Overrides{};
+    set();
   }
 }
 
 TEST_F(FusedMoe, UnitsBySmKeepTheBytes) {
   // The schedule's units by SM (kSmUnits: the unit table the plan's probe found) against
-  // units by blockIdx (MEGAMOE_UNIT_STRIDE=1, read when the layer is made), launched plainly
+  // units by blockIdx (Overrides::unit_stride = 1, read when the layer is made), launched plainly
   // and as programmatic dependents (which move the CTAs to other SMs): the same bytes. The
   // table must hold on the test machine's idle card wherever no cluster places the CTAs, up
   // to kSmUnitsMaxTokens (4096) tokens.
@@ -467,26 +473,29 @@ TEST_F(FusedMoe, UnitsBySmKeepTheBytes) {
   const TestCase tc = make_case(s, 31, max_tokens, max_tokens);
   api::MoeLayerOptions opt;
   opt.max_tokens = max_tokens;
-  setenv("MEGAMOE_UNIT_STRIDE", "1", 1);
+  ov.unit_stride = 1;
+  set();
   api::CudaMoeLayer by_block(tc.w, opt);
-  unsetenv("MEGAMOE_UNIT_STRIDE");
   // The measurement switches (read when the layer is made): the table at every token count,
   // turned by 38 units a forward.
-  setenv("MEGAMOE_SM_UNITS_MAX_TOKENS", "1000000", 1);
-  setenv("MEGAMOE_UNIT_TURN", "38", 1);
+  ov = Overrides{};
+  ov.sm_units_max_tokens = 1000000, ov.unit_turn = 38;
+  set();
   api::CudaMoeLayer turned(tc.w, opt);
-  unsetenv("MEGAMOE_SM_UNITS_MAX_TOKENS");
-  unsetenv("MEGAMOE_UNIT_TURN");
-  for (const char* pdl : {"0", "1"}) {
-    setenv("MEGAMOE_PDL", pdl, 1);
+  ov = Overrides{};
+  for (const bool pdl : {false, true}) {
+    ov.programmatic_launch = pdl;
+    set();
     for (int T : {40, 600, 2600, 5000}) {
       const std::vector<num::bf16_t> x(tc.x.begin(), tc.x.begin() + size_t(T) * s.hidden);
       const GpuRun a = run_gpu(*tc.layer, x, T), b = run_gpu(by_block, x, T);
       const std::string cfg = tc.layer->config_for(T), plain = by_block.config_for(T);
       EXPECT_EQ(0, std::memcmp(a.y.data(), b.y.data(), a.y.size() * 2))
-          << "T = " << T << " MEGAMOE_PDL=" << pdl << ": units by SM change the bytes (" << cfg << ")";
-      EXPECT_EQ(cfg.find(" sm_units") != std::string::npos,
-                cfg.find("pair_tiles") == std::string::npos && T <= 4096)
+          << "T = " << T << " programmatic_launch " << pdl << ": units by SM change the bytes (" << cfg
+          << ")";
+      const bool clusters =
+          cfg.find("pair_tiles") != std::string::npos || cfg.find("decode_pairs") != std::string::npos;
+      EXPECT_EQ(cfg.find(" sm_units") != std::string::npos, !clusters && T <= 4096)
           << "T = " << T << ": the unit table did not hold: " << cfg;
       EXPECT_EQ(plain.find("sm_units"), std::string::npos) << plain;
       // (two forwards: the turn moves with the routing's forward count)
@@ -494,9 +503,11 @@ TEST_F(FusedMoe, UnitsBySmKeepTheBytes) {
         const GpuRun c = run_gpu(turned, x, T);
         const std::string tcfg = turned.config_for(T);
         EXPECT_EQ(0, std::memcmp(c.y.data(), b.y.data(), c.y.size() * 2))
-            << "T = " << T << " MEGAMOE_PDL=" << pdl << ": the turned unit table changes the bytes (" << tcfg
-            << ")";
-        EXPECT_EQ(tcfg.find(" sm_units") != std::string::npos, tcfg.find("pair_tiles") == std::string::npos)
+            << "T = " << T << " programmatic_launch " << pdl << ": the turned unit table changes the bytes ("
+            << tcfg << ")";
+        EXPECT_EQ(
+            tcfg.find(" sm_units") != std::string::npos,
+            tcfg.find("pair_tiles") == std::string::npos && tcfg.find("decode_pairs") == std::string::npos)
             << "T = " << T << ": the table's token limit did not lift: " << tcfg;
       }
     }
@@ -669,12 +680,12 @@ TEST_F(FusedMoe, LayersShareOneWorkspace) {
   cudaFree(ws);
 }
 
-// Captures one forward of `layer` at `hint` tokens into a graph with the MEGAMOE_* switches
-// `env` set (for the capture only), replays it at each T of Ts with the count in device
-// memory, and expects each replay's bytes (y poisoned first) to be an eager forward's at T
-// under the defaults.
+// Captures one forward of `layer` at `hint` tokens into a graph with the switches `capture`
+// (for the capture only; `label` names them), replays it at each T of Ts with the count in
+// device memory, and expects each replay's bytes (y poisoned first) to be an eager forward's
+// at T under the defaults.
 void expect_graph_replays_match(api::CudaMoeLayer& layer, const std::vector<num::bf16_t>& x, int hint,
-                                std::initializer_list<std::pair<const char*, const char*>> env,
+                                const Overrides& capture, const std::string& label,
                                 std::initializer_list<int> Ts) {
   const MoeShape& s = layer.shape();
   const size_t n = size_t(hint) * s.hidden;
@@ -687,18 +698,15 @@ void expect_graph_replays_match(api::CudaMoeLayer& layer, const std::vector<num:
   CK(cudaMemcpy(dx, x.data(), n * 2, cudaMemcpyHostToDevice));
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
-  std::string label;
-  for (const auto& [var, value] : env) {
-    setenv(var, value, 1);
-    label += std::string(" ") + var + "=" + value;
-  }
   cudaGraph_t graph;
   cudaGraphExec_t exec;
-  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-  layer.forward(dx, dy, hint, dT, st);
-  CK(cudaStreamEndCapture(st, &graph));
-  CK(cudaGraphInstantiate(&exec, graph, 0));
-  for (const auto& [var, value] : env) unsetenv(var);
+  {
+    const ScopedOverrides scoped(capture);
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    layer.forward(dx, dy, hint, dT, st);
+    CK(cudaStreamEndCapture(st, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+  }
   for (int T : Ts) {
     CK(cudaMemcpy(dT, &T, sizeof(int), cudaMemcpyHostToDevice));
     CK(cudaMemset(dy, 0xFF, n * 2));
@@ -709,7 +717,7 @@ void expect_graph_replays_match(api::CudaMoeLayer& layer, const std::vector<num:
     std::vector<num::bf16_t> xt(x.begin(), x.begin() + size_t(T) * s.hidden);
     const GpuRun eager = run_gpu(layer, xt, T);
     EXPECT_EQ(0, std::memcmp(yg.data(), eager.y.data(), yg.size() * 2))
-        << "graph captured at " << hint << " tokens, replayed at T=" << T << " (" << label << " )";
+        << "graph captured at " << hint << " tokens, replayed at T=" << T << " (" << label << ")";
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
@@ -731,8 +739,11 @@ TEST_F(FusedMoe, GraphReplayWithDeviceTokenCount) {
   api::CudaMoeLayer layer(w, opt);
   // Captured with route_topk and the fused kernel as programmatic dependents (the graph's
   // edges between them programmatic) and without.
-  for (const char* pdl : {"1", "0"})
-    expect_graph_replays_match(layer, x, Tmax, {{"MEGAMOE_PDL", pdl}}, {37, 320, 0, 1, 100, 257});
+  for (const bool pdl : {true, false}) {
+    Overrides capture;
+    capture.programmatic_launch = pdl;
+    expect_graph_replays_match(layer, x, Tmax, capture, capture.describe(), {37, 320, 0, 1, 100, 257});
+  }
 }
 
 // A device token count outside [0, tokens_hint] is a caller's bug: the kernels clamp it

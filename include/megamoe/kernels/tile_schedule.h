@@ -12,8 +12,8 @@
 // The last `pool` GEMM2 tiles are no CTA's: a CTA whose list is done claims them
 // one at a time from a counter in the order of their ids (pool_begin() + k for
 // the k-th claim), so the CTAs that streamed faster take more of the tail and the
-// grid finishes together (v14: a static tail left CTAs idle 2-7 % of a decode
-// layer waiting for the slowest).
+// grid finishes together (a static tail left CTAs idle 2-7 % of a decode layer
+// waiting for the slowest; docs/performance-history.md, "Schedule and placement").
 // NOTE: deadlock-free: each CTA takes its tiles in increasing order and every
 // GEMM1 tile precedes every GEMM2 tile (the pool holds GEMM2 tiles only, claimed
 // after a CTA's own list), so a GEMM2 tile only waits for GEMM1 tiles that
@@ -180,7 +180,7 @@ struct TileIds {
 // the SM's place in the order the launch filled them, so a CTA takes the unit of the SM it
 // landed on; every other entry `none`. It holds only where every CTA sat on its own SM below
 // `slots` and blockIdx 2k, 2k + 1 on the two SMs of one TPC (ids 2j, 2j + 1: the placement the
-// schedule's neighbouring units are laid out for, v37). Returns -1, or the first blockIdx
+// schedule's neighbouring units are laid out for). Returns -1, or the first blockIdx
 // that breaks it (or grid itself for a grid the table cannot hold) with table all `none`.
 // A grid the table can hold: TPC pairs of CTAs, every unit below `none`.
 inline bool sm_unit_grid_ok(int grid, uint8_t none) { return grid > 0 && grid < int(none) && grid % 2 == 0; }

@@ -12,9 +12,9 @@ namespace megamoe::num {
 constexpr float kActScaleEps = 1e-4f;  // amax floor
 constexpr int kActGroup = 128;         // x -> FP8: 1x128 groups along H (matches the weight blocks)
 // SwiGLU output -> FP8 before the second GEMM: 1x128 groups along I with a
-// float32 scale (v27; 1x64 before). 128 = one K block of the second GEMM, so every
-// GEMM2 tile folds once a 128-deep stage, as GEMM1 does (v26 measured the second fold a
-// stage at 7 % of GLM-5's layer at 16384 tokens), and the same granularity as
+// float32 scale. 128 = one K block of the second GEMM, so every GEMM2 tile folds once a
+// 128-deep stage, as GEMM1 does (64-column groups cost a second fold a stage, 7 % of GLM-5's
+// layer at 16384 tokens), and the same granularity as
 // cuBLASLt's VEC128 and DeepGEMM's activations. Every Hopper GEMM1 tile therefore holds
 // the gate and up rows of 128 intermediate columns (fused_moe.cu), whatever its shape.
 constexpr int kInterGroup = 128;
@@ -22,9 +22,8 @@ constexpr int kInterGroup = 128;
 // float32 accumulator (times scale_x * scale_w): 128, one weight block, as DeepGEMM
 // does. The second GEMM folds every kInterGroup columns (its activation scale changes
 // there). The reference models the tensor cores' accumulation inside a fold
-// (num::fp8_mma_step), so the fold depth is a speed choice, not a tolerance (v16;
-// v11 measured this fold 5-8 % faster from T = 1024 on, but the reference then summed
-// exactly and drifted to 5.5e-3 relative L2 from the kernel).
+// (num::fp8_mma_step), so the fold depth is a speed choice, not a tolerance (a reference
+// that summed exactly drifted to 5.5e-3 relative L2 from the kernel at this depth).
 constexpr int kGemm1FoldK = 128;
 
 // s = max(amax, 1e-4) / 448 (IEEE float division; no fast-math anywhere).
@@ -47,7 +46,7 @@ MEGAMOE_HD void swiglu_clamp(float& g, float& u, float limit) {
 // e^x from one multiply, one rounding to an integer, FMAs and an exponent add: no
 // library exp and no special-function unit, so the CPU reference and the kernels get
 // the same bits (the device's expf uses MUFU.EX2 and differed from the host's
-// std::exp for 7.6 % of floats, v16). Cody-Waite reduction x = k ln2 + r (|r| <=
+// std::exp for 7.6 % of floats). Cody-Waite reduction x = k ln2 + r (|r| <=
 // ln2 / 2, ln2's high part exact times any k here), Taylor to r^7 (truncation below
 // 0.5 ulp), Horner in fmaf, then k added to the exponent field. The argument is
 // clamped to [-86, 88] so that add stays in the normal range: within 1 ulp of e^x
