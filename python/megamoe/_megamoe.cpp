@@ -1,0 +1,881 @@
+// megamoe._megamoe: the native half of the Python package (python/megamoe/*.py is the
+// public half). Tensors cross as DLPack views (nb::ndarray): torch tensors, numpy arrays,
+// anything with __dlpack__; nothing here links libtorch or copies an activation.
+//
+// One _Layer holds one MoE layer:
+//   - its weights in a WeightStore of that one layer (host memory for the CPU backend,
+//     device memory for CUDA), loaded from a checkpoint or by tensor name, reloaded in
+//     place (addresses never move), or borrowed: a caller's stacked tensors read in place;
+//   - CPU: the kernel-faithful reference (ref::route + ref::moe_layer), the bytes of
+//     `megamoe forward --backend cpu`;
+//   - CUDA: an api::CudaMoeLayer over the store (or the borrowed view), enqueued on the
+//     caller's stream (an integer cudaStream_t), capturable.
+// Every bad input throws ValueError / TypeError naming the argument, the expected and the
+// found value. The Python wrapper adds only what needs Python (torch, names, dataclasses).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "megamoe/api/forward.h"
+#include "megamoe/api/moe_layer.h"
+#include "megamoe/io/checkpoint.h"
+#include "megamoe/io/safetensors.h"
+#include "megamoe/model/config.h"
+#include "megamoe/model/shape.h"
+#include "megamoe/numerics/fp8.h"
+#include "megamoe/reference/moe.h"
+#include "megamoe/weights/device_memory.h"
+#include "megamoe/weights/layout.h"
+#include "megamoe/weights/store.h"
+
+#if MEGAMOE_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+#ifndef MEGAMOE_VERSION
+#define MEGAMOE_VERSION "0.0.0"
+#endif
+
+namespace nb = nanobind;
+using namespace megamoe;
+
+namespace {
+
+using In = nb::ndarray<nb::ro>;  // any dtype, device, layout: checked here, with our messages
+using Out = nb::ndarray<>;
+
+constexpr int kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3, kDLCUDAManaged = 13;
+
+// ---------------------------------------------------------------- describing arrays
+
+std::string dtype_name(nb::dlpack::dtype d) {
+  using C = nb::dlpack::dtype_code;
+  switch (C(d.code)) {
+    case C::Int: return fmt::format("int{}", d.bits);
+    case C::UInt: return fmt::format("uint{}", d.bits);
+    case C::Float: return fmt::format("float{}", d.bits);
+    case C::Bfloat: return fmt::format("bfloat{}", d.bits);
+    case C::Bool: return "bool";
+    case C::Float8_E4M3FN: return "float8_e4m3fn";
+    case C::Float8_E5M2: return "float8_e5m2";
+    default: return fmt::format("dtype(code {}, {} bits)", d.code, d.bits);
+  }
+}
+
+template <class A>
+std::string shape_text(const A& a) {
+  std::string s = "[";
+  for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + "]";
+}
+
+std::string device_text(int type, int id) {
+  if (type == kDLCPU) return "cpu";
+  if (type == kDLCUDA) return fmt::format("cuda:{}", id);
+  if (type == kDLCUDAHost) return "cuda pinned host";
+  if (type == kDLCUDAManaged) return fmt::format("cuda managed:{}", id);
+  return fmt::format("device type {}", type);
+}
+
+template <class A>
+std::string describe(const A& a) {
+  return fmt::format("{} {} on {}", dtype_name(a.dtype()), shape_text(a), device_text(a.device_type(), a.device_id()));
+}
+
+bool is(nb::dlpack::dtype d, nb::dlpack::dtype_code c, int bits) { return d.code == uint8_t(c) && d.bits == bits; }
+bool is_bf16(nb::dlpack::dtype d) {
+  // uint16: BF16 bits (ml_dtypes bfloat16 numpy arrays have no DLPack code; the wrapper
+  // views them as uint16).
+  return is(d, nb::dlpack::dtype_code::Bfloat, 16) || is(d, nb::dlpack::dtype_code::UInt, 16);
+}
+bool is_f32(nb::dlpack::dtype d) { return is(d, nb::dlpack::dtype_code::Float, 32); }
+bool is_fp8(nb::dlpack::dtype d) {
+  return is(d, nb::dlpack::dtype_code::Float8_E4M3FN, 8) || is(d, nb::dlpack::dtype_code::UInt, 8);
+}
+
+template <class A>
+bool contiguous(const A& a) {
+  int64_t expect = 1;
+  for (size_t i = a.ndim(); i-- > 0;) {
+    if (a.shape(i) != 1 && a.stride(i) != expect) return false;
+    expect *= int64_t(a.shape(i));
+  }
+  return true;
+}
+
+[[noreturn]] void type_error(const std::string& s) { throw nb::type_error(s.c_str()); }
+[[noreturn]] void value_error(const std::string& s) { throw nb::value_error(s.c_str()); }
+
+template <class A>
+void require_shape(const char* arg, const A& a, std::initializer_list<int64_t> shape) {
+  bool ok = a.ndim() == shape.size();
+  size_t i = 0;
+  for (int64_t v : shape) ok = ok && int64_t(a.shape(i++)) == v;
+  if (!ok) {
+    std::string want = "[";
+    i = 0;
+    for (int64_t v : shape) want += (i++ ? ", " : "") + std::to_string(v);
+    value_error(fmt::format("{}: expected shape {}, found {}", arg, want + "]", describe(a)));
+  }
+  if (!contiguous(a)) value_error(fmt::format("{}: expected a contiguous (row-major) tensor, found strides of a view ({})", arg, describe(a)));
+}
+
+// ---------------------------------------------------------------- shapes and configs
+
+ScoreFunc parse_score(const std::string& s) {
+  if (s == "sigmoid") return ScoreFunc::kSigmoid;
+  if (s == "softmax") return ScoreFunc::kSoftmax;
+  if (s == "sqrtsoftplus") return ScoreFunc::kSqrtSoftplus;
+  value_error(fmt::format("score: expected 'sigmoid', 'softmax' or 'sqrtsoftplus', found '{}'", s));
+}
+
+RouterDtype parse_router_dtype(const std::string& s) {
+  if (s == "bf16" || s == "bfloat16") return RouterDtype::kBF16;
+  if (s == "f32" || s == "float32") return RouterDtype::kF32;
+  value_error(fmt::format("router_dtype: expected 'bf16' or 'f32', found '{}'", s));
+}
+
+// A one-layer model description for a layer that comes from tensors, not a checkpoint:
+// its tensors are named as DeepSeek-V3's ("model.layers.{L}.mlp.").
+ModelDesc synthetic_desc(const MoeShape& s, int layer) {
+  ModelDesc d;
+  d.model_type = "deepseek_v3";
+  d.family = "deepseek-v3";
+  d.shape = s;
+  d.num_layers = layer + 1;
+  d.moe_layers = {layer};
+  d.layer_prefix_format = "model.layers.{}.mlp.";
+  return d;
+}
+
+io::Dtype io_dtype(const char* arg, nb::dlpack::dtype d) {
+  if (is_fp8(d)) return io::Dtype::kF8_E4M3;
+  if (is_bf16(d)) return io::Dtype::kBF16;  // (uint16: BF16 bits, see is_bf16)
+  if (is_f32(d)) return io::Dtype::kF32;
+  type_error(fmt::format("{}: expected float8_e4m3fn (or uint8 E4M3 codes), bfloat16 or float32, found {}", arg,
+                         dtype_name(d)));
+}
+
+// ---------------------------------------------------------------- workspace
+
+struct Workspace {
+  bool cuda = false;
+  int device = -1;
+  int max_tokens = 0;
+  size_t bytes = 0;
+  void* ptr = nullptr;
+  std::vector<MoeShape> shapes;
+
+  Workspace(const std::vector<MoeShape>& s, int max_tok, const std::string& dev) : max_tokens(max_tok), shapes(s) {
+    if (s.empty()) value_error("Workspace: config_or_configs: expected at least one MoEConfig, found none");
+    if (max_tok < 1) value_error(fmt::format("Workspace: max_tokens: expected >= 1, found {}", max_tok));
+    for (const MoeShape& x : s) x.validate();
+    if (dev == "cpu") return;  // the CPU backend needs no scratch memory
+    if (dev != "cuda") value_error(fmt::format("Workspace: device: expected 'cuda' or 'cpu', found '{}'", dev));
+#if MEGAMOE_HAVE_CUDA
+    std::string why;
+    if (!api::cuda_available(&why)) throw std::runtime_error("Workspace: device 'cuda' unavailable: " + why);
+    cuda = true;
+    cudaGetDevice(&device);
+    for (const MoeShape& x : s) bytes = std::max(bytes, api::CudaMoeLayer::workspace_bytes_for(x, max_tok));
+    ptr = dev::device_alloc(bytes);
+#else
+    throw std::runtime_error("Workspace: device 'cuda': this build of megamoe has no CUDA backend");
+#endif
+  }
+  ~Workspace() { dev::device_free(ptr); }
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+};
+
+// ---------------------------------------------------------------- the layer
+
+struct Layer {
+  MoeShape shape;
+  bool cuda = false;
+  int device = -1;  // CUDA ordinal
+  int max_tokens = 0;
+  int layer = 0;  // the decoder layer the tensor names use
+  ModelDesc desc;
+  std::unique_ptr<WeightStore> store;  // null when borrowed
+  MoeWeightsView borrowed{};           // the caller's tensors (borrow); kept alive by the wrapper
+  std::shared_ptr<Workspace> workspace;
+  // CPU: routing of the last forward.
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+  int last_tokens = 0;
+#if MEGAMOE_HAVE_CUDA
+  std::unique_ptr<api::CudaMoeLayer> cuda_layer;
+#endif
+
+  Layer(const MoeShape& s, const std::string& dev, int max_tok, std::shared_ptr<Workspace> ws)
+      : shape(s), max_tokens(max_tok), workspace(std::move(ws)) {
+    shape.validate();
+    if (max_tok < 1) value_error(fmt::format("max_tokens: expected >= 1, found {}", max_tok));
+    if (dev == "cuda") {
+      cuda = true;
+#if MEGAMOE_HAVE_CUDA
+      std::string why;
+      if (!api::cuda_available(&why)) throw std::runtime_error("device 'cuda' unavailable: " + why);
+      cudaGetDevice(&device);
+#else
+      throw std::runtime_error("device 'cuda': this build of megamoe has no CUDA backend (built without nvcc)");
+#endif
+    } else if (dev != "cpu") {
+      value_error(fmt::format("device: expected 'cuda' or 'cpu', found '{}'", dev));
+    }
+  }
+
+  // The shared workspace must be on this layer's device and sized for its shape (checked
+  // once the shape is final: a checkpoint's router dtype comes from its file).
+  void check_workspace() const {
+    if (workspace) {
+      if (workspace->cuda != cuda)
+        value_error(fmt::format("workspace: expected a Workspace on '{}', found one on '{}'",
+                                cuda ? "cuda" : "cpu", workspace->cuda ? "cuda" : "cpu"));
+      if (cuda && workspace->device != device)
+        value_error(fmt::format("workspace: expected a Workspace on cuda:{}, found one on cuda:{}", device,
+                                workspace->device));
+      if (workspace->max_tokens < max_tokens)
+        value_error(fmt::format("workspace: sized for max_tokens {}, the layer asks for {}", workspace->max_tokens,
+                                max_tokens));
+#if MEGAMOE_HAVE_CUDA
+      const size_t need = cuda ? api::CudaMoeLayer::workspace_bytes_for(shape, max_tokens) : 0;
+      if (workspace->bytes < need)
+        value_error(fmt::format("workspace: {} bytes, this layer ({}) needs {} at max_tokens {}; list its config "
+                                "in Workspace()",
+                                workspace->bytes, shape.describe(), need, max_tokens));
+#endif
+    }
+  }
+
+  void make_store(const ModelDesc& d, int L, const io::Checkpoint* ckpt) {
+    desc = d;
+    layer = L;
+    desc.require_moe_layer(L, "layer");
+    WeightStoreOptions so;
+    so.memory = cuda ? StoreMemory::kDevice : StoreMemory::kHost;
+    so.layers = {L};
+    store = std::make_unique<WeightStore>(ckpt ? WeightStore::for_checkpoint(*ckpt, desc, so)
+                                               : WeightStore(desc, so));
+    shape = store->shape(L);
+  }
+
+  api::MoeLayerOptions layer_options() const {
+    api::MoeLayerOptions o;
+    o.max_tokens = max_tokens;
+    if (workspace) o.workspace = workspace->ptr, o.workspace_bytes = workspace->bytes;
+    return o;
+  }
+
+  // After the first complete load: the CUDA layer over the store's buffer.
+  void attach() {
+#if MEGAMOE_HAVE_CUDA
+    if (cuda && !cuda_layer) {
+      if (store)
+        cuda_layer = std::make_unique<api::CudaMoeLayer>(*store, layer, layer_options());
+      else
+        cuda_layer = std::make_unique<api::CudaMoeLayer>(shape, borrowed, layer_options());
+    }
+#endif
+  }
+
+  bool ready() const { return !store || store->ready(layer); }
+  void require_ready(const char* what) const {
+    if (!ready())
+      throw std::runtime_error(fmt::format(
+          "{}: the layer's weights are incomplete (never loaded, or a reload left a weight without its "
+          "scale / a layerwise reload without all tensors); load them with load_weights",
+          what));
+  }
+
+  MoeWeightsView host_view() const { return store ? store->host_view(layer) : borrowed; }
+
+  // ---- loading
+  void sync_device() const {
+#if MEGAMOE_HAVE_CUDA
+    // The store writes synchronously but is not ordered after queued forwards (store.h).
+    if (cuda) cudaDeviceSynchronize();
+#endif
+  }
+  void require_store(const char* what) const {
+    if (!store)
+      value_error(fmt::format("{}: this layer borrows the caller's tensors (from_stacked(borrow=True)); write "
+                              "new weights into those tensors instead",
+                              what));
+  }
+  void begin(const std::string& mode) {
+    require_store("load_weights");
+    ReloadMode m;
+    try {
+      m = parse_reload_mode(mode);
+    } catch (const std::invalid_argument&) {
+      value_error(fmt::format("mode: expected 'direct' or 'layerwise', found '{}'", mode));
+    }
+    sync_device();
+    store->begin(m);
+  }
+  bool in_session() const { return store && store->in_session(); }
+  // `name` relative to the layer's mlp ("experts.3.gate_proj.weight").
+  void update(const std::string& name, const In& t) {
+    require_store("load_weights");
+    const std::string arg = "tensor '" + name + "'";
+    if (!contiguous(t)) value_error(fmt::format("{}: expected a contiguous tensor, found a strided view ({})", arg, describe(t)));
+    const bool on_device = t.device_type() == kDLCUDA || t.device_type() == kDLCUDAManaged;
+    if (on_device && !cuda)
+      value_error(fmt::format("{}: expected a cpu tensor for a cpu layer, found {}", arg, describe(t)));
+    if (!on_device && t.device_type() != kDLCPU && t.device_type() != kDLCUDAHost)
+      value_error(fmt::format("{}: expected a cpu or cuda tensor, found {}", arg, describe(t)));
+    const io::Dtype dt = io_dtype(arg.c_str(), t.dtype());
+    std::vector<int64_t> shp(t.ndim());
+    for (size_t i = 0; i < t.ndim(); ++i) shp[i] = int64_t(t.shape(i));
+    const size_t bytes = t.nbytes();
+    if (!store->update(desc.layer_prefix(layer) + name, dt, shp, t.data(), bytes))
+      value_error(fmt::format(
+          "{}: not a tensor of this MoE layer (expected experts.{{e}}.{{gate,up,down}}_proj.weight / "
+          ".weight_scale_inv with e in [0, {}), shared_experts.*, gate.weight, gate.e_score_correction_bias)",
+          arg, shape.experts));
+  }
+  void finish() {
+    require_store("load_weights");
+    store->finish();
+    if (store->ready(layer)) attach();
+  }
+  void zero_experts() {
+    require_store("zero_experts");
+    sync_device();
+    store->zero_experts(layer);
+  }
+  nb::bytes weight_bytes() const {
+    if (!store) value_error("weight_bytes: a borrowed layer's weights are the caller's tensors");
+    const size_t n = store->layout(layer).total_bytes;
+    std::string b(n, '\0');
+    sync_device();
+    store->read_bytes(layer, 0, n, b.data());
+    return nb::bytes(b.data(), b.size());
+  }
+  uintptr_t weights_address() const {
+    if (store) return uintptr_t(store->base(layer));
+    return uintptr_t(borrowed.w13);
+  }
+
+  // ---- stacked tensors (the kernel layout, weights/layout.h)
+  struct Stacked {
+    std::optional<In> w13, w13_scale, w2, w2_scale, router, bias, sw13, sw13_scale, sw2, sw2_scale;
+  };
+  void check_stacked(const Stacked& st, bool borrow) {
+    const MoeShape& s = shape;
+    const int64_t E = s.experts, H = s.hidden, I = s.inter, Is = s.shared_inter();
+    const int64_t hb = MoeWeightLayout::hidden_blocks(s.hidden), ib = MoeWeightLayout::inter_blocks(s.inter);
+    const int64_t isb = MoeWeightLayout::inter_blocks(s.shared_inter());
+    auto need = [&](const char* arg, const std::optional<In>& t, std::initializer_list<int64_t> shp, int kind) {
+      if (!t) value_error(fmt::format("{}: required, found None", arg));
+      // kind 0: fp8, 1: f32, 2: router (bf16 or f32)
+      const auto d = t->dtype();
+      if (kind == 0 && !is_fp8(d))
+        type_error(fmt::format("{}: expected float8_e4m3fn (or uint8 E4M3 codes), found {}", arg, describe(*t)));
+      if (kind == 1 && !is_f32(d)) type_error(fmt::format("{}: expected float32, found {}", arg, describe(*t)));
+      if (kind == 2 && !is_bf16(d) && !is_f32(d))
+        type_error(fmt::format("{}: expected bfloat16 or float32, found {}", arg, describe(*t)));
+      require_shape(arg, *t, shp);
+      if (borrow) {
+        const int want = cuda ? kDLCUDA : kDLCPU;
+        if (t->device_type() != want || (cuda && t->device_id() != device))
+          value_error(fmt::format("{}: borrow=True reads the tensor in place: expected it on {}, found {}", arg,
+                                  cuda ? fmt::format("cuda:{}", device) : std::string("cpu"), describe(*t)));
+        if (uintptr_t(t->data()) % 16 != 0)
+          value_error(fmt::format("{}: borrow=True needs a 16-byte aligned tensor, found address {:#x}", arg,
+                                  uintptr_t(t->data())));
+      }
+    };
+    auto absent = [&](const char* arg, const std::optional<In>& t, const char* why) {
+      if (t) value_error(fmt::format("{}: expected None ({}), found {}", arg, why, describe(*t)));
+    };
+    need("w13", st.w13, {E, 2 * I, H}, 0);
+    need("w13_scale", st.w13_scale, {E, 2 * ib, hb}, 1);
+    need("w2", st.w2, {E, H, I}, 0);
+    need("w2_scale", st.w2_scale, {E, hb, ib}, 1);
+    need("router", st.router, {E, H}, 2);
+    if (s.correction_bias)
+      need("bias", st.bias, {E}, 1);
+    else
+      absent("bias", st.bias, "the config has correction_bias=False");
+    if (s.has_shared()) {
+      need("shared_w13", st.sw13, {2 * Is, H}, 0);
+      need("shared_w13_scale", st.sw13_scale, {2 * isb, hb}, 1);
+      need("shared_w2", st.sw2, {H, Is}, 0);
+      need("shared_w2_scale", st.sw2_scale, {hb, isb}, 1);
+    } else {
+      absent("shared_w13", st.sw13, "the config has shared_experts=0");
+      absent("shared_w13_scale", st.sw13_scale, "the config has shared_experts=0");
+      absent("shared_w2", st.sw2, "the config has shared_experts=0");
+      absent("shared_w2_scale", st.sw2_scale, "the config has shared_experts=0");
+    }
+  }
+  // Copies the stacked tensors in through the store, tensor by checkpoint tensor (each
+  // expert's gate and up rows, down, and their scales are contiguous slices).
+  void load_stacked(const Stacked& st, const std::string& mode) {
+    const MoeShape& s = shape;
+    const size_t H = size_t(s.hidden), I = size_t(s.inter), Is = size_t(s.shared_inter());
+    const size_t hb = size_t(MoeWeightLayout::hidden_blocks(s.hidden)),
+                 ib = size_t(MoeWeightLayout::inter_blocks(s.inter)),
+                 isb = size_t(MoeWeightLayout::inter_blocks(s.shared_inter()));
+    auto put = [&](const std::string& name, const In& src, size_t elem_offset, size_t elem_bytes,
+                   std::vector<int64_t> shp, io::Dtype dt) {
+      size_t n = 1;
+      for (int64_t v : shp) n *= size_t(v);
+      const auto* p = static_cast<const uint8_t*>(src.data()) + elem_offset * elem_bytes;
+      if (!store->update(desc.layer_prefix(layer) + name, dt, shp, p, n * elem_bytes))
+        throw std::logic_error("load_stacked: the store refused " + name);
+    };
+    begin(mode);
+    try {
+      for (int e = 0; e < s.experts; ++e) {
+        const std::string x = fmt::format("experts.{}.", e);
+        const size_t w13 = size_t(e) * 2 * I * H, sc13 = size_t(e) * 2 * ib * hb;
+        put(x + "gate_proj.weight", *st.w13, w13, 1, {int64_t(I), int64_t(H)}, io::Dtype::kF8_E4M3);
+        put(x + "up_proj.weight", *st.w13, w13 + I * H, 1, {int64_t(I), int64_t(H)}, io::Dtype::kF8_E4M3);
+        put(x + "gate_proj.weight_scale_inv", *st.w13_scale, sc13, 4, {int64_t(ib), int64_t(hb)}, io::Dtype::kF32);
+        put(x + "up_proj.weight_scale_inv", *st.w13_scale, sc13 + ib * hb, 4, {int64_t(ib), int64_t(hb)},
+            io::Dtype::kF32);
+        put(x + "down_proj.weight", *st.w2, size_t(e) * H * I, 1, {int64_t(H), int64_t(I)}, io::Dtype::kF8_E4M3);
+        put(x + "down_proj.weight_scale_inv", *st.w2_scale, size_t(e) * hb * ib, 4, {int64_t(hb), int64_t(ib)},
+            io::Dtype::kF32);
+      }
+      if (s.has_shared()) {
+        put("shared_experts.gate_proj.weight", *st.sw13, 0, 1, {int64_t(Is), int64_t(H)}, io::Dtype::kF8_E4M3);
+        put("shared_experts.up_proj.weight", *st.sw13, Is * H, 1, {int64_t(Is), int64_t(H)}, io::Dtype::kF8_E4M3);
+        put("shared_experts.gate_proj.weight_scale_inv", *st.sw13_scale, 0, 4, {int64_t(isb), int64_t(hb)},
+            io::Dtype::kF32);
+        put("shared_experts.up_proj.weight_scale_inv", *st.sw13_scale, isb * hb, 4, {int64_t(isb), int64_t(hb)},
+            io::Dtype::kF32);
+        put("shared_experts.down_proj.weight", *st.sw2, 0, 1, {int64_t(H), int64_t(Is)}, io::Dtype::kF8_E4M3);
+        put("shared_experts.down_proj.weight_scale_inv", *st.sw2_scale, 0, 4, {int64_t(hb), int64_t(isb)},
+            io::Dtype::kF32);
+      }
+      const bool f32 = s.router_dtype == RouterDtype::kF32;
+      put("gate.weight", *st.router, 0, f32 ? 4 : 2, {int64_t(s.experts), int64_t(H)},
+          f32 ? io::Dtype::kF32 : io::Dtype::kBF16);
+      if (s.correction_bias) put("gate.e_score_correction_bias", *st.bias, 0, 4, {int64_t(s.experts)}, io::Dtype::kF32);
+    } catch (...) {
+      if (store->in_session()) {
+        try {
+          store->finish();
+        } catch (...) {
+        }
+      }
+      throw;
+    }
+    finish();
+  }
+  void set_borrowed(const Stacked& st) {
+    auto p = [](const std::optional<In>& t) { return t ? static_cast<const void*>(t->data()) : nullptr; };
+    borrowed.w13 = static_cast<const uint8_t*>(p(st.w13));
+    borrowed.w13_scale = static_cast<const float*>(p(st.w13_scale));
+    borrowed.w2 = static_cast<const uint8_t*>(p(st.w2));
+    borrowed.w2_scale = static_cast<const float*>(p(st.w2_scale));
+    borrowed.shared_w13 = static_cast<const uint8_t*>(p(st.sw13));
+    borrowed.shared_w13_scale = static_cast<const float*>(p(st.sw13_scale));
+    borrowed.shared_w2 = static_cast<const uint8_t*>(p(st.sw2));
+    borrowed.shared_w2_scale = static_cast<const float*>(p(st.sw2_scale));
+    borrowed.router = p(st.router);
+    borrowed.bias = static_cast<const float*>(p(st.bias));
+    attach();
+  }
+
+  // ---- forward
+  // x: [T, H] bf16 (uint16 bits) or float32 (CPU only); y: the same shape, bf16 or float32
+  // (CPU) / bf16 (CUDA). ids, weights: [T, K] external routing. num_tokens: CUDA, a device
+  // int32 holding the count (graphs); CPU, -1 or a count in [0, T].
+  void forward(const In& x, Out& y, const std::optional<In>& ids_in, const std::optional<In>& w_in,
+               const std::optional<In>& num_tokens_dev, int64_t num_tokens, uintptr_t stream) {
+    const int64_t H = shape.hidden, K = shape.topk;
+    if (x.ndim() != 2 || int64_t(x.shape(1)) != H)
+      value_error(fmt::format("x: expected shape [T, {}], found {}", H, describe(x)));
+    const int64_t T = int64_t(x.shape(0));
+    if (T > max_tokens)
+      value_error(fmt::format("x: {} tokens, more than the layer's max_tokens {} (build the layer with a larger "
+                              "max_tokens)",
+                              T, max_tokens));
+    require_shape("x", x, {T, H});
+    require_shape("out", y, {T, H});
+    if (ids_in.has_value() != w_in.has_value())
+      value_error(fmt::format("topk_ids / topk_weights: external routing needs both, found only {}",
+                              ids_in ? "topk_ids" : "topk_weights"));
+    if (ids_in) {
+      require_shape("topk_ids", *ids_in, {T, K});
+      require_shape("topk_weights", *w_in, {T, K});
+      const auto d = ids_in->dtype();
+      if (!is(d, nb::dlpack::dtype_code::Int, 32) && !is(d, nb::dlpack::dtype_code::Int, 64))
+        type_error(fmt::format("topk_ids: expected int32 or int64, found {}", describe(*ids_in)));
+      if (!is_f32(w_in->dtype())) type_error(fmt::format("topk_weights: expected float32, found {}", describe(*w_in)));
+    }
+    if (cuda)
+      forward_cuda(x, y, ids_in, w_in, num_tokens_dev, int(T), stream);
+    else
+      forward_cpu(x, y, ids_in, w_in, num_tokens_dev, num_tokens, int(T));
+  }
+
+  void require_device(const char* arg, int type, int id) const {
+    if (cuda) {
+      if (type != kDLCUDA || id != device)
+        value_error(fmt::format("{}: expected a tensor on cuda:{} (the layer's device; never copied), found {}", arg,
+                                device, device_text(type, id)));
+    } else if (type != kDLCPU) {
+      value_error(fmt::format("{}: expected a cpu tensor (a cpu layer), found {}", arg, device_text(type, id)));
+    }
+  }
+
+  void forward_cpu(const In& x, Out& y, const std::optional<In>& ids_in, const std::optional<In>& w_in,
+                   const std::optional<In>& num_tokens_dev, int64_t num_tokens, int T) {
+    require_ready("forward");
+    require_device("x", x.device_type(), x.device_id());
+    require_device("out", y.device_type(), y.device_id());
+    if (num_tokens_dev) value_error("num_tokens: a tensor count is for CUDA layers; give a cpu layer an int");
+    if (num_tokens > T)
+      value_error(fmt::format("num_tokens: expected a count in [0, {}] (x's rows), found {}", T, num_tokens));
+    const int n = num_tokens < 0 ? T : int(num_tokens);
+    const bool x_f32 = is_f32(x.dtype()), y_f32 = is_f32(y.dtype());
+    if (!x_f32 && !is_bf16(x.dtype()))
+      type_error(fmt::format("x: expected bfloat16 or float32 (cpu), found {}", describe(x)));
+    if (!y_f32 && !is_bf16(y.dtype()))
+      type_error(fmt::format("out: expected bfloat16 or float32 (cpu), found {}", describe(y)));
+    const size_t H = size_t(shape.hidden), K = size_t(shape.topk);
+    std::vector<num::bf16_t> xb;
+    const num::bf16_t* xp = static_cast<const num::bf16_t*>(x.data());
+    if (x_f32) {
+      // float32 x is rounded to BF16 (the layer's input type), as the engines' cast does.
+      xb.resize(size_t(n) * H);
+      const float* xf = static_cast<const float*>(x.data());
+      for (size_t i = 0; i < xb.size(); ++i) xb[i] = num::bf16_encode(xf[i]);
+      xp = xb.data();
+    }
+    std::vector<int32_t> ids(size_t(n) * K);
+    std::vector<float> wts(size_t(n) * K);
+    if (ids_in) {
+      require_device("topk_ids", ids_in->device_type(), ids_in->device_id());
+      require_device("topk_weights", w_in->device_type(), w_in->device_id());
+      const bool i64 = ids_in->dtype().bits == 64;
+      for (size_t i = 0; i < ids.size(); ++i) {
+        const int64_t v = i64 ? static_cast<const int64_t*>(ids_in->data())[i]
+                              : static_cast<const int32_t*>(ids_in->data())[i];
+        if (v < 0 || v >= shape.experts)
+          value_error(fmt::format("topk_ids: expected expert ids in [0, {}), found {} at [{}, {}]", shape.experts, v,
+                                  i / K, i % K));
+        ids[i] = int32_t(v);
+      }
+      std::memcpy(wts.data(), w_in->data(), wts.size() * 4);
+      for (size_t i = 0; i < wts.size(); ++i)
+        if (!std::isfinite(wts[i]))
+          value_error(fmt::format("topk_weights: expected finite weights, found {} at [{}, {}]", wts[i], i / K, i % K));
+    }
+    std::vector<float> yf(size_t(n) * H);
+    {
+      nb::gil_scoped_release release;
+      const MoeWeightsView v = host_view();
+      if (!ids_in) ref::route(shape, v, xp, n, ids.data(), wts.data());
+      ref::moe_layer(shape, v, xp, n, ids.data(), wts.data(), ref::Mode::kKernelFaithful, yf.data());
+    }
+    if (y_f32) {
+      std::memcpy(y.data(), yf.data(), yf.size() * 4);  // every value is a BF16 (kernel-faithful)
+    } else {
+      auto* yo = static_cast<num::bf16_t*>(y.data());
+      for (size_t i = 0; i < yf.size(); ++i) yo[i] = num::bf16_encode(yf[i]);
+    }
+    this->ids = std::move(ids);
+    weights = std::move(wts);
+    last_tokens = n;
+  }
+
+  void forward_cuda(const In& x, Out& y, const std::optional<In>& ids_in, const std::optional<In>& w_in,
+                    const std::optional<In>& num_tokens_dev, int T, uintptr_t stream) {
+#if MEGAMOE_HAVE_CUDA
+    if (!cuda_layer) require_ready("forward");
+    require_device("x", x.device_type(), x.device_id());
+    require_device("out", y.device_type(), y.device_id());
+    if (!is(x.dtype(), nb::dlpack::dtype_code::Bfloat, 16))
+      type_error(fmt::format("x: expected bfloat16, found {}", describe(x)));
+    if (!is(y.dtype(), nb::dlpack::dtype_code::Bfloat, 16))
+      type_error(fmt::format("out: expected bfloat16, found {}", describe(y)));
+    api::RoutingInput r;
+    if (ids_in) {
+      require_device("topk_ids", ids_in->device_type(), ids_in->device_id());
+      require_device("topk_weights", w_in->device_type(), w_in->device_id());
+      r.ids = ids_in->data();
+      r.id_bytes = ids_in->dtype().bits / 8;
+      r.weights = static_cast<const float*>(w_in->data());
+    }
+    const int* nt = nullptr;
+    if (num_tokens_dev) {
+      const In& c = *num_tokens_dev;
+      require_device("num_tokens", c.device_type(), c.device_id());
+      if (!is(c.dtype(), nb::dlpack::dtype_code::Int, 32) || c.size() != 1)
+        type_error(fmt::format("num_tokens: expected one int32 on the device, found {}", describe(c)));
+      nt = static_cast<const int*>(c.data());
+    }
+    if (!store_ready_fast()) require_ready("forward");
+    cuda_layer->forward(static_cast<const num::bf16_t*>(x.data()), static_cast<num::bf16_t*>(y.data()), T, nt,
+                        reinterpret_cast<api::Stream>(stream), r);
+    last_tokens = T;
+#else
+    throw std::logic_error("forward_cuda without CUDA");
+#endif
+  }
+  bool store_ready_fast() const { return !store || store->ready(layer); }
+
+  void check() {
+#if MEGAMOE_HAVE_CUDA
+    if (cuda_layer) cuda_layer->check();
+#endif
+  }
+
+  // Routing of the last forward: CPU, numpy copies; CUDA, views of the layer's device
+  // buffers (valid until the next forward).
+  nb::object topk(bool want_ids) {
+    const size_t shp[2] = {size_t(last_tokens), size_t(shape.topk)};
+    if (!cuda) {
+      if (want_ids) {
+        auto* v = new std::vector<int32_t>(ids);
+        nb::capsule own(v, [](void* p) noexcept { delete static_cast<std::vector<int32_t>*>(p); });
+        return nb::cast(nb::ndarray<nb::numpy, int32_t>(v->data(), 2, shp, own));
+      }
+      auto* v = new std::vector<float>(weights);
+      nb::capsule own(v, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+      return nb::cast(nb::ndarray<nb::numpy, float>(v->data(), 2, shp, own));
+    }
+#if MEGAMOE_HAVE_CUDA
+    if (!cuda_layer) return nb::none();
+    nb::handle owner = nb::find(this);
+    if (want_ids)
+      return nb::cast(nb::ndarray<nb::pytorch, int32_t>(const_cast<int32_t*>(cuda_layer->topk_ids()), 2, shp, owner,
+                                                        nullptr, nb::dtype<int32_t>(), kDLCUDA, device));
+    return nb::cast(nb::ndarray<nb::pytorch, float>(const_cast<float*>(cuda_layer->topk_weights()), 2, shp, owner,
+                                                    nullptr, nb::dtype<float>(), kDLCUDA, device));
+#else
+    return nb::none();
+#endif
+  }
+
+  nb::dict properties() const {
+    nb::dict d;
+    d["backend"] = cuda ? "cuda" : "cpu";
+    d["device_ordinal"] = device;
+    d["max_tokens"] = max_tokens;
+    d["borrowed"] = !store;
+    d["layer"] = layer;
+    d["weight_bytes"] = store ? store->layout(layer).total_bytes : MoeWeightLayout::compute(shape).total_bytes;
+    d["shape"] = shape.describe();
+    d["shared_workspace"] = bool(workspace);
+#if MEGAMOE_HAVE_CUDA
+    if (cuda_layer) {
+      d["workspace_bytes"] = cuda_layer->workspace_bytes();
+      d["tile_config"] = cuda_layer->config_for(max_tokens);
+    }
+#endif
+    return d;
+  }
+};
+
+// ---------------------------------------------------------------- quantization
+
+// w float32 [..., N, K] (host) -> E4M3 codes (uint8, same shape) and float32
+// [..., ceil(N/128), ceil(K/128)] scales = block amax / 448 (an all-zero block gets 1).
+std::pair<nb::ndarray<nb::numpy, uint8_t>, nb::ndarray<nb::numpy, float>> quantize_block_fp8(const In& w) {
+  if (w.device_type() != kDLCPU) value_error(fmt::format("w: expected a cpu array here, found {}", describe(w)));
+  if (!is_f32(w.dtype())) type_error(fmt::format("w: expected float32, found {}", describe(w)));
+  if (w.ndim() < 2) value_error(fmt::format("w: expected [..., N, K], found {}", describe(w)));
+  if (!contiguous(w)) value_error(fmt::format("w: expected a contiguous array, found {}", describe(w)));
+  const size_t nd = w.ndim(), N = w.shape(nd - 2), K = w.shape(nd - 1);
+  size_t batch = 1;
+  for (size_t i = 0; i + 2 < nd; ++i) batch *= w.shape(i);
+  const size_t nb_ = (N + 127) / 128, kb = (K + 127) / 128;
+  auto* q = new std::vector<uint8_t>(batch * N * K);
+  auto* s = new std::vector<float>(batch * nb_ * kb);
+  const float* src = static_cast<const float*>(w.data());
+  for (size_t b = 0; b < batch; ++b)
+    for (size_t bi = 0; bi < nb_; ++bi)
+      for (size_t bk = 0; bk < kb; ++bk) {
+        float amax = 0;
+        for (size_t r = bi * 128; r < std::min(N, bi * 128 + 128); ++r)
+          for (size_t c = bk * 128; c < std::min(K, bk * 128 + 128); ++c)
+            amax = std::fmax(amax, std::fabs(src[(b * N + r) * K + c]));
+        if (!std::isfinite(amax))
+          value_error(fmt::format("w: expected finite values, found {} in block [{}, {}] of matrix {}", amax, bi, bk, b));
+        const float scale = amax > 0 ? amax / num::kE4M3Max : 1.0f;
+        (*s)[(b * nb_ + bi) * kb + bk] = scale;
+        for (size_t r = bi * 128; r < std::min(N, bi * 128 + 128); ++r)
+          for (size_t c = bk * 128; c < std::min(K, bk * 128 + 128); ++c)
+            (*q)[(b * N + r) * K + c] = num::e4m3_encode(src[(b * N + r) * K + c] / scale);
+      }
+  std::vector<size_t> qs(nd), ss(nd);
+  for (size_t i = 0; i < nd; ++i) qs[i] = ss[i] = w.shape(i);
+  ss[nd - 2] = nb_, ss[nd - 1] = kb;
+  nb::capsule oq(q, [](void* p) noexcept { delete static_cast<std::vector<uint8_t>*>(p); });
+  nb::capsule os(s, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+  return {nb::ndarray<nb::numpy, uint8_t>(q->data(), nd, qs.data(), oq),
+          nb::ndarray<nb::numpy, float>(s->data(), nd, ss.data(), os)};
+}
+
+}  // namespace
+
+NB_MODULE(_megamoe, m) {
+  m.doc() = "megamoe's native extension (use the megamoe package, not this module)";
+  m.attr("__version__") = MEGAMOE_VERSION;
+#if MEGAMOE_HAVE_CUDA
+  m.attr("built_with_cuda") = true;
+#else
+  m.attr("built_with_cuda") = false;
+#endif
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const io::FormatError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const io::NotFoundError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const ConfigError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.def("cuda_available", [] {
+    std::string why;
+    const bool ok = api::cuda_available(&why);
+    return std::make_pair(ok, why);
+  });
+
+  nb::class_<MoeShape>(m, "_Shape")
+      .def(nb::init<>())
+      .def_rw("hidden", &MoeShape::hidden)
+      .def_rw("inter", &MoeShape::inter)
+      .def_rw("experts", &MoeShape::experts)
+      .def_rw("topk", &MoeShape::topk)
+      .def_rw("shared_experts", &MoeShape::shared_experts)
+      .def_rw("n_group", &MoeShape::n_group)
+      .def_rw("topk_group", &MoeShape::topk_group)
+      .def_prop_rw(
+          "score", [](const MoeShape& s) { return std::string(to_string(s.score)); },
+          [](MoeShape& s, const std::string& v) { s.score = parse_score(v); })
+      .def_rw("norm_topk_prob", &MoeShape::norm_topk_prob)
+      .def_rw("routed_scaling", &MoeShape::routed_scaling)
+      .def_rw("swiglu_limit", &MoeShape::swiglu_limit)
+      .def_prop_rw(
+          "router_dtype", [](const MoeShape& s) { return std::string(to_string(s.router_dtype)); },
+          [](MoeShape& s, const std::string& v) { s.router_dtype = parse_router_dtype(v); })
+      .def_rw("correction_bias", &MoeShape::correction_bias)
+      .def("validate", [](const MoeShape& s) { s.validate(); })
+      .def("describe", &MoeShape::describe);
+
+  // config.json text -> (shape, moe layers, mtp layers, family, model_type)
+  m.def("parse_config", [](const std::string& text, const std::string& label) {
+    const ModelDesc d = parse_config(text, label);
+    return nb::make_tuple(d.shape, d.moe_layers, d.mtp_layers, d.family, d.model_type);
+  });
+  m.def("load_config", [](const std::string& path) {
+    const ModelDesc d = load_config(path);
+    return nb::make_tuple(d.shape, d.moe_layers, d.mtp_layers, d.family, d.model_type);
+  });
+
+  nb::class_<Workspace>(m, "_Workspace")
+      .def(nb::init<const std::vector<MoeShape>&, int, const std::string&>())
+      .def_ro("bytes", &Workspace::bytes)
+      .def_ro("max_tokens", &Workspace::max_tokens)
+      .def_ro("cuda", &Workspace::cuda);
+
+  nb::class_<Layer>(m, "_Layer")
+      .def_static(
+          "from_checkpoint",
+          [](const std::string& path, int layer, const std::string& dev, int max_tokens,
+             std::shared_ptr<Workspace> ws) {
+            const ModelDesc desc = load_config(path);
+            desc.require_moe_layer(layer, "layer");
+            const io::Checkpoint ckpt(path);
+            auto l = std::make_unique<Layer>(desc.shape, dev, max_tokens, std::move(ws));
+            l->make_store(desc, layer, &ckpt);
+            l->check_workspace();
+            {
+              nb::gil_scoped_release release;
+              l->store->load(ckpt);
+            }
+            l->attach();
+            return l.release();
+          },
+          nb::arg("path"), nb::arg("layer"), nb::arg("device"), nb::arg("max_tokens"), nb::arg("workspace").none(),
+          nb::rv_policy::take_ownership)
+      .def_static(
+          "empty",
+          [](const MoeShape& s, int layer, const std::string& dev, int max_tokens, std::shared_ptr<Workspace> ws) {
+            auto l = std::make_unique<Layer>(s, dev, max_tokens, std::move(ws));
+            l->make_store(synthetic_desc(l->shape, layer), layer, nullptr);
+            l->check_workspace();
+            return l.release();
+          },
+          nb::arg("shape"), nb::arg("layer"), nb::arg("device"), nb::arg("max_tokens"), nb::arg("workspace").none(),
+          nb::rv_policy::take_ownership)
+      .def_static(
+          "stacked",
+          [](const MoeShape& s, const std::string& dev, int max_tokens, std::shared_ptr<Workspace> ws, bool borrow,
+             const std::string& mode, std::optional<In> w13, std::optional<In> w13_scale, std::optional<In> w2,
+             std::optional<In> w2_scale, std::optional<In> router, std::optional<In> bias, std::optional<In> sw13,
+             std::optional<In> sw13_scale, std::optional<In> sw2, std::optional<In> sw2_scale) {
+            MoeShape shape = s;
+            if (router && is_f32(router->dtype())) shape.router_dtype = RouterDtype::kF32;
+            if (router && is_bf16(router->dtype()))
+              shape.router_dtype = RouterDtype::kBF16;
+            auto l = std::make_unique<Layer>(shape, dev, max_tokens, std::move(ws));
+            Layer::Stacked st{w13, w13_scale, w2, w2_scale, router, bias, sw13, sw13_scale, sw2, sw2_scale};
+            l->check_workspace();
+            l->check_stacked(st, borrow);
+            if (borrow) {
+              l->set_borrowed(st);
+            } else {
+              l->make_store(synthetic_desc(l->shape, 0), 0, nullptr);
+              l->load_stacked(st, mode);
+            }
+            return l.release();
+          },
+          nb::arg("shape"), nb::arg("device"), nb::arg("max_tokens"), nb::arg("workspace").none(), nb::arg("borrow"),
+          nb::arg("mode"), nb::arg("w13").none(), nb::arg("w13_scale").none(), nb::arg("w2").none(),
+          nb::arg("w2_scale").none(), nb::arg("router").none(), nb::arg("bias").none(), nb::arg("shared_w13").none(),
+          nb::arg("shared_w13_scale").none(), nb::arg("shared_w2").none(), nb::arg("shared_w2_scale").none(),
+          nb::rv_policy::take_ownership)
+      .def("forward", &Layer::forward, nb::arg("x").noconvert(), nb::arg("out").noconvert(),
+           nb::arg("topk_ids").noconvert().none(), nb::arg("topk_weights").noconvert().none(),
+           nb::arg("num_tokens_dev").noconvert().none(), nb::arg("num_tokens"), nb::arg("stream"))
+      .def("begin", &Layer::begin, nb::arg("mode"))
+      .def("update", &Layer::update, nb::arg("name"), nb::arg("tensor").noconvert())
+      .def("finish", &Layer::finish)
+      .def("in_session", &Layer::in_session)
+      .def("zero_experts", &Layer::zero_experts)
+      .def("weight_bytes", &Layer::weight_bytes)
+      .def("weights_address", &Layer::weights_address)
+      .def("ready", &Layer::ready)
+      .def("check", &Layer::check)
+      .def("topk", &Layer::topk, nb::arg("ids"))
+      .def("properties", &Layer::properties)
+      .def_ro("shape", &Layer::shape)
+      .def_ro("cuda", &Layer::cuda)
+      .def_ro("device_ordinal", &Layer::device)
+      .def_ro("max_tokens", &Layer::max_tokens)
+      .def_ro("layer", &Layer::layer)
+      .def_ro("last_tokens", &Layer::last_tokens);
+
+  m.def("quantize_block_fp8", &quantize_block_fp8, nb::arg("w").noconvert());
+}

@@ -1,0 +1,272 @@
+"""The CPU backend through the binding (numpy, no torch, no GPU): against the `megamoe
+forward` command (bit for bit), against the independent float64 implementation, external
+routing, reload in place, shared workspace, the three constructors, the functional op."""
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import LAYER, P, bf16, bits, f64, run
+
+import megamoe
+
+
+@pytest.fixture(scope="module")
+def layer(ckpt):
+    return megamoe.MoELayer.from_checkpoint(ckpt, LAYER, device="cpu", max_tokens=64)
+
+
+def cli_forward(cli, ckpt, x, tmp_path, backend="cpu"):
+    xin, yout = tmp_path / "x.safetensors", tmp_path / "y.safetensors"
+    f64.write_safetensors(str(xin), [("x", "BF16", np.ascontiguousarray(x).view(np.uint16))], {"format": "pt"})
+    run([cli, "forward", "--checkpoint", ckpt, "--layer", str(LAYER), "--input", str(xin), "--output", str(yout),
+         "--backend", backend])
+    st = f64.SafeTensors(str(yout))
+    return {n: st.raw(n)[1] for n in ("y", "topk_ids", "topk_weights")}
+
+
+def test_package():
+    assert megamoe.__version__ == "0.1.0"
+    assert isinstance(megamoe.cuda_available(), bool)
+    c = megamoe.MoEConfig(hidden=256, inter=192, experts=16, topk=4)
+    c.validate()
+
+
+def test_config_from_hf(ckpt):
+    import json
+
+    c = megamoe.MoEConfig.from_hf_config(json.load(open(os.path.join(ckpt, "config.json"))))
+    assert (c.hidden, c.inter, c.experts, c.topk, c.shared_experts) == (256, 192, 16, 4, 1)
+    assert c.router_dtype == "f32" and c.swiglu_limit == 10.0 and c.routed_scaling == 2.5
+    cfg, moe_layers, mtp, family = megamoe.hf_config_info(ckpt)
+    assert cfg == c and moe_layers == [LAYER] and family == "glm-5.3-flash"
+
+
+def test_matches_cli_bit_for_bit(cli, ckpt, layer, x16, tmp_path):
+    ref = cli_forward(cli, ckpt, x16, tmp_path)
+    y = np.full_like(x16, np.nan)  # poisoned
+    y = layer(x16, out=y)
+    assert y.dtype == ml_dtypes.bfloat16
+    assert bits(y) == bits(ref["y"])
+    assert np.array_equal(layer.topk_ids, ref["topk_ids"])
+    assert bits(layer.topk_weights) == bits(ref["topk_weights"])
+    # float32 x holding the same BF16 values: the same bytes
+    y32 = layer(x16.astype(np.float32))
+    assert y32.dtype == np.float32
+    assert bits(y32.astype(ml_dtypes.bfloat16)) == bits(ref["y"])
+
+
+def test_against_float64(ckpt, layer):
+    rng = np.random.default_rng()
+    x = bf16(rng.standard_normal((32, 256)))
+    y = layer(x).astype(np.float64)
+    assert np.all(np.isfinite(y))
+    cfg = f64.LayerConfig(ckpt, LAYER)
+    ref_layer = f64.Layer(f64.Checkpoint(ckpt), cfg, LAYER)
+    xd = x.astype(np.float64)
+    ids, w, _ = f64.route(cfg, ref_layer, xd)
+    assert np.array_equal(layer.topk_ids, ids), "routing ids differ from the float64 routing"
+    np.testing.assert_allclose(layer.topk_weights, w, rtol=1e-5, atol=1e-6)
+    exact = f64.moe(cfg, ref_layer, xd, ids, w, cfg.swiglu_limit)
+    emulated = f64.moe(cfg, ref_layer, xd, ids, w, cfg.swiglu_limit, emulate=True)
+    assert f64.rel_l2(y, exact) < 0.08
+    assert f64.rel_l2(y, emulated) < 0.02
+    np.testing.assert_allclose(y, emulated, atol=0.05 * np.abs(emulated).max(), rtol=0.05)
+
+
+def test_external_routing_bit_for_bit(layer, x16):
+    y = layer(x16)
+    ids, w = layer.topk_ids.copy(), layer.topk_weights.copy()
+    for ids_in in (ids, ids.astype(np.int64)):
+        y2 = layer(x16, ids_in, w)
+        assert bits(y2) == bits(y)
+        assert np.array_equal(layer.topk_ids, ids)
+    # other routing: other output, and exactly what the layer's routing of those ids gives
+    ids3 = (ids + 1) % 16
+    y3 = layer(x16, topk_ids=ids3, topk_weights=w)
+    assert bits(y3) != bits(y)
+    assert np.array_equal(layer.topk_ids, ids3)
+
+
+def test_num_tokens_cpu(layer, x16):
+    y = layer(x16)
+    y2 = np.full_like(x16, np.nan)
+    layer(x16, out=y2, num_tokens=5)
+    assert bits(y2[:5]) == bits(y[:5])
+    assert layer.topk_ids.shape == (5, 4)
+
+
+def expect_error(exc, words, fn, *a, **k):
+    with pytest.raises(exc) as e:
+        fn(*a, **k)
+    msg = str(e.value)
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+    return msg
+
+
+def test_bad_inputs(layer, x16, ckpt):
+    ids = np.zeros((24, 4), np.int32)
+    w = np.ones((24, 4), np.float32)
+    expect_error(ValueError, ["x", "[T, 256]", "[24, 128]"], layer, x16[:, :128].copy())
+    expect_error(TypeError, ["x", "float32", "int32"], layer, np.zeros((24, 256), np.int32))
+    expect_error(TypeError, ["x", "numpy", "list"], layer, [[0.0] * 256])
+    expect_error(ValueError, ["x", "max_tokens", "64"], layer, bf16(np.ones((65, 256))))
+    expect_error(ValueError, ["out", "[24, 256]", "[24, 255]"], layer, x16, out=np.empty((24, 255), np.float32))
+    expect_error(ValueError, ["x", "contiguous"], layer, bf16(np.ones((256, 24))).T)
+    expect_error(ValueError, ["topk_ids", "[0, 16)", "16", "[2, 1]"], layer, x16,
+                 np.where(np.arange(96).reshape(24, 4) == 9, 16, 0).astype(np.int32), w)
+    expect_error(ValueError, ["topk_ids", "[0, 16)", "-1"], layer, x16, ids - 1, w)
+    expect_error(TypeError, ["topk_ids", "int32 or int64", "float32"], layer, x16, w, w)
+    expect_error(TypeError, ["topk_weights", "float32", "float64"], layer, x16, ids, w.astype(np.float64))
+    expect_error(ValueError, ["topk_weights", "[24, 4]", "[24, 3]"], layer, x16, ids, w[:, :3].copy())
+    expect_error(ValueError, ["topk_ids", "topk_weights", "both"], layer, x16, ids)
+    expect_error(ValueError, ["num_tokens", "[0, 24]", "25"], layer, x16, num_tokens=25)
+    expect_error(ValueError, ["device", "'tpu'"], megamoe.MoELayer.from_checkpoint, ckpt, LAYER, device="tpu")
+    expect_error(ValueError, ["layer", "2"], megamoe.MoELayer.from_checkpoint, ckpt, 2, device="cpu")
+    expect_error(ValueError, ["max_tokens", ">= 1", "0"], megamoe.MoELayer.from_checkpoint, ckpt, LAYER,
+                 device="cpu", max_tokens=0)
+    if not megamoe.cuda_available():
+        expect_error(RuntimeError, ["cuda"], megamoe.MoELayer.from_checkpoint, ckpt, LAYER, device="cuda")
+    cfg = layer.config
+    expect_error(ValueError, ["score", "softmax", "'relu'"], megamoe.MoEConfig(256, 192, 16, 4, score="relu").validate)
+    expect_error(ValueError, ["top-k", "0"], megamoe.MoEConfig(256, 192, 16, 0).validate)
+    assert cfg.experts == 16
+
+
+def test_bad_weights(ckpt, ckpt_tensors):
+    lay = megamoe.MoELayer.from_checkpoint(ckpt, LAYER, device="cpu", max_tokens=8)
+    p = P
+    w = ckpt_tensors[p + "experts.2.gate_proj.weight"][1]
+    s = ckpt_tensors[p + "experts.2.gate_proj.weight_scale_inv"][1]
+    expect_error(ValueError, ["experts.2.gate_proj.weight", "[192, 256]", "[191, 256]"], lay.load_weights,
+                 p + "experts.2.gate_proj.weight", w[:191].copy())
+    expect_error(ValueError, ["experts.99.gate_proj.weight"], lay.load_weights, "mlp.experts.99.gate_proj.weight", w)
+    expect_error(ValueError, ["layer 4", "layer 3"], lay.load_weights, "model.layers.4.mlp.gate.weight", w)
+    expect_error(ValueError, ["name", "'lm_head.weight'"], lay.load_weights, "lm_head.weight", w)
+    expect_error(TypeError, ["experts.2.gate_proj.weight", "int32"], lay.load_weights,
+                 "mlp.experts.2.gate_proj.weight", w.astype(np.int32))
+    # a weight without its scale in one session: refused, naming both
+    expect_error(ValueError, ["experts.2.gate_proj.weight", "weight_scale_inv"], lay.load_weights,
+                 "mlp.experts.2.gate_proj.weight", w)
+    bad = s.copy()
+    bad[0, 0] = np.nan
+    with pytest.raises(ValueError, match="weight_scale_inv"):
+        with lay.reloading():
+            lay.load_weights("mlp.experts.2.gate_proj.weight", w)
+            lay.load_weights("mlp.experts.2.gate_proj.weight_scale_inv", bad)
+    expect_error(ValueError, ["mode", "'sideways'"], lay.load_weights, {}, mode="sideways")
+
+
+def test_reload_in_place(ckpt, ckpt_tensors, x16):
+    lay = megamoe.MoELayer.from_checkpoint(ckpt, LAYER, device="cpu", max_tokens=32)
+    before, addr, y = lay.weight_bytes(), lay.weights_address, lay(x16)
+    lay.zero_experts()
+    assert lay.weight_bytes() != before
+    with pytest.raises(RuntimeError, match="incomplete"):
+        lay(x16)
+    # weights and scales in separate calls, shuffled, raw tensors (as a trainer pushes them)
+    names = list(ckpt_tensors)
+    np.random.default_rng().shuffle(names)
+    with lay.reloading(mode="layerwise"):
+        for n in names:
+            dt, a = ckpt_tensors[n]
+            if dt == "F8_E4M3":
+                a = a.view(ml_dtypes.float8_e4m3fn)
+            elif dt == "BF16":
+                a = a.view(ml_dtypes.bfloat16)
+            lay.load_weights(n, a)
+    assert lay.weights_address == addr
+    assert lay.weight_bytes() == before
+    assert bits(lay(x16)) == bits(y)
+    # direct mode: one expert's pair changed, then back
+    p = P + "experts.5."
+    w, s = ckpt_tensors[p + "down_proj.weight"][1], ckpt_tensors[p + "down_proj.weight_scale_inv"][1]
+    lay.load_weights({p + "down_proj.weight": np.zeros_like(w), p + "down_proj.weight_scale_inv": s})
+    assert lay.weight_bytes() != before
+    lay.load_weights([(p + "down_proj.weight", w), (p + "down_proj.weight_scale_inv", s)], mode="direct")
+    assert lay.weights_address == addr and lay.weight_bytes() == before
+    assert bits(lay(x16)) == bits(y)
+
+
+def test_constructors_identical(ckpt, ckpt_tensors, layer, x16):
+    by_name = megamoe.MoELayer.from_tensors(layer.config, {n: a for n, (dt, a) in ckpt_tensors.items()}, device="cpu")
+    assert by_name.weight_bytes() == layer.weight_bytes()
+    assert bits(by_name(x16)) == bits(layer(x16))
+    # relative names
+    rel = {n.split(f"layers.{LAYER}.", 1)[1]: a for n, (dt, a) in ckpt_tensors.items()}
+    assert megamoe.MoELayer.from_tensors(layer.config, rel.items(), device="cpu").weight_bytes() == layer.weight_bytes()
+
+    st = stacked(ckpt_tensors, layer.config)
+    copy = megamoe.MoELayer.from_stacked(layer.config, **st, device="cpu")
+    assert copy.weight_bytes() == layer.weight_bytes()
+    borrowed = megamoe.MoELayer.from_stacked(layer.config, **st, device="cpu", borrow=True)
+    assert bits(borrowed(x16)) == bits(layer(x16))
+    assert borrowed.properties["borrowed"] and not copy.properties["borrowed"]
+    # the functional op: external routing and its own
+    y = layer(x16)
+    ids, w = layer.topk_ids, layer.topk_weights
+    y_ext = megamoe.ops.fused_moe(x16, ids, w, st["w13"], st["w13_scale"], st["w2"], st["w2_scale"],
+                                  config=layer.config, shared_w13=st["shared_w13"],
+                                  shared_w13_scale=st["shared_w13_scale"], shared_w2=st["shared_w2"],
+                                  shared_w2_scale=st["shared_w2_scale"])
+    assert bits(y_ext) == bits(y)
+
+
+def stacked(t, cfg):
+    p = P
+    E = cfg.experts
+    g = lambda n: t[p + n][1]  # noqa: E731
+    w13 = np.stack([np.concatenate([g(f"experts.{e}.gate_proj.weight"), g(f"experts.{e}.up_proj.weight")]) for e in range(E)])
+    s13 = np.stack([np.concatenate([g(f"experts.{e}.gate_proj.weight_scale_inv"),
+                                    g(f"experts.{e}.up_proj.weight_scale_inv")]) for e in range(E)])
+    return dict(
+        w13=w13.view(ml_dtypes.float8_e4m3fn), w13_scale=s13,
+        w2=np.stack([g(f"experts.{e}.down_proj.weight") for e in range(E)]),
+        w2_scale=np.stack([g(f"experts.{e}.down_proj.weight_scale_inv") for e in range(E)]),
+        router=g("gate.weight"), bias=g("gate.e_score_correction_bias"),
+        shared_w13=np.concatenate([g("shared_experts.gate_proj.weight"), g("shared_experts.up_proj.weight")]),
+        shared_w13_scale=np.concatenate([g("shared_experts.gate_proj.weight_scale_inv"),
+                                         g("shared_experts.up_proj.weight_scale_inv")]),
+        shared_w2=g("shared_experts.down_proj.weight"), shared_w2_scale=g("shared_experts.down_proj.weight_scale_inv"),
+    )
+
+
+def test_stacked_errors(ckpt_tensors, layer):
+    st = stacked(ckpt_tensors, layer.config)
+    cfg = layer.config
+    bad = dict(st, w13=st["w13"][:, :100])
+    expect_error(ValueError, ["w13", "[16, 384, 256]", "[16, 100, 256]"], megamoe.MoELayer.from_stacked, cfg, **bad,
+                 device="cpu")
+    bad = dict(st, w2_scale=st["w2_scale"].astype(np.float64))
+    expect_error(TypeError, ["w2_scale", "float32", "float64"], megamoe.MoELayer.from_stacked, cfg, **bad, device="cpu")
+    bad = dict(st, shared_w2=None)
+    expect_error(ValueError, ["shared_w2", "None"], megamoe.MoELayer.from_stacked, cfg, **bad, device="cpu")
+    bad = dict(st, bias=None)
+    expect_error(ValueError, ["bias", "None"], megamoe.MoELayer.from_stacked, cfg, **bad, device="cpu")
+
+
+def test_shared_workspace(ckpt, layer, x16):
+    ws = megamoe.Workspace([layer.config], max_tokens=64, device="cpu")
+    a = megamoe.MoELayer.from_checkpoint(ckpt, LAYER, device="cpu", max_tokens=64, workspace=ws)
+    b = megamoe.MoELayer.from_checkpoint(ckpt, LAYER, device="cpu", max_tokens=32, workspace=ws)
+    y = layer(x16)
+    assert bits(a(x16)) == bits(y) and bits(b(x16)) == bits(y)
+    expect_error(ValueError, ["workspace", "max_tokens 64", "128"], megamoe.MoELayer.from_checkpoint, ckpt, LAYER,
+                 device="cpu", max_tokens=128, workspace=ws)
+
+
+def test_quantize_block_fp8():
+    rng = np.random.default_rng()
+    w = (rng.standard_normal((2, 200, 300)) * 0.02).astype(np.float32)
+    w[0, :128, :128] = 0  # an all-zero block
+    q, s = megamoe.quantize_block_fp8(w)
+    assert q.shape == w.shape and q.dtype == np.uint8 and s.shape == (2, 2, 3) and s.dtype == np.float32
+    assert s[0, 0, 0] == 1.0 and not q[0, :128, :128].any()
+    blk = np.abs(w[1, 128:, 256:]).max()
+    assert s[1, 1, 2] == np.float32(blk) / np.float32(448)
+    deq = f64.E4M3[q] * np.repeat(np.repeat(s, 128, axis=1), 128, axis=2)[:, :200, :300]
+    # E4M3 keeps 3 mantissa bits: relative error <= 2^-4 of each value (above the subnormals)
+    big = np.abs(w) > 2.0 ** -6 * np.repeat(np.repeat(s, 128, axis=1), 128, axis=2)[:, :200, :300]
+    assert np.all(np.abs(deq - w)[big] <= np.abs(w)[big] * 2.0 ** -4 + 1e-12)
+    expect_error(TypeError, ["w", "float32", "int64"], megamoe.quantize_block_fp8, np.zeros((4, 4), np.int64))

@@ -1,0 +1,203 @@
+"""The CUDA layer from PyTorch (run on the GPU machine; skipped without a usable GPU):
+byte-identical to `megamoe forward --backend cuda`, external routing bit for bit, CUDA
+graph replay at fewer tokens, torch.compile(fullgraph=True), reload under a captured
+graph, the functional op, shared workspace, the errors."""
+import numpy as np
+import pytest
+from conftest import f64, run
+
+torch = pytest.importorskip("torch")
+import megamoe  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not megamoe.cuda_available(), reason="no CUDA backend / no sm_90 GPU here")
+LAYER = 3
+
+
+@pytest.fixture(scope="module")
+def gck(cli, tmp_path_factory):
+    d = tmp_path_factory.mktemp("gck") / "ck"
+    run([cli, "make-checkpoint", "--preset", "glm-5.3-flash", "--layers", "1", "--hidden", "512", "--inter", "256",
+         "--experts", "16", "--topk", "4", "--out", str(d)])
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def glayer(gck):
+    return megamoe.MoELayer.from_checkpoint(gck, LAYER, device="cuda", max_tokens=128)
+
+
+def rand_x(T, H=512):
+    return torch.randn(T, H, device="cuda").to(torch.bfloat16)
+
+
+def tb(t):
+    torch.cuda.synchronize()
+    return t.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+
+def test_matches_cli(cli, gck, glayer, tmp_path):
+    x = rand_x(40)
+    xin, yout = tmp_path / "x.safetensors", tmp_path / "y.safetensors"
+    f64.write_safetensors(str(xin), [("x", "BF16", x.cpu().view(torch.int16).numpy().view(np.uint16))])
+    run([cli, "forward", "--checkpoint", gck, "--layer", str(LAYER), "--input", str(xin), "--output", str(yout),
+         "--backend", "cuda"])
+    st = f64.SafeTensors(str(yout))
+    y = torch.full_like(x, float("nan"))
+    glayer(x, out=y)
+    glayer.check()
+    assert tb(y) == st.raw("y")[1].tobytes()
+    assert np.array_equal(glayer.topk_ids.cpu().numpy(), st.raw("topk_ids")[1])
+    assert glayer.topk_weights.cpu().numpy().tobytes() == st.raw("topk_weights")[1].tobytes()
+
+
+def test_external_routing_bit_for_bit(glayer):
+    x = rand_x(64)
+    y = glayer(x)
+    ids, w = glayer.topk_ids.clone(), glayer.topk_weights.clone()
+    for i in (ids, ids.long()):
+        y2 = glayer(x, i, w)
+        glayer.check()
+        assert tb(y2) == tb(y)
+    with pytest.raises(ValueError, match=r"topk_ids: expected expert ids in \[0, 16\), found 16"):
+        glayer(x, torch.full_like(ids, 16), w)
+    glayer.check_routing = False  # the device record is the backstop
+    try:
+        glayer(x, torch.full_like(ids, 16), w)
+        with pytest.raises(RuntimeError):
+            glayer.check()
+    finally:
+        glayer.check_routing = True
+    glayer(x)
+    glayer.check()
+
+
+def test_errors(glayer):
+    x = rand_x(8)
+    with pytest.raises(ValueError, match="x: expected a tensor on cuda:0.*found cpu"):
+        glayer(x.cpu())
+    with pytest.raises(TypeError, match="x: expected bfloat16"):
+        glayer(x.float())
+    with pytest.raises(ValueError, match="max_tokens"):
+        glayer(rand_x(129))
+    with pytest.raises(ValueError, match="topk_weights: expected a tensor on cuda:0"):
+        glayer(x, torch.zeros(8, 4, dtype=torch.int32, device="cuda"), torch.ones(8, 4))
+
+
+def test_graph_replay_fewer_tokens(glayer):
+    T = 96
+    x = rand_x(T)
+    eager = {n: tb(glayer(x[:n])) for n in (T, 33, 1)}
+    y = torch.empty_like(x)
+    count = torch.tensor([T], dtype=torch.int32, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        glayer(x, out=y, num_tokens=count)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        glayer(x, out=y, num_tokens=count)
+    for n in (T, 33, 1, T):
+        y.fill_(float("nan"))
+        count.fill_(n)
+        g.replay()
+        assert tb(y[:n]) == eager[n]
+    glayer.check()
+
+
+def test_reload_under_graph(gck, x_T=64):
+    lay = megamoe.MoELayer.from_checkpoint(gck, LAYER, device="cuda", max_tokens=x_T)
+    x = rand_x(x_T)
+    y = torch.empty_like(x)
+    lay(x, out=y)
+    ref = tb(y)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        lay(x, out=y)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        lay(x, out=y)
+    addr, before = lay.weights_address, lay.weight_bytes()
+    lay.zero_experts()
+    p = f"model.language_model.layers.{LAYER}.mlp."
+    ck = f64.Checkpoint(gck)
+    import os
+
+    names = [n for n in ck.weight_map if n.startswith(p)]
+    with lay.reloading(mode="layerwise"):
+        for n in names:
+            dt, a = ck._file(os.path.join(gck, ck.weight_map[n])).raw(n)
+            t = torch.from_numpy(np.array(a).view({1: np.uint8, 2: np.int16, 4: np.float32}[a.itemsize]))
+            if dt == "BF16":
+                t = t.view(torch.bfloat16)
+            lay.load_weights(n, t.cuda())  # device tensors, as a trainer pushes them
+    assert lay.weights_address == addr and lay.weight_bytes() == before
+    y.fill_(float("nan"))
+    g.replay()
+    assert tb(y) == ref
+    lay.check()
+
+
+def test_compile_fullgraph(glayer):
+    class Block(torch.nn.Module):
+        def __init__(self, moe):
+            super().__init__()
+            self.moe = moe
+            self.norm = torch.nn.LayerNorm(512, device="cuda", dtype=torch.bfloat16)
+
+        def forward(self, x):
+            return self.moe(self.norm(x)) + x
+
+    b = Block(glayer)
+    x = rand_x(48)
+    eager = tb(b(x))
+    compiled = torch.compile(b, fullgraph=True)
+    assert tb(compiled(x)) == eager
+    ids, w = glayer.topk_ids.clone(), glayer.topk_weights.clone()
+    ext = torch.compile(lambda x, i, w: glayer(x, i, w), fullgraph=True)
+    assert tb(ext(b.norm(x), ids, w)) == tb(glayer(b.norm(x)))
+
+
+def test_functional_op_and_workspace(gck, glayer):
+    from megamoe._overhead import random_layer  # noqa: F401  (importable on the GPU machine)
+
+    cfg = megamoe.MoEConfig(hidden=512, inter=256, experts=16, topk=4, shared_experts=1)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    w13, s13 = megamoe.quantize_block_fp8(torch.randn(16, 512, 512, device="cuda", generator=gen) * 0.05)
+    w2, s2 = megamoe.quantize_block_fp8(torch.randn(16, 512, 256, device="cuda", generator=gen) * 0.05)
+    sw13, ss13 = megamoe.quantize_block_fp8(torch.randn(512, 512, device="cuda", generator=gen) * 0.05)
+    sw2, ss2 = megamoe.quantize_block_fp8(torch.randn(512, 256, device="cuda", generator=gen) * 0.05)
+    router = (torch.randn(16, 512, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(16, device="cuda", generator=gen) * 0.01
+    kw = dict(shared_w13=sw13, shared_w13_scale=ss13, shared_w2=sw2, shared_w2_scale=ss2)
+    owned = megamoe.MoELayer.from_stacked(cfg, w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, router=router, bias=bias,
+                                          **kw, device="cuda", max_tokens=64)
+    borrowed = megamoe.MoELayer.from_stacked(cfg, w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, router=router,
+                                             bias=bias, **kw, device="cuda", max_tokens=64, borrow=True)
+    x = rand_x(64)
+    y = owned(x)
+    assert tb(borrowed(x)) == tb(y)
+    ids, w = owned.topk_ids.clone(), owned.topk_weights.clone()
+    y_f = megamoe.ops.fused_moe(x, ids, w, w13, s13, w2, s2, config=cfg, **kw)
+    assert tb(y_f) == tb(y)
+    n = len(megamoe.ops._cache)
+    megamoe.ops.fused_moe(x, ids, w, w13, s13, w2, s2, config=cfg, **kw)
+    assert len(megamoe.ops._cache) == n  # cached: no setup the second time
+    ws = megamoe.Workspace([cfg, glayer.config], max_tokens=64)
+    a = megamoe.MoELayer.from_stacked(cfg, w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, router=router, bias=bias,
+                                      **kw, device="cuda", max_tokens=64, workspace=ws)
+    b = megamoe.MoELayer.from_checkpoint(gck, LAYER, device="cuda", max_tokens=64, workspace=ws)
+    xb = rand_x(64)
+    yb = glayer(xb)
+    assert tb(a(x)) == tb(y) and tb(b(xb)) == tb(yb)
+    a.check()
+
+
+def test_overhead_runs(glayer):
+    from megamoe._overhead import measure
+
+    r = measure(glayer, 1, iters=50)
+    print(r)
+    assert r["device_us"] > 0 and r["host_layer_us"] > 0
