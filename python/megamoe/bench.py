@@ -287,9 +287,16 @@ class MegaMoE(Impl):
 
 def _scaled_mm_block(a_q, a_s, w_q, w_s):
     """a_q [M, K] E4M3 with 1x128 scales a_s [M, K/128]; w_q [N, K] E4M3 with 128x128 scales
-    w_s [N/128, K/128] -> bf16 [M, N] (cuBLASLt's VEC128 x BLK128x128 scaling)."""
-    return torch._scaled_mm(a_q, w_q.t(), scale_a=a_s.t().contiguous().t(), scale_b=w_s.t(),
-                            out_dtype=torch.bfloat16)
+    w_s [N/128, K/128] -> bf16 [M, N] (cuBLASLt's VEC128 x BLK128x128 scaling). M is padded
+    to a multiple of 16 (zero rows, unit scales), which cuBLASLt's FP8 layouts want."""
+    m = a_q.shape[0]
+    if m % 16:
+        pad = 16 - m % 16
+        a_q = torch.cat([a_q, torch.zeros(pad, a_q.shape[1], dtype=a_q.dtype, device=a_q.device)])
+        a_s = torch.cat([a_s, torch.ones(pad, a_s.shape[1], dtype=a_s.dtype, device=a_s.device)])
+    out = torch._scaled_mm(a_q, w_q.t(), scale_a=a_s.t().contiguous().t(), scale_b=w_s.t(),
+                           out_dtype=torch.bfloat16)
+    return out[:m]
 
 
 class TorchMoE(Impl):
