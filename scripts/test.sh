@@ -34,5 +34,9 @@ if [ -x tests/tools/test_forward_float64.sh ]; then
   python3 -c "import numpy" 2>/dev/null || python3 -m pip install -q numpy
   tests/tools/test_forward_float64.sh "$PWD/build/megamoe"
 fi
+# The Python package (docs/python.md): `pip install .` of the CPU extension into
+# build/python-pkg (its CMake build cached in build/python/), then pytest tests/python
+# against build/megamoe; torch and GPU tests skip where torch or a GPU is absent.
+if [ -x scripts/test_python.sh ]; then scripts/test_python.sh; fi
 if [ -x scripts/sanitize.sh ]; then scripts/sanitize.sh; fi
 if [ -x scripts/fuzz.sh ]; then scripts/fuzz.sh; fi

@@ -238,6 +238,8 @@ class MoELayer(_Base):
         self._handle = next(_next_handle)
         self._torch_routing = False
         self._experts = int(_impl.shape.experts)
+        self._hidden = int(_impl.shape.hidden)
+        self._topk = int(_impl.shape.topk)
         self._raw_stream = (
             _torch._C._cuda_getCurrentRawStream if (_torch is not None and self._is_cuda) else None
         )
@@ -369,6 +371,12 @@ class MoELayer(_Base):
         return dict(self._impl.properties())
 
     @property
+    def layer_index(self) -> Optional[int]:
+        """The decoder layer the tensor names refer to (the checkpoint's; for a layer from
+        tensors, the one full names carried, else None)."""
+        return self._layer_number
+
+    @property
     def weights_address(self) -> int:
         """Address of the layer's weights (device or host); stable across reloads."""
         return int(self._impl.weights_address())
@@ -430,36 +438,84 @@ class MoELayer(_Base):
         __call__ = forward
 
     def _forward_cuda(self, x, topk_ids, topk_weights, out, num_tokens):
-        # The eager fast path: shape/dtype/device checks happen in C++ on DLPack metadata.
-        if x.requires_grad:
-            x = x.detach()
-        y_full = y = _torch.empty_like(x) if out is None else out
-        nt_dev = None
+        # The eager fast path: checks on the tensors' attributes (no sync, no DLPack
+        # import), raw pointers into the extension, the current stream.
+        dev = self._device_index
+        if not self._good(x, _torch.bfloat16):
+            self._bad("x", x, "bfloat16", (x.shape[0] if x.dim() == 2 else "T", self._hidden))
+        T = x.shape[0]
+        if out is None:
+            out = _torch.empty_like(x)
+        elif not self._good(out, _torch.bfloat16) or out.shape[0] != T:
+            self._bad("out", out, "bfloat16", (T, self._hidden))
+        nt = 0
         if num_tokens is not None:
             if isinstance(num_tokens, _torch.Tensor):
-                nt_dev = num_tokens
+                if (num_tokens.dtype != _torch.int32 or num_tokens.numel() != 1 or not num_tokens.is_cuda
+                        or num_tokens.get_device() != dev):
+                    raise TypeError(
+                        f"num_tokens: expected one int32 on cuda:{dev}, found {_describe(num_tokens)}"
+                    )
+                nt = num_tokens.data_ptr()
             else:  # a host count: the first n rows (rows past n are not written)
-                n = _count(num_tokens, x.shape[0])
-                x, y = x[:n], y[:n]
+                n = _count(num_tokens, T)
+                y = out[:n]
                 if topk_ids is not None:
                     topk_ids, topk_weights = topk_ids[:n], topk_weights[:n]
-        if topk_ids is not None:
-            self._check_routing_cuda(topk_ids, topk_weights)
-        self._impl.forward(x, y, topk_ids, topk_weights, nt_dev, -1, self._raw_stream(self._device_index))
-        return y_full
+                self._forward_cuda(x[:n], topk_ids, topk_weights, y, None)
+                return out
+        ids = w = 0
+        id_bytes = 4
+        if topk_ids is not None or topk_weights is not None:
+            self._check_routing_cuda(topk_ids, topk_weights, T)
+            ids, w, id_bytes = topk_ids.data_ptr(), topk_weights.data_ptr(), topk_ids.element_size()
+        self._impl.forward_raw(x.data_ptr(), out.data_ptr(), T, ids, id_bytes, w, nt, self._raw_stream(dev))
+        return out
 
-    def _check_routing_cuda(self, topk_ids, topk_weights):
-        if not isinstance(topk_ids, _torch.Tensor) or not isinstance(topk_weights, _torch.Tensor):
-            bad = "topk_ids" if not isinstance(topk_ids, _torch.Tensor) else "topk_weights"
-            val = topk_ids if bad == "topk_ids" else topk_weights
-            raise TypeError(f"{bad}: expected a torch.Tensor on the layer's device, found {type(val).__name__}")
-        if (
-            self.check_routing
-            and topk_ids.is_cuda
-            and topk_ids.numel()
-            and topk_ids.dtype in (_torch.int32, _torch.int64)
-            and not _torch.cuda.is_current_stream_capturing()
-        ):
+    def _good(self, t, dtype) -> bool:
+        return (
+            t.dtype == dtype and t.dim() == 2 and t.shape[1] == self._hidden and t.is_cuda
+            and t.get_device() == self._device_index and t.is_contiguous() and t.data_ptr() % 16 == 0
+        )
+
+    def _bad(self, arg, t, dtype, shape):
+        if not isinstance(t, _torch.Tensor):
+            raise TypeError(f"{arg}: expected a torch.Tensor, found {type(t).__name__}")
+        if not t.is_cuda or t.get_device() != self._device_index:
+            raise ValueError(
+                f"{arg}: expected a tensor on cuda:{self._device_index} (the layer's device; never copied), "
+                f"found {t.device}"
+            )
+        if t.dtype != getattr(_torch, dtype):
+            raise TypeError(f"{arg}: expected {dtype}, found {_describe(t)}")
+        if t.dim() != 2 or t.shape[1] != shape[1] or (isinstance(shape[0], int) and t.shape[0] != shape[0]):
+            raise ValueError(f"{arg}: expected shape [{shape[0]}, {shape[1]}], found {_describe(t)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{arg}: expected a contiguous (row-major) tensor, found strides {t.stride()}")
+        raise ValueError(f"{arg}: expected a 16-byte aligned tensor, found address {t.data_ptr():#x}")
+
+    def _check_routing_cuda(self, topk_ids, topk_weights, T):
+        if topk_ids is None or topk_weights is None:
+            raise ValueError(
+                "topk_ids / topk_weights: external routing needs both, found only "
+                + ("topk_ids" if topk_ids is not None else "topk_weights")
+            )
+        K, dev = self._topk, self._device_index
+        for arg, t, dtypes in (("topk_ids", topk_ids, (_torch.int32, _torch.int64)),
+                               ("topk_weights", topk_weights, (_torch.float32,))):
+            if not isinstance(t, _torch.Tensor):
+                raise TypeError(f"{arg}: expected a torch.Tensor on cuda:{dev}, found {type(t).__name__}")
+            if not t.is_cuda or t.get_device() != dev:
+                raise ValueError(f"{arg}: expected a tensor on cuda:{dev} (the layer's device; never copied), "
+                                 f"found {t.device}")
+            if t.dtype not in dtypes:
+                want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+                raise TypeError(f"{arg}: expected {want}, found {_describe(t)}")
+            if t.dim() != 2 or t.shape[0] != T or t.shape[1] != K:
+                raise ValueError(f"{arg}: expected shape [{T}, {K}], found {_describe(t)}")
+            if not t.is_contiguous():
+                raise ValueError(f"{arg}: expected a contiguous (row-major) tensor, found strides {t.stride()}")
+        if self.check_routing and T and not _torch.cuda.is_current_stream_capturing():
             lo, hi = _torch.aminmax(topk_ids)
             lo, hi = int(lo), int(hi)
             if lo < 0 or hi >= self._experts:
@@ -594,6 +650,10 @@ def _dtype_name(t: Any) -> str:
         return str(t.dtype).replace("torch.", "")
     d = getattr(t, "dtype", None)
     return str(d) if d is not None else type(t).__name__
+
+
+def _describe(t: Any) -> str:
+    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)} on {t.device}"
 
 
 def _count(n: Any, rows: int) -> int:

@@ -630,11 +630,43 @@ struct Layer {
       nt = static_cast<const int*>(c.data());
     }
     if (!store_ready_fast()) require_ready("forward");
-    cuda_layer->forward(static_cast<const num::bf16_t*>(x.data()), static_cast<num::bf16_t*>(y.data()), T, nt,
-                        reinterpret_cast<api::Stream>(stream), r);
+    const auto* xp = static_cast<const num::bf16_t*>(x.data());
+    auto* yp = static_cast<num::bf16_t*>(y.data());
+    if (ids_in)
+      cuda_layer->forward(xp, yp, T, nt, reinterpret_cast<api::Stream>(stream), r);
+    else
+      cuda_layer->forward(xp, yp, T, nt, reinterpret_cast<api::Stream>(stream));
     last_tokens = T;
 #else
     throw std::logic_error("forward_cuda without CUDA");
+#endif
+  }
+  // The eager torch path (the wrapper checked dtype, shape, device and contiguity from the
+  // tensors' attributes: importing a torch tensor through DLPack costs microseconds).
+  void forward_raw(uintptr_t x, uintptr_t y, int T, uintptr_t ids, int id_bytes, uintptr_t w, uintptr_t nt,
+                   uintptr_t stream) {
+#if MEGAMOE_HAVE_CUDA
+    if (!cuda) throw std::logic_error("forward_raw: a cpu layer");
+    if (T < 0 || T > max_tokens)
+      value_error(fmt::format("x: {} tokens, more than the layer's max_tokens {} (build the layer with a larger "
+                              "max_tokens)",
+                              T, max_tokens));
+    if (!cuda_layer || !store_ready_fast()) require_ready("forward");
+    const auto* xp = reinterpret_cast<const num::bf16_t*>(x);
+    auto* yp = reinterpret_cast<num::bf16_t*>(y);
+    const int* ntp = reinterpret_cast<const int*>(nt);
+    if (ids) {
+      api::RoutingInput r;
+      r.ids = reinterpret_cast<const void*>(ids);
+      r.id_bytes = id_bytes;
+      r.weights = reinterpret_cast<const float*>(w);
+      cuda_layer->forward(xp, yp, T, ntp, reinterpret_cast<api::Stream>(stream), r);
+    } else {
+      cuda_layer->forward(xp, yp, T, ntp, reinterpret_cast<api::Stream>(stream));
+    }
+    last_tokens = T;
+#else
+    throw std::logic_error("forward_raw without CUDA");
 #endif
   }
   bool store_ready_fast() const { return !store || store->ready(layer); }
@@ -859,6 +891,8 @@ NB_MODULE(_megamoe, m) {
       .def("forward", &Layer::forward, nb::arg("x").noconvert(), nb::arg("out").noconvert(),
            nb::arg("topk_ids").noconvert().none(), nb::arg("topk_weights").noconvert().none(),
            nb::arg("num_tokens_dev").noconvert().none(), nb::arg("num_tokens"), nb::arg("stream"))
+      .def("forward_raw", &Layer::forward_raw, nb::arg("x"), nb::arg("y"), nb::arg("tokens"), nb::arg("ids"),
+           nb::arg("id_bytes"), nb::arg("weights"), nb::arg("num_tokens"), nb::arg("stream"))
       .def("begin", &Layer::begin, nb::arg("mode"))
       .def("update", &Layer::update, nb::arg("name"), nb::arg("tensor").noconvert())
       .def("finish", &Layer::finish)

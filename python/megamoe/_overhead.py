@@ -53,13 +53,13 @@ def measure(layer: MoELayer, tokens: int, iters: int = 300) -> dict:
     x = torch.randn(tokens, H, device=layer.device).to(torch.bfloat16)
     y = torch.empty_like(x)
     stream = torch.cuda.current_stream()
-    raw = layer._impl.forward
+    raw = layer._impl.forward_raw
     dev = layer._device_index
     get_stream = torch._C._cuda_getCurrentRawStream
     handle = layer._handle
 
     calls = {
-        "raw": lambda: raw(x, y, None, None, None, -1, get_stream(dev)),
+        "raw": lambda: raw(x.data_ptr(), y.data_ptr(), tokens, 0, 4, 0, 0, get_stream(dev)),
         "layer": lambda: layer(x, out=y),
         "op": lambda: torch.ops.megamoe.moe_forward(handle, x, None, None, None),
     }

@@ -12,7 +12,6 @@ current stream, allocate nothing but y, and never synchronize, so a
 torch.cuda.CUDAGraph capture records them; num_tokens (a device int32 tensor) lets a
 graph captured at T rows replay on its first n.
 """
-from __future__ import annotations
 
 from typing import Optional
 

@@ -17,7 +17,8 @@ struct CudaMoeLayer::Impl {
   MoeWeightLayout wlayout;
   kernels::MoeWorkspaceLayout ws;
   void* owned_weights = nullptr;
-  const void* weights = nullptr;
+  const void* weights = nullptr;  // the layout's base (a view's w13: device_weights())
+  MoeWeightsView view;            // what the plan reads
   void* workspace = nullptr;
   bool owns_workspace = false;  // false: MoeLayerOptions::workspace, the caller's
   int* own_count = nullptr;
@@ -84,8 +85,8 @@ static std::unique_ptr<CudaMoeLayer::Impl> make_impl(const MoeShape& s, const Mo
   return impl;
 }
 
-static void finish_plan(CudaMoeLayer::Impl& impl) {
-  const MoeWeightsView v = MoeWeightsView::at(impl.weights, impl.wlayout, impl.shape);
+static void finish_plan(CudaMoeLayer::Impl& impl, const MoeWeightsView& v) {
+  impl.view = v;
   kernels::FusedMoeConfig cfg;
   impl.plan = kernels::fused_moe_plan_create(impl.shape, v, impl.ws, impl.workspace, cfg);
   // NOTE: the workspace's poison and the plan's zeroed record (memsets), and the weights'
@@ -99,7 +100,7 @@ CudaMoeLayer::CudaMoeLayer(const HostMoeWeights& w, const MoeLayerOptions& opt)
   MEGAMOE_CUDA_CHECK(cudaMalloc(&impl_->owned_weights, w.bytes()));
   MEGAMOE_CUDA_CHECK(cudaMemcpy(impl_->owned_weights, w.data(), w.bytes(), cudaMemcpyHostToDevice));
   impl_->weights = impl_->owned_weights;
-  finish_plan(*impl_);
+  finish_plan(*impl_, MoeWeightsView::at(impl_->weights, impl_->wlayout, impl_->shape));
 }
 
 CudaMoeLayer::CudaMoeLayer(const MoeShape& shape, const void* device_base, const MoeLayerOptions& opt)
@@ -107,7 +108,42 @@ CudaMoeLayer::CudaMoeLayer(const MoeShape& shape, const void* device_base, const
   require_device_memory(device_base, "CudaMoeLayer weights");
   require_aligned(device_base, 256, "CudaMoeLayer weights");
   impl_->weights = device_base;
-  finish_plan(*impl_);
+  finish_plan(*impl_, MoeWeightsView::at(impl_->weights, impl_->wlayout, impl_->shape));
+}
+
+// Every region of the shape's layout present (device memory of the current device, 16-byte
+// aligned: TMA and the router's 16-byte copies), every absent one null.
+static void check_weights_view(const MoeShape& s, const MoeWeightLayout& l, const MoeWeightsView& v) {
+  auto region = [&](const void* p, const Region& r, const char* name) {
+    const std::string what = fmt::format("CudaMoeLayer weights view: {}", name);
+    if (r.bytes == 0) {
+      if (p)
+        throw std::invalid_argument(fmt::format(
+            "{}: the shape has no such region ({}), but pointer {} is given", what, s.describe(), p));
+      return;
+    }
+    if (!p) throw std::invalid_argument(fmt::format("{}: null pointer ({} bytes expected)", what, r.bytes));
+    require_device_memory(p, what.c_str());
+    require_aligned(p, 16, what.c_str());
+  };
+  region(v.w13, l.w13, "w13");
+  region(v.w13_scale, l.w13_scale, "w13_scale");
+  region(v.w2, l.w2, "w2");
+  region(v.w2_scale, l.w2_scale, "w2_scale");
+  region(v.shared_w13, l.shared_w13, "shared_w13");
+  region(v.shared_w13_scale, l.shared_w13_scale, "shared_w13_scale");
+  region(v.shared_w2, l.shared_w2, "shared_w2");
+  region(v.shared_w2_scale, l.shared_w2_scale, "shared_w2_scale");
+  region(v.router, l.router, "router");
+  region(v.bias, l.bias, "bias");
+}
+
+CudaMoeLayer::CudaMoeLayer(const MoeShape& shape, const MoeWeightsView& device_weights,
+                           const MoeLayerOptions& opt)
+    : impl_(make_impl(shape, opt)) {
+  check_weights_view(impl_->shape, impl_->wlayout, device_weights);
+  impl_->weights = device_weights.w13;
+  finish_plan(*impl_, device_weights);
 }
 
 CudaMoeLayer::~CudaMoeLayer() = default;
@@ -128,6 +164,33 @@ void CudaMoeLayer::forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint
   kernels::fused_moe_forward(impl_->plan, t, tokens_hint, s);
 }
 
+void CudaMoeLayer::forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint, const int* num_tokens_dev,
+                           Stream stream, const RoutingInput& routing) {
+  auto s = static_cast<cudaStream_t>(stream);
+  if (routing.id_bytes != 4 && routing.id_bytes != 8)
+    throw std::invalid_argument(
+        fmt::format("forward routing.id_bytes: expected 4 (int32) or 8 (int64), got {}", routing.id_bytes));
+  if (tokens_hint > 0) {
+    require_aligned(x, 16, "forward x");
+    require_aligned(y, 16, "forward y");
+  }
+  kernels::DeviceTensors t;
+  t.num_tokens = impl_->token_count("forward", x, tokens_hint, num_tokens_dev, s);
+  if (tokens_hint > 0) {
+    impl_->io_check.require(y, impl_->device, "forward", "y", s);
+    impl_->io_check.require(routing.ids, impl_->device, "forward", "routing.ids", s);
+    impl_->io_check.require(routing.weights, impl_->device, "forward", "routing.weights", s);
+    require_aligned(routing.ids, size_t(routing.id_bytes), "forward routing.ids");
+    require_aligned(routing.weights, 4, "forward routing.weights");
+  }
+  t.x = x;
+  t.y = y;
+  t.workspace = impl_->workspace;
+  kernels::ExternalRouting r;
+  r.ids = routing.ids, r.id_bytes = routing.id_bytes, r.weights = routing.weights;
+  kernels::fused_moe_forward(impl_->plan, t, tokens_hint, s, r);
+}
+
 void CudaMoeLayer::route(const num::bf16_t* x, int tokens_hint, const int* num_tokens_dev, Stream stream) {
   auto s = static_cast<cudaStream_t>(stream);
   kernels::DeviceTensors t;
@@ -142,7 +205,11 @@ void CudaMoeLayer::check() {
   const DeviceGuard guard;
   MEGAMOE_CUDA_CHECK(cudaSetDevice(impl_->device));
   const kernels::TokenCountStatus st = kernels::token_count_take(impl_->plan);
+  const kernels::RoutingIdStatus ids = kernels::routing_ids_take(impl_->plan);
+  if (st.bad_forwards && ids.bad_ids)
+    throw std::runtime_error("CudaMoeLayer: " + st.message() + "; " + ids.message());
   if (st.bad_forwards) throw std::runtime_error("CudaMoeLayer: " + st.message());
+  if (ids.bad_ids) throw std::runtime_error("CudaMoeLayer: " + ids.message());
 }
 
 const int32_t* CudaMoeLayer::topk_ids() const { return kernels::routing_outputs(impl_->plan).ids; }

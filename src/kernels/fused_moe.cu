@@ -1792,13 +1792,39 @@ std::string TokenCountStatus::message() const {
 TokenCountStatus token_count_take(const FusedMoePlan* p) {
   uint8_t* words = static_cast<uint8_t*>(p->workspace) + p->ws.token_status.offset;
   MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
-  int w[TokenCountStatus::kWords];
+  int w[RoutingIdStatus::kFirstWord];  // (this record's words only: the routing's stays)
   MEGAMOE_CUDA_CHECK(cudaMemcpy(w, words, sizeof(w), cudaMemcpyDeviceToHost));
   if (w[0] != 0) {
-    MEGAMOE_CUDA_CHECK(cudaMemset(words, 0, p->ws.token_status.bytes));
+    MEGAMOE_CUDA_CHECK(cudaMemset(words, 0, sizeof(w)));
     MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
   }
   return {w[0], w[1], w[2]};
+}
+
+std::string RoutingIdStatus::message() const {
+  if (bad_ids == 0) return {};
+  return "topk_ids: " + std::to_string(bad_ids) + " id" + (bad_ids == 1 ? "" : "s") + " outside [0, " +
+         std::to_string(experts) + ") (the first: token " + std::to_string(first_token) + " slot " +
+         std::to_string(first_slot) + " = " + std::to_string(first_value) +
+         "); each was computed as expert 0 with weight 0";
+}
+
+RoutingIdStatus routing_ids_take(const FusedMoePlan* p) {
+  static_assert(TokenCountStatus::kWords >= RoutingIdStatus::kFirstWord + 5, "the status region's words");
+  uint8_t* words =
+      static_cast<uint8_t*>(p->workspace) + p->ws.token_status.offset + RoutingIdStatus::kFirstWord * 4;
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  int w[5];
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(w, words, sizeof(w), cudaMemcpyDeviceToHost));
+  if (w[0] != 0) {
+    MEGAMOE_CUDA_CHECK(cudaMemset(words, 0, sizeof(w)));
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  RoutingIdStatus st;
+  st.bad_ids = w[0], st.first_token = w[1], st.first_slot = w[2];
+  st.first_value = int64_t(uint64_t(uint32_t(w[3])) | (uint64_t(uint32_t(w[4])) << 32));
+  st.experts = p->shape.experts;
+  return st;
 }
 
 RoutingOutputs routing_outputs(const FusedMoePlan* p) {
@@ -1853,19 +1879,44 @@ void launch_routing(const FusedMoePlan* p, const DeviceTensors& t, int host_toke
   launch_route(p->shape, r, host_tokens_hint, p->num_sms, programmatic, stream);
 }
 
-}  // namespace
-
-void route_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint, cudaStream_t stream) {
-  launch_routing(p, t, host_tokens_hint, fused_moe_config(p, host_tokens_hint).programmatic_launch, stream);
+// route_external in place of the routing's two kernels: the same words written.
+void launch_external_routing(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint,
+                             const ExternalRouting& in, cudaStream_t stream) {
+  MEGAMOE_CHECK(p->args.ep.ranks == 0, "fused_moe: external routing is single-device only");
+  MEGAMOE_CHECK(in.id_bytes == 4 || in.id_bytes == 8,
+                "fused_moe: external routing id_bytes must be 4 or 8, got " + std::to_string(in.id_bytes));
+  MEGAMOE_CHECK(host_tokens_hint == 0 || (in.ids && in.weights),
+                "fused_moe: external routing without ids or weights");
+  auto* base = static_cast<uint8_t*>(p->workspace);
+  RouteExternalArgs r;
+  r.in_ids = in.ids;
+  r.in_ids_64 = in.id_bytes == 8;
+  r.in_weights = in.weights;
+  r.num_tokens = t.num_tokens;
+  r.tokens_cap = host_tokens_hint;
+  r.token_status = reinterpret_cast<int*>(base + p->ws.token_status.offset);
+  r.id_status = r.token_status + RoutingIdStatus::kFirstWord;
+  r.ids = reinterpret_cast<int32_t*>(base + p->ws.topk_ids.offset);
+  r.weights = reinterpret_cast<float*>(base + p->ws.topk_weights.offset);
+  r.pos = reinterpret_cast<int32_t*>(base + p->ws.topk_pos.offset);
+  r.zero = reinterpret_cast<int*>(base + p->ws.counters.offset);
+  r.zero_words = p->ws.counter_count();
+  r.expert_counts = r.zero + MoeWorkspaceLayout::kCounterExperts;
+  r.epoch = p->args.epoch;
+  launch_route_external(p->shape, r, stream);
 }
 
-void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint,
-                       cudaStream_t stream) {
+// The routing (the layer's router, or the caller's: `routing` non-null), then the fused kernel.
+void forward_impl(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint, cudaStream_t stream,
+                  const ExternalRouting* routing) {
   MEGAMOE_CHECK(host_tokens_hint >= 0 && host_tokens_hint <= p->ws.max_tokens,
                 "token count " + std::to_string(host_tokens_hint) + " exceeds the workspace's max_tokens " +
                     std::to_string(p->ws.max_tokens));
   const FusedMoeConfig cfg = fused_moe_config(p, host_tokens_hint);
-  launch_routing(p, t, host_tokens_hint, cfg.programmatic_launch, stream);
+  if (routing)
+    launch_external_routing(p, t, host_tokens_hint, *routing, stream);
+  else
+    launch_routing(p, t, host_tokens_hint, cfg.programmatic_launch, stream);
   maybe_print_config(p->shape, host_tokens_hint, cfg);
   KernelArgs a = p->args;
   a.half_tiles = cfg.half_tiles;
@@ -1885,6 +1936,22 @@ void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_t
     case 64: launch_fused<64>(a, maps, p->num_sms, cfg, stream); break;
     default: launch_fused<128>(a, maps, p->num_sms, cfg, stream); break;
   }
+}
+
+}  // namespace
+
+void route_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint, cudaStream_t stream) {
+  launch_routing(p, t, host_tokens_hint, fused_moe_config(p, host_tokens_hint).programmatic_launch, stream);
+}
+
+void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint,
+                       cudaStream_t stream) {
+  forward_impl(p, t, host_tokens_hint, stream, nullptr);
+}
+
+void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint,
+                       cudaStream_t stream, const ExternalRouting& routing) {
+  forward_impl(p, t, host_tokens_hint, stream, &routing);
 }
 
 }  // namespace megamoe::kernels

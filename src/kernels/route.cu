@@ -4,6 +4,7 @@
 // and weights) are bit-identical from run to run and across tile configurations.
 #include <algorithm>
 #include <cfloat>
+#include <climits>
 #include <cstdlib>
 #include <string>
 
@@ -518,7 +519,87 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
   }
 }
 
+// ============================================================================
+// route_external: the caller's ids and weights in place of route_logits + route_topk
+// ============================================================================
+constexpr int kRouteExternalThreads = 1024;
+constexpr int kRouteExternalUnroll = 4;  // slots a thread loads before it counts them
+
+__global__ void __launch_bounds__(kRouteExternalThreads)
+    route_external_kernel(RouteExternalArgs a, int E, int K) {
+  __shared__ int count_s[kMaxE];
+  __shared__ int bad_s, first_bad_s;
+  // The fused kernel may be scheduled now: it waits for this grid's end before its first read.
+  sm90::launch_dependents();
+  const int tid = threadIdx.x;
+  // What route_logits does first: the forward's counters zeroed, the epoch bumped, a device
+  // token count out of range recorded (the same words, so check() reads one record).
+  for (int i = tid; i < a.zero_words; i += kRouteExternalThreads) a.zero[i] = 0;
+  for (int e = tid; e < E; e += kRouteExternalThreads) count_s[e] = 0;
+  if (tid == 0) {
+    bad_s = 0, first_bad_s = INT_MAX;
+    if (a.epoch) *a.epoch += 1;
+    const int raw = *a.num_tokens;
+    if (raw < 0 || raw > a.tokens_cap) {
+      a.token_status[0] += 1;
+      a.token_status[1] = raw;
+      a.token_status[2] = a.tokens_cap;
+    }
+  }
+  __syncthreads();
+  const int n = device_token_count(a.num_tokens, a.tokens_cap) * K;
+  for (int base = 0; base < n; base += kRouteExternalThreads * kRouteExternalUnroll) {
+    // All loads of a round first: one round trip for kRouteExternalUnroll slots.
+    int64_t id[kRouteExternalUnroll];
+    float w[kRouteExternalUnroll];
+#pragma unroll
+    for (int j = 0; j < kRouteExternalUnroll; ++j) {
+      const int i = base + j * kRouteExternalThreads + tid;
+      id[j] = 0, w[j] = 0.0f;
+      if (i < n) {
+        id[j] =
+            a.in_ids_64 ? static_cast<const int64_t*>(a.in_ids)[i] : static_cast<const int32_t*>(a.in_ids)[i];
+        w[j] = a.in_weights[i];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRouteExternalUnroll; ++j) {
+      const int i = base + j * kRouteExternalThreads + tid;
+      if (i >= n) continue;
+      int e = int(id[j]);
+      if (id[j] < 0 || id[j] >= E) {  // recorded; the slot computes expert 0 at weight 0
+        atomicAdd(&bad_s, 1);
+        atomicMin(&first_bad_s, i);
+        e = 0, w[j] = 0.0f;
+      }
+      a.ids[i] = e;
+      a.weights[i] = w[j];
+      // (positions in any order: a row's result does not depend on its place in the segment)
+      a.pos[i] = atomicAdd(&count_s[e], 1);
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < E; e += kRouteExternalThreads) a.expert_counts[e] = count_s[e];
+  if (tid == 0 && bad_s > 0) {
+    int* st = a.id_status;
+    if (st[0] == 0) {  // the first bad id since the record was cleared
+      const int i = first_bad_s;
+      const int64_t v =
+          a.in_ids_64 ? static_cast<const int64_t*>(a.in_ids)[i] : static_cast<const int32_t*>(a.in_ids)[i];
+      st[1] = i / K, st[2] = i % K;
+      st[3] = int(uint32_t(uint64_t(v))), st[4] = int(uint32_t(uint64_t(v) >> 32));
+    }
+    st[0] = min(st[0], INT_MAX - bad_s) + bad_s;  // (saturates)
+  }
+}
+
 }  // namespace
+
+void launch_route_external(const MoeShape& s, const RouteExternalArgs& a, cudaStream_t stream) {
+  MEGAMOE_CHECK(s.experts <= kMaxE, "route_external supports at most 512 experts");
+  route_external_kernel<<<1, kRouteExternalThreads, 0, stream>>>(a, s.experts, s.topk);
+  MEGAMOE_CUDA_CHECK_LAUNCH();
+}
 
 void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms, bool programmatic,
                 cudaStream_t stream);

@@ -45,6 +45,32 @@ __device__ __forceinline__ int device_token_count(const int* num_tokens, int cap
   return min(max(*num_tokens, 0), cap);
 }
 
+// The caller's routing (CudaMoeLayer::forward with a RoutingInput): route_external writes
+// what route_logits + route_topk write for the fused kernel (counters zeroed, epoch bumped,
+// token count recorded; ids, weights, positions and per-expert rows), from ids and weights
+// the caller computed. An id outside [0, E) becomes expert 0 with weight 0 (no read or
+// write out of bounds; the slot adds nothing) and is recorded in `id_status`.
+struct RouteExternalArgs {
+  const void* in_ids = nullptr;       // int32 or int64 [T][K], device memory
+  bool in_ids_64 = false;             // in_ids holds int64
+  const float* in_weights = nullptr;  // f32 [T][K]
+  const int* num_tokens = nullptr;
+  int tokens_cap = 0;            // the forward's host hint (device_token_count)
+  int* token_status = nullptr;   // TokenCountStatus words [0, 3)
+  int* id_status = nullptr;      // RoutingIdStatus words (kernels/fused_moe.h)
+  int32_t* ids = nullptr;        // [T][K]
+  float* weights = nullptr;      // [T][K]
+  int32_t* pos = nullptr;        // [T][K]
+  int* expert_counts = nullptr;  // [E], inside `zero`
+  int* zero = nullptr;           // the forward's counters (MoeWorkspaceLayout::counters)
+  int zero_words = 0;
+  uint64_t* epoch = nullptr;  // bumped once, as route_logits does
+};
+
+// One block of kRouteExternalThreads (the per-expert positions come from shared-memory
+// atomics, so the block needs no grid-wide ordering between zeroing and counting).
+void launch_route_external(const MoeShape& s, const RouteExternalArgs& a, cudaStream_t stream);
+
 // Raises the router kernels' shared-memory limits (once per device, before launches).
 void route_prepare();
 

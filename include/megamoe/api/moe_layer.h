@@ -1,5 +1,5 @@
 // The device-resident MoE layer (CUDA backend): owns or borrows the weights in
-// the kernel layout (weights/layout.h), owns a workspace sized once for
+// the kernel layout (weights/layout.h: one buffer, or separate regions), owns a workspace sized once for
 // max_tokens, validates everything a caller hands it, and enqueues a forward
 // that is CUDA-graph capturable (no allocation, no host synchronization; the
 // token count may live in device memory).
@@ -33,6 +33,14 @@ struct MoeLayerOptions {
   size_t workspace_bytes = 0;
 };
 
+// Routing the caller computed, in device memory of the layer's device, row-major [T][K]
+// (T = the forward's token count, K = shape().topk).
+struct RoutingInput {
+  const void* ids = nullptr;  // expert ids in [0, E): int32 (id_bytes 4) or int64 (8)
+  int id_bytes = 4;
+  const float* weights = nullptr;  // float32, used as given (no renormalization, no scaling)
+};
+
 class CudaMoeLayer {
  public:
   // Uploads the host weights into a device allocation the layer owns.
@@ -41,6 +49,13 @@ class CudaMoeLayer {
   // MoeWeightLayout::compute(shape) (e.g. a WeightStore's buffer). The
   // pointer must be 256-byte aligned device memory of the current device.
   CudaMoeLayer(const MoeShape& shape, const void* device_base, const MoeLayerOptions& opt);
+  // Borrows weights already in device memory as separate regions (a MoeWeightsView of device
+  // pointers, each region laid out as weights/layout.h says, 16-byte aligned; shared_* null
+  // when S = 0, bias null when the shape has no correction bias). The caller keeps them alive
+  // and may rewrite them in place between forwards. Throws std::invalid_argument naming the
+  // region that is null (or given where the shape has none), not device memory of the
+  // current device, or misaligned.
+  CudaMoeLayer(const MoeShape& shape, const MoeWeightsView& device_weights, const MoeLayerOptions& opt);
   // Borrows layer `layer` of a WeightStore in device memory (the usual way: the store
   // loads and reloads in place, the layer object and its graphs keep working). Throws
   // std::invalid_argument if the store does not hold the layer, holds it in host memory,
@@ -62,22 +77,36 @@ class CudaMoeLayer {
   void forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint, const int* num_tokens_dev,
                Stream stream);
 
+  // forward on the caller's routing instead of the layer's router (same x, y, tokens_hint,
+  // num_tokens_dev, stream rules as forward; capturable). The rows computed are those the
+  // layer's own forward computes for the same ids and weights, byte for byte. Throws
+  // std::invalid_argument for null ids or weights (tokens_hint > 0), id_bytes not 4 or 8,
+  // or pointers that are not device memory of the layer's device (or misaligned).
+  // NOTE: an id outside [0, E) is a caller's bug the device cannot throw for: that slot is
+  // computed as expert 0 with weight 0 (it adds nothing), and check() reports it.
+  void forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint, const int* num_tokens_dev,
+               Stream stream, const RoutingInput& routing);
+
   // After the forwards so far completed (synchronizes the device): throws
   // std::runtime_error if any of them read a device token count outside
-  // [0, tokens_hint] (how many, the last count and its hint), then clears the
-  // record, so the next check() reports only what happened after it.
+  // [0, tokens_hint] (how many, the last count and its hint), or external routing ids
+  // outside [0, E) ("topk_ids: 3 ids outside [0, 256) (the first: token 5 slot 2 = 300)"),
+  // then clears the records, so the next check() reports only what happened after it.
   void check();
 
   // Only the routing part of forward (router GEMM + top-k), for benchmarks.
   void route(const num::bf16_t* x, int tokens_hint, const int* num_tokens_dev, Stream stream);
 
-  // Routing outputs of the last forward (device pointers, [T][K]).
+  // Routing outputs of the last forward (device pointers, [T][K]; after a forward on the
+  // caller's routing, its ids and weights, a bad id as 0 with weight 0).
   const int32_t* topk_ids() const;
   const float* topk_weights() const;
 
   const MoeShape& shape() const;
   int max_tokens() const;
-  const void* device_weights() const;  // base of the layout in device memory
+  // The base of the layout in device memory (for a layer over a MoeWeightsView of separate
+  // regions: its w13 pointer).
+  const void* device_weights() const;
   size_t workspace_bytes() const;
   // The workspace a layer of shape `s` needs for max_tokens tokens (MoeLayerOptions::workspace).
   static size_t workspace_bytes_for(const MoeShape& s, int max_tokens);

@@ -7,7 +7,8 @@
 //      on the tensor cores (BF16 x, the weight as three BF16 terms when it is
 //      F32), float32 sums over 4 fixed K slices (the same float computation
 //      whatever the tile shape, so routing is bit-stable),
-//   2. route_topk: scores, bias, grouped top-k, weights; per-expert row counts,
+//   2. route_topk: scores, bias, grouped top-k, weights; per-expert row counts
+//      (with the caller's routing, route_external does 1 and 2: ExternalRouting),
 //   3. fused_moe: ONE persistent kernel: quantize x (1x128 E4M3) and scatter
 //      each token to its experts' row segments, grid barrier, then a
 //      static byte-balanced tile schedule of GEMM1 tiles (w13, SwiGLU, x
@@ -168,12 +169,36 @@ struct EpStatus {
 // every kernel of the forward clamps it into that range (one rule, device_token_count
 // in route.cuh, so they agree on T) and route_logits records it here for the host.
 struct TokenCountStatus {
-  // Words of the workspace region: forwards that read a bad count, the last such count, its hint.
-  static constexpr int kWords = 3;
+  // Words of the workspace's status region (MoeWorkspaceLayout::token_status): this record's
+  // first three (forwards that read a bad count, the last such count, its hint), then the
+  // external routing's (RoutingIdStatus).
+  static constexpr int kWords = 8;
   int bad_forwards = 0;
   int last_count = 0;
   int last_hint = 0;
   std::string message() const;  // empty when bad_forwards == 0
+};
+
+// What route_external saw of the caller's expert ids (words [kFirstWord, kFirstWord + 5) of
+// the status region, sticky until routing_ids_take): ids outside [0, E), which it computed
+// as expert 0 at weight 0, and the first of them (the lowest slot of the first forward that
+// had any).
+struct RoutingIdStatus {
+  static constexpr int kFirstWord = 3;  // after TokenCountStatus's words
+  int bad_ids = 0;                      // (saturates at INT_MAX)
+  int first_token = 0;
+  int first_slot = 0;
+  int64_t first_value = 0;
+  int experts = 0;              // E, for the message
+  std::string message() const;  // empty when bad_ids == 0
+};
+
+// The caller's routing for fused_moe_forward (device memory, row-major [T][K]): expert ids
+// int32 (id_bytes 4) or int64 (8), float32 weights used as given.
+struct ExternalRouting {
+  const void* ids = nullptr;
+  int id_bytes = 4;
+  const float* weights = nullptr;
 };
 
 // Opaque per-layer launch plan: tensor maps etc. (built once per layer object).
@@ -200,6 +225,11 @@ void set_route_parts_for_timing(int parts);
 // captured at a hint serves every count up to it.
 void fused_moe_forward(const FusedMoePlan* plan, const DeviceTensors& t, int host_tokens_hint,
                        cudaStream_t stream);
+// The same forward on the caller's routing: route_external (one small kernel) replaces
+// route_logits and route_topk and writes what they write, so the fused kernel runs as
+// usual. Not under expert parallelism (the plan must be single-device).
+void fused_moe_forward(const FusedMoePlan* plan, const DeviceTensors& t, int host_tokens_hint,
+                       cudaStream_t stream, const ExternalRouting& routing);
 
 // Only the routing part (route_logits + route_topk), for tests/bench.
 void route_forward(const FusedMoePlan* plan, const DeviceTensors& t, int host_tokens_hint,
@@ -221,6 +251,9 @@ void ep_reset(const FusedMoePlan* plan);
 // The token-count record of the forwards so far (synchronizes the device), cleared when
 // it holds a bad count, so each one is reported once.
 TokenCountStatus token_count_take(const FusedMoePlan* plan);
+// The external routing's record of bad ids (synchronizes the device), cleared when it holds
+// one, so each is reported once.
+RoutingIdStatus routing_ids_take(const FusedMoePlan* plan);
 
 // *p = v on the stream (a one-thread kernel, so it can be captured in a graph).
 void set_device_int(int* p, int v, cudaStream_t stream);
