@@ -330,9 +330,14 @@ def test_gpu_real_shape_block(family):
     else:
         cfg = transformers.Glm4MoeLiteConfig(**shape)
         block_cls = mod.Glm4MoeLiteMoE
+    cfg._experts_implementation = "eager"  # a block outside a model: the plain expert loop
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    # Built on the meta device and materialized in BF16 (GLM-5.3-Flash's experts are 14.5 GB
+    # in BF16, twice that in float32); every parameter and buffer is then drawn here.
+    with torch.device("meta"):
         block = block_cls(cfg)
+    block = block.to(torch.bfloat16).to_empty(device="cuda")
+    block.gate.float()  # transformers keeps the router in float32
     with torch.no_grad():
         for p in (block.experts.gate_up_proj, block.experts.down_proj):
             p.normal_(0, 0.02)
@@ -340,6 +345,10 @@ def test_gpu_real_shape_block(family):
             lin.weight.normal_(0, 0.02)
         block.gate.weight.normal_(0, 1.0 / 64)
         block.gate.e_score_correction_bias.normal_(0, 0.05)
+    names = {n for n, _ in block.named_parameters()} | {n for n, _ in block.named_buffers()}
+    assert names == {"experts.gate_up_proj", "experts.down_proj", "gate.weight", "gate.e_score_correction_bias",
+                     "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
+                     "shared_experts.down_proj.weight"}, names  # all drawn above
 
     class Holder(torch.nn.Module):  # patch_moe walks a model; this one holds the block
         def __init__(self):
@@ -347,10 +356,7 @@ def test_gpu_real_shape_block(family):
             self.config = cfg
             self.mlp = block
 
-    holder = Holder()
-    fp8_roundtrip_(holder)
-    block = block.to(torch.bfloat16)
-    block.gate.float()  # transformers keeps the router in float32
+    fp8_roundtrip_(Holder())  # BF16 values of the FP8 weights
     H = cfg.hidden_size
     x = torch.randn(3, 171, H, device="cuda").bfloat16()
     with torch.no_grad():
