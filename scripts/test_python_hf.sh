@@ -2,7 +2,7 @@
 # The torch / transformers tests of the Python package: megamoe.patch_moe on small models of
 # the four families (tests/python/test_transformers.py) and `python -m megamoe.bench` on the
 # CPU backend (tests/python/test_bench.py). Installs torch, transformers and matplotlib from
-# PyPI where missing: PyPI's torch wheel is the CUDA build (about 3.5 GB of downloads, 5.7 GB
+# PyPI where missing: PyPI's torch wheel is the CUDA build (about 3.1 GB of downloads, 5.7 GB
 # installed, ~6 minutes on a 2-core machine), the CPU tests take ~2 minutes more.
 # Runs after scripts/test_python.sh, which builds the package into build/python-pkg.
 # PYTHON picks the interpreter (default python3).
