@@ -46,4 +46,6 @@ if _torch is not None:
 
     _layer._torch_ops = torch_ops
 
-    __all__ += ["torch_ops"]
+    from .hf import patch_moe  # transformers drop-in (imports transformers only when used)
+
+    __all__ += ["torch_ops", "patch_moe"]

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The torch / transformers tests of the Python package: megamoe.patch_moe on small models of
+# the four families (tests/python/test_transformers.py) and `python -m megamoe.bench` on the
+# CPU backend (tests/python/test_bench.py). Installs torch, transformers and matplotlib from
+# PyPI where missing: PyPI's torch wheel is the CUDA build (about 3.1 GB of downloads, 5.7 GB
+# installed, ~6 minutes on a 2-core machine), the CPU tests take ~2 minutes more.
+# Runs after scripts/test_python.sh, which builds the package into build/python-pkg.
+# PYTHON picks the interpreter (default python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -d build/python-pkg/megamoe ]; then
+  echo "test_python_hf.sh: build/python-pkg/megamoe is missing: run scripts/test_python.sh first" >&2
+  exit 2
+fi
+missing=()
+for m in torch transformers matplotlib pytest ml_dtypes; do
+  "$PY" -c "import $m" 2>/dev/null || missing+=("${m//_/-}")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  start=$(date +%s)
+  "$PY" -m pip install -q "${missing[@]}"
+  echo "test_python_hf.sh: installed ${missing[*]} in $(($(date +%s) - start)) s"
+fi
+PYTHONPATH="$PWD/build/python-pkg" MEGAMOE_CLI="$PWD/build/megamoe" "$PY" -m pytest -q -p no:cacheprovider \
+  tests/python/test_transformers.py tests/python/test_bench.py
