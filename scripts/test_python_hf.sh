@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The torch / transformers tests of the Python package: megamoe.patch_moe on small models of
+# The torch / transformers tests of the Python package: the custom op and torch.compile
+# (tests/python/test_torch.py), megamoe.patch_moe on small models of
 # the four families (tests/python/test_transformers.py) and `python -m megamoe.bench` on the
 # CPU backend (tests/python/test_bench.py). Installs torch, transformers and matplotlib from
 # PyPI where missing: PyPI's torch wheel is the CUDA build (about 3.1 GB of downloads, 5.7 GB
@@ -23,4 +24,4 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "test_python_hf.sh: installed ${missing[*]} in $(($(date +%s) - start)) s"
 fi
 PYTHONPATH="$PWD/build/python-pkg" MEGAMOE_CLI="$PWD/build/megamoe" "$PY" -m pytest -q -p no:cacheprovider \
-  tests/python/test_transformers.py tests/python/test_bench.py
+  tests/python/test_torch.py tests/python/test_transformers.py tests/python/test_bench.py
