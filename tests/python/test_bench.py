@@ -10,15 +10,18 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 
+import megamoe  # noqa: E402
 from megamoe import bench  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The folder the tested package was imported from (an install, or build/python-pkg): the
+# subprocess must import the same build, not the sources under python/ (no extension there).
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(megamoe.__file__)))
 
 
 def test_cli_smoke_json_and_png(tmp_path):
     js, png = tmp_path / "b.json", tmp_path / "b.png"
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.join(ROOT, "python"), env.get("PYTHONPATH")] if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [PACKAGE_ROOT, env.get("PYTHONPATH")] if p)
     r = subprocess.run(
         [sys.executable, "-m", "megamoe.bench", "--device", "cpu", "--tokens", "4", "--routing", "uniform",
          "zipf:1.5", "--iters", "2", "--warmup", "0", "--json", str(js), "--plot", str(png)],
