@@ -6,7 +6,7 @@
 #   bench     megamoe bench --ranks R over NCCL: GLM-5.3-Flash and DeepSeek-V4-Flash shapes
 #             at 8, 256 and 8192 tokens per rank
 #   switches  V4-Flash again with the pull beside the tiles, then with wide tiles too
-#             (MEGAMOE_EP_OVERLAP, MEGAMOE_EP_WIDE: their A/B against `bench`)
+#             (MEGAMOE_EP_OVERLAP, MEGAMOE_EP_WIDE_TILES: their A/B against `bench`)
 # Usage (repo root there): scripts/multi_gpu_run.sh BIN_DIR R STEP...   (logs and JSON in $OUT)
 set -uo pipefail
 bin=$1 R=$2; shift 2
@@ -59,7 +59,7 @@ for step in "$@"; do
       bench v4flash "$bin/megamoe" bench --ranks "$R" --transport nccl "${v4[@]}" --tokens 8 256 8192 --iters 10 ;;
     switches)  # (v32's estimate for the pull: -0.5 ms at 8192 tokens a rank)
       bench v4flash_overlap MEGAMOE_EP_OVERLAP=1 "$bin/megamoe" bench --ranks "$R" --transport nccl "${v4[@]}" --tokens 8 256 8192 --iters 10
-      bench v4flash_overlap_wide MEGAMOE_EP_OVERLAP=1 MEGAMOE_EP_WIDE=1 "$bin/megamoe" bench --ranks "$R" --transport nccl "${v4[@]}" --tokens 4096 8192 --iters 10 ;;
+      bench v4flash_overlap_wide MEGAMOE_EP_OVERLAP=1 MEGAMOE_EP_WIDE_TILES=1 "$bin/megamoe" bench --ranks "$R" --transport nccl "${v4[@]}" --tokens 4096 8192 --iters 10 ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
