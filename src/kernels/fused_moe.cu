@@ -241,6 +241,273 @@ __device__ __noinline__ int schedule_unit(const KernelArgs& a, int csh) {
   return int((int64_t(blockIdx.x >> csh) * a.unit_stride) % G);
 }
 
+// The compile-time shape of one kernel instantiation: its template arguments and what
+// follows from them, shared by every role below.
+template <int BN_, bool kEp_, bool kPairs_, bool kWide_>
+struct KernelShape {
+  static constexpr int BN = BN_;
+  static constexpr bool kEp = kEp_, kPairs = kPairs_, kWide = kWide_;
+  static constexpr int kStages = stages_for(BN, kWide);
+  static constexpr int kStageBytes = stage_bytes(BN, kWide);
+  static constexpr int kWBytes = (kWide ? 2 : 1) * kBlockM * kBlockK;  // a stage's weight rows
+  static constexpr int kXBytes = BN * kBlockK;
+  static constexpr bool kSwapAB = swap_ab(BN);
+  // Pair tiles: 128-token tiles share their stages (multicast); decode tiles split a GEMM1
+  // tile's halves between the two CTAs and exchange the tokens' amax (kHalfPairs).
+  static constexpr bool kPairRing = kPairs && !kSwapAB;
+  static constexpr bool kHalfPairs = kPairs && kSwapAB;
+  // fp32 accumulators per thread: m64nBN for each of a GEMM1 tile's two halves (tokens in M:
+  // two blocks of 64, also a wide GEMM2 tile's two output blocks)
+  static constexpr int kAcc = kSwapAB ? BN : 128;
+  // Pair tiles: the schedule's ids count pairs of tiles (TileIds), and a cluster takes the
+  // place of a CTA in TileSchedule.
+  static constexpr int sh1 = kPairRing ? 1 : 0;        // GEMM1 ids count pairs of tiles
+  static constexpr int sh2 = kPairs || kWide ? 1 : 0;  // GEMM2 ids count pairs of tiles
+  static constexpr int csh = kPairs ? 1 : 0;           // the schedule's unit is a cluster of two CTAs
+
+  static_assert(num::kGemm1FoldK == kBlockK && num::kInterGroup == kBlockK,
+                "both GEMMs fold once a K block (GEMM2: one intermediate scale group)");
+  static_assert(kSwapAB || BN == 128, "the tokens-in-M layout is built for 128-token tiles");
+  static_assert(kStages <= 16, "SmemTail holds 16 stage barriers");
+  static_assert(!kPairs || (!kEp && (BN == 128 || BN <= kDecodePairsMaxBlockN)), "pair tiles: one device");
+  static_assert(!kWide || (BN == 128 && !kPairs), "wide tiles: 128-token tiles, no cluster");
+};
+
+// The CTA's shared memory: the stage ring (`ring`, kStages stages) and the regions of
+// SmemTail after it.
+template <class S>
+struct CtaSmem {
+  uint8_t* ring;
+  uint64_t* full_bar;   // [kStages] a stage's bytes landed (the producer's expect_tx)
+  uint64_t* empty_bar;  // [kStages] its consumers are done with it
+  // A consumer tile's outputs are written (8 warp arrivals, the counter to release in
+  // slot_counter) -> the signal thread releases it and frees the slot.
+  uint64_t* done_bar;
+  uint64_t* free_bar;
+  int* slot_counter;
+  // The tile a stage starts, decoded by the producer (so the consumers' path has no binary
+  // search over the experts and no division at a tile).
+  Tile* stage_tile;
+  uint64_t* comb_full;
+  uint64_t* comb_empty;
+  uint32_t* comb_mask;
+  Sched sc;
+  float* red;              // [8 warps][BN]
+  float* tok_inv_scale;    // [BN]
+  uint8_t* staging;        // [8 warps][16 rows][128 B], tokens in M only
+  // Decode pairs, at the same place (SmemTail::xchg): the amax exchange's barriers and buffers.
+  uint8_t* xchg;
+  uint64_t* xchg_bar;      // [2]
+  const float* xchg_amax;  // [2][64]
+
+  // smem: the 1024-aligned start of the dynamic shared memory.
+  __device__ __forceinline__ explicit CtaSmem(uint8_t* smem) : ring(smem) {
+    uint8_t* tail = smem + S::kStages * S::kStageBytes;
+    full_bar = reinterpret_cast<uint64_t*>(tail + SmemTail::kFullBar);
+    empty_bar = reinterpret_cast<uint64_t*>(tail + SmemTail::kEmptyBar);
+    done_bar = reinterpret_cast<uint64_t*>(tail + SmemTail::kDoneBar);
+    free_bar = reinterpret_cast<uint64_t*>(tail + SmemTail::kFreeBar);
+    slot_counter = reinterpret_cast<int*>(tail + SmemTail::kSlotCounter);
+    stage_tile = reinterpret_cast<Tile*>(tail + SmemTail::kStageTile);
+    comb_full = reinterpret_cast<uint64_t*>(tail + SmemTail::kCombFull);
+    comb_empty = reinterpret_cast<uint64_t*>(tail + SmemTail::kCombEmpty);
+    comb_mask = reinterpret_cast<uint32_t*>(tail + SmemTail::kCombMask);
+    int* tables = reinterpret_cast<int*>(tail + SmemTail::kTables);
+    sc = Sched{tables, tables + (kMaxExpertsTotal + 1), tables + 2 * (kMaxExpertsTotal + 1)};
+    red = reinterpret_cast<float*>(tail + SmemTail::kRed);
+    tok_inv_scale = reinterpret_cast<float*>(tail + SmemTail::inv_scales(S::BN));
+    staging = tail + SmemTail::staging(S::BN);
+    xchg = tail + SmemTail::xchg(S::BN);
+    xchg_bar = reinterpret_cast<uint64_t*>(xchg + SmemTail::kXchgBar);
+    xchg_amax = reinterpret_cast<const float*>(xchg + SmemTail::kXchgAmax);
+  }
+};
+
+// ============================================================================
+// Combine: y[t] = bf16(sum over slots, ascending, of the BF16 slot rows)
+// ============================================================================
+
+// The bulk combine's loads (warp kCombineWarp of the producer warpgroup): each unit's slot
+// rows into a ring stage.
+// NOTE: not warp 0: its lanes waiting for lane 0's producer loop slowed that loop (the
+// consumers' data waits rose); this warp waits at the barrier below, off every issue slot,
+// until the consumers are done with the ring (see docs/performance-history.md).
+template <class S>
+__device__ __forceinline__ void combine_load_rows(const KernelArgs& a, const CtaSmem<S>& sm,
+                                                  const CombinePlan& cp, int E_total, int lane) {
+  // The consumers are done with the stage ring: they join this barrier after their last
+  // tile, each after the proxy fence that orders its reads of the ring before these bulk
+  // copies. (The counter below orders that too, through the gpu-scope releases, but
+  // compute-sanitizer's racecheck follows a barrier, not that chain.)
+  sm90::named_barrier(kCombineRingBarrier, kConsumerThreads + 32);
+  if (lane == 0) {
+    sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2], a.n2 * sm.sc.unit_off[E_total]);
+    sm90::fence_proxy_async_global();  // y_rows (the GEMM2 epilogues' generic stores)
+  }
+  __syncwarp();
+  // Lane k < slots: whether token t has slot k's row (a routed slot without an expert
+  // has none), loaded a unit ahead so the round trip overlaps the ring's waits.
+  auto has_row = [&](int u) {
+    if (u >= cp.units || lane >= cp.slots) return false;
+    return lane >= a.K || __ldcg(a.topk_ids + cp.token(u) * a.K + lane) >= 0;
+  };
+  bool valid_next = has_row(blockIdx.x);
+  int i = 0;
+  for (int u = blockIdx.x; u < cp.units; u += gridDim.x, ++i) {
+    const uint32_t mask = __ballot_sync(0xffffffffu, valid_next);
+    valid_next = has_row(u + gridDim.x);
+    if (lane == 0) {
+      const int s = cp.stage(i), c0 = cp.col0(u);
+      const uint32_t bytes = uint32_t(min(kCombineCols, a.H - c0)) * 2;
+      sm90::mbar_wait(&sm.comb_empty[s], cp.parity(i) ^ 1);
+      sm.comb_mask[s] = mask;  // published by the full barrier's completion
+      sm90::mbar_arrive_expect_tx(&sm.comb_full[s], __popc(mask) * bytes);
+      uint8_t* dst = sm.ring + s * cp.stage_bytes;
+      const uint16_t* src = a.y_rows + size_t(cp.token(u)) * cp.slots * a.H + c0;
+      for (int k = 0; k < cp.slots; ++k)
+        if ((mask >> k) & 1)
+          sm90::bulk_load(dst + k * (kCombineCols * 2), src + size_t(k) * a.H, bytes, &sm.comb_full[s]);
+    }
+  }
+}
+
+// The bulk combine's sums (the consumers; CombinePlan): a thread sums 8 columns of a unit
+// over its slots, from the ring stage combine_load_rows filled.
+template <class S>
+__device__ __forceinline__ void combine_bulk(const KernelArgs& a, const CtaSmem<S>& sm, const CombinePlan& cp,
+                                             int ctid, uint32_t t_comb, Prof& pf) {
+  // The ring is free: each thread fences its own reads of it (the K loops' scale loads)
+  // against the combine's bulk copies into it (async proxy), then syncs with the combine
+  // warp -- bar.sync, not an arrive: the copies cannot land before this barrier anyway, and
+  // racecheck then sees the order from both sides. (One fence, the combine lane's after the
+  // barrier, with bar.arrive is what the PTX memory model accepts too, but racecheck reported
+  // these loads against those copies where BN = 8 puts ring stage 0's scales inside the
+  // combine's first stage.)
+  sm90::fence_proxy_async_shared();
+  sm90::named_barrier(kCombineRingBarrier, kConsumerThreads + 32);
+  int i = 0;
+  for (int u = blockIdx.x; u < cp.units; u += gridDim.x, ++i) {
+    const int s = cp.stage(i);
+    sm90::mbar_wait(&sm.comb_full[s], cp.parity(i));
+    if (i == 0) pf.add(kPfDone2, t_comb);  // the first unit waited for every GEMM2 tile too
+    const uint32_t mask = sm.comb_mask[s];
+    const int t = cp.token(u);
+    const int col = cp.col0(u) + ctid * 8;
+    if (col < a.H) {
+      const uint8_t* src = sm.ring + s * cp.stage_bytes + ctid * 16;
+      float sum[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sum[j] = 0.0f;
+      // Slot order (routed 0..K-1, then shared), as combine_warp_units.
+      for (int k = 0; k < cp.slots; ++k) {
+        if (!((mask >> k) & 1)) continue;
+        add_bf16x8(sum, *reinterpret_cast<const uint4*>(src + k * (kCombineCols * 2)));
+      }
+      *reinterpret_cast<uint4*>(a.y + size_t(t) * a.H + col) = bf16x8_encode(sum);
+    }
+    // Every thread arrives itself: with one arrival a warp (release_stage) racecheck did
+    // not order the other lanes' reads before the next bulk copy into the stage.
+    sm90::mbar_arrive(&sm.comb_empty[s]);
+  }
+}
+
+// The warp-unit combine (expert parallelism, or where the bulk one does not fit): each
+// consumer warp of the grid sums units of one token straight from global memory. Returns
+// false where an expert-parallel peer timed out (the status is set; leave at once).
+template <class S>
+__device__ __forceinline__ bool combine_warp_units(const KernelArgs& a, const Sched& sc, int T, int E_total,
+                                                   int ctid, int cwarp, int lane, uint32_t t_comb, Prof& pf) {
+  // (t2 again from the shared tables: kept live across the tiles it cost a spill)
+  if (ctid == 0)
+    sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2], a.n2 * sc.unit_off[E_total]);
+  sm90::named_barrier(1, kConsumerThreads);
+  pf.add(kPfDone2, t_comb);
+  const uint16_t* ep_combine = nullptr;  // expert parallelism: routed slot rows, [T][K][H]
+  if (S::kEp) {
+    // Step 4's end: every GEMM2 tile of this rank is done (its rows are in the sources'
+    // combine slots), so CTA 0 tells every source; step 5: wait for every owner.
+    const int R = a.ep.ranks;
+    const uint64_t epoch = a.ep.state[0];  // (re-read here: nothing kept live across the K loops)
+    if (blockIdx.x == 0 && ctid < R) {
+      __threadfence_system();
+      sm90::st_release_sys(ep_signal(a.ep, ctid, EpLayout::kCombine, a.ep.rank), epoch);
+    }
+    const bool ok = ctid >= R || ep_wait_signal(a.ep, EpLayout::kCombine, ctid, epoch, EpStatus::kCombine);
+    if (sm90::named_barrier_or(1, kConsumerThreads, !ok)) return false;
+    ep_combine = ep_region<uint16_t>(a.ep.peer[a.ep.rank], a.ep.l.combine);
+  }
+  // Work unit: one token's 256 V-column slab (a lane: 8 V columns), over every consumer warp
+  // of the grid, so a few tokens still spread over many SMs. A lane holds one slot's row
+  // (shuffled to the others); all slots' loads are in flight at once and the next unit's
+  // slot rows are loaded before this unit is summed: about one load round trip a unit.
+  // Single device: a token's slot rows are adjacent in y_rows (gathering them from the
+  // expert-sorted rows read one 512-byte piece per DRAM page).
+  const int slots = a.K + a.has_shared;
+  constexpr int V = kCombineVecs;  // uint4 (8 columns) a lane and slot: 32 V x 8 columns a unit
+  const int slabs = (a.H + 256 * V - 1) / (256 * V);
+  const int units = T * slabs;
+  const int warps_total = gridDim.x * (kConsumerThreads / 32);
+  int u = blockIdx.x * (kConsumerThreads / 32) + cwarp;
+  int row = u < units ? combine_row<S::kEp>(a, sc, u / slabs, lane) : -1;
+  for (; u < units; u += warps_total) {
+    const int t = u / slabs;
+    const int c8 = (u - t * slabs) * 32 * V + lane;  // uint4 of the row; + 32 v
+    float sum[V][8];
+#pragma unroll
+    for (int v = 0; v < V; ++v)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum[v][i] = 0.0f;
+    for (int k0 = 0; k0 < slots; k0 += kCombineBatch) {
+      uint4 x[kCombineBatch][V];
+      int r[kCombineBatch];
+#pragma unroll
+      for (int i = 0; i < kCombineBatch; ++i) {
+        r[i] = __shfl_sync(0xffffffffu, row, (k0 + i) & 31);
+        if (k0 + i >= slots) r[i] = -1;
+        const uint16_t* rows = S::kEp && k0 + i < a.K ? ep_combine : a.y_rows;  // (slot k0 + i's rows)
+        const uint4* src = reinterpret_cast<const uint4*>(rows + size_t(r[i]) * a.H) + c8;
+#pragma unroll
+        for (int v = 0; v < V; ++v)
+          x[i][v] = r[i] >= 0 && (c8 + 32 * v) * 8 < a.H ? __ldcg(src + 32 * v) : make_uint4(0, 0, 0, 0);
+      }
+      if (k0 + kCombineBatch >= slots) {  // the last batch: the next unit's rows load meanwhile
+        const int un = u + warps_total;
+        row = un < units ? combine_row<S::kEp>(a, sc, un / slabs, lane) : -1;
+      }
+      // Sum in slot order (routed 0..K-1, then shared): the bytes do not depend on the split.
+#pragma unroll
+      for (int i = 0; i < kCombineBatch; ++i) {
+        if (r[i] < 0) continue;
+#pragma unroll
+        for (int v = 0; v < V; ++v) add_bf16x8(sum[v], x[i][v]);
+      }
+    }
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      if ((c8 + 32 * v) * 8 >= a.H) break;
+      reinterpret_cast<uint4*>(a.y + size_t(t) * a.H)[c8 + 32 * v] = bf16x8_encode(sum[v]);
+    }
+  }
+  return true;
+}
+
+// The consumers' combine after their last tile: the bulk one where CombinePlan allows it,
+// else the warp-unit one. False: an expert-parallel peer timed out (leave at once).
+template <class S>
+__device__ __forceinline__ bool combine(const KernelArgs& a, const CtaSmem<S>& sm, int T, int E_total, int ctid,
+                                        int cwarp, int lane, uint32_t t_start, Prof& pf) {
+  const uint32_t t_comb = pf.now();
+  const CombinePlan cp(a, T, S::kStages * S::kStageBytes, S::kEp);
+  if (cp.bulk)
+    combine_bulk<S>(a, sm, cp, ctid, t_comb, pf);
+  else if (!combine_warp_units<S>(a, sm.sc, T, E_total, ctid, cwarp, lane, t_comb, pf))
+    return false;
+  pf.add(kPfCombine, t_comb);
+  pf.add(kPfTotal, t_start);
+  if (ctid == 0) pf.store(0, kPfProdTotal);
+  return true;
+}
+
 // kEp: expert parallelism (a separate instantiation, so the single-device kernel keeps
 // its registers: the EP paths' extra live values spill four ints at BN = 128, stored
 // once and reloaded once a tile, never inside the K loops -- checked in the SASS).
@@ -259,50 +526,35 @@ __device__ __noinline__ int schedule_unit(const KernelArgs& a, int csh) {
 template <int BN, bool kEp, bool kPairs = false, bool kWide = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
-  constexpr int kStages = stages_for(BN, kWide);
-  constexpr int kStageBytes = stage_bytes(BN, kWide);
-  constexpr int kWBytes = (kWide ? 2 : 1) * kBlockM * kBlockK;  // a stage's weight rows
-  constexpr int kXBytes = BN * kBlockK;
-  constexpr bool kSwapAB = swap_ab(BN);
-  // Pair tiles: 128-token tiles share their stages (multicast); decode tiles split a GEMM1
-  // tile's halves between the two CTAs and exchange the tokens' amax (kHalfPairs).
-  constexpr bool kPairRing = kPairs && !kSwapAB;
-  constexpr bool kHalfPairs = kPairs && kSwapAB;
-  // fp32 accumulators per thread: m64nBN for each of a GEMM1 tile's two halves (tokens in M: two
-  // blocks of 64, also a wide GEMM2 tile's two output blocks)
-  constexpr int kAcc = kSwapAB ? BN : 128;
-
-  static_assert(num::kGemm1FoldK == kBlockK && num::kInterGroup == kBlockK,
-                "both GEMMs fold once a K block (GEMM2: one intermediate scale group)");
-  static_assert(kSwapAB || BN == 128, "the tokens-in-M layout is built for 128-token tiles");
+  using S = KernelShape<BN, kEp, kPairs, kWide>;
+  constexpr int kStages = S::kStages;
+  constexpr int kStageBytes = S::kStageBytes;
+  constexpr int kWBytes = S::kWBytes;
+  constexpr int kXBytes = S::kXBytes;
+  constexpr bool kSwapAB = S::kSwapAB;
+  constexpr bool kPairRing = S::kPairRing;
+  constexpr bool kHalfPairs = S::kHalfPairs;
+  constexpr int kAcc = S::kAcc;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // NOTE: offset the __shared__ array itself (not a cast integer) so the compiler keeps
   // the shared address space and emits LDS for the scale reads.
   uint8_t* smem = smem_raw + ((1024 - (sm90::smem_u32(smem_raw) & 1023)) & 1023);
-  static_assert(kStages <= 16, "SmemTail holds 16 stage barriers");
-  uint8_t* tail = smem + kStages * kStageBytes;
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(tail + SmemTail::kFullBar);
-  uint64_t* empty_bar = reinterpret_cast<uint64_t*>(tail + SmemTail::kEmptyBar);
-  // A consumer tile's outputs are written (8 warp arrivals, the counter to release in
-  // slot_counter) -> the signal thread releases it and frees the slot.
-  uint64_t* done_bar = reinterpret_cast<uint64_t*>(tail + SmemTail::kDoneBar);
-  uint64_t* free_bar = reinterpret_cast<uint64_t*>(tail + SmemTail::kFreeBar);
-  int* slot_counter = reinterpret_cast<int*>(tail + SmemTail::kSlotCounter);
-  // The tile a stage starts, decoded by the producer (v19: the consumers decoded it again,
-  // a binary search over the experts and a division on their path at every tile).
-  Tile* stage_tile = reinterpret_cast<Tile*>(tail + SmemTail::kStageTile);
-  uint64_t* comb_full = reinterpret_cast<uint64_t*>(tail + SmemTail::kCombFull);
-  uint64_t* comb_empty = reinterpret_cast<uint64_t*>(tail + SmemTail::kCombEmpty);
-  uint32_t* comb_mask = reinterpret_cast<uint32_t*>(tail + SmemTail::kCombMask);
-  int* tables = reinterpret_cast<int*>(tail + SmemTail::kTables);
-  Sched sc{tables, tables + (kMaxExpertsTotal + 1), tables + 2 * (kMaxExpertsTotal + 1)};
-  float* red = reinterpret_cast<float*>(tail + SmemTail::kRed);                      // [8 warps][BN]
-  float* tok_inv_scale = reinterpret_cast<float*>(tail + SmemTail::inv_scales(BN));  // [BN]
-  uint8_t* staging = tail + SmemTail::staging(BN);  // [8 warps][16 rows][128 B], tokens in M only
-  // Decode pairs, at the same place (SmemTail::xchg): the amax exchange's barriers and buffers.
-  uint8_t* xchg = tail + SmemTail::xchg(BN);
-  uint64_t* xchg_bar = reinterpret_cast<uint64_t*>(xchg + SmemTail::kXchgBar);          // [2]
-  const float* xchg_amax = reinterpret_cast<const float*>(xchg + SmemTail::kXchgAmax);  // [2][64]
+  const CtaSmem<S> sm(smem);
+  uint64_t* full_bar = sm.full_bar;
+  uint64_t* empty_bar = sm.empty_bar;
+  uint64_t* done_bar = sm.done_bar;
+  uint64_t* free_bar = sm.free_bar;
+  int* slot_counter = sm.slot_counter;
+  Tile* stage_tile = sm.stage_tile;
+  uint64_t* comb_full = sm.comb_full;
+  uint64_t* comb_empty = sm.comb_empty;
+  const Sched sc = sm.sc;
+  float* red = sm.red;
+  float* tok_inv_scale = sm.tok_inv_scale;
+  uint8_t* staging = sm.staging;
+  uint8_t* xchg = sm.xchg;
+  uint64_t* xchg_bar = sm.xchg_bar;
+  const float* xchg_amax = sm.xchg_amax;
 
   Prof pf;
   const uint32_t t_start = pf.now();
@@ -367,11 +619,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // ---- Tile schedule (identical in every role) ----
   // Pair tiles: the schedule's ids count pairs of tiles (TileIds), and a cluster takes the
   // place of a CTA in TileSchedule.
-  static_assert(!kPairs || (!kEp && (BN == 128 || BN <= kDecodePairsMaxBlockN)), "pair tiles: one device");
-  static_assert(!kWide || (BN == 128 && !kPairs), "wide tiles: 128-token tiles, no cluster");
-  constexpr int sh1 = kPairRing ? 1 : 0;        // GEMM1 ids count pairs of tiles
-  constexpr int sh2 = kPairs || kWide ? 1 : 0;  // GEMM2 ids count pairs of tiles
-  constexpr int csh = kPairs ? 1 : 0;           // the schedule's unit is a cluster of two CTAs
+  constexpr int sh1 = S::sh1, sh2 = S::sh2, csh = S::csh;
   const TileIds ids = tile_ids(a, sc, sh1, sh2);
   const int t1_routed = ids.t1_routed, t1 = ids.t1, t2 = ids.t2, tiles = ids.tiles();
 
@@ -702,47 +950,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     // ---- Combine loads (warp kCombineWarp): each unit's slot rows into a ring stage ----
-    // NOTE: not warp 0: its lanes waiting for lane 0's producer loop slowed that loop (the
-    // consumers' data waits rose, T = 16384 +5 % kernel cycles, v19); this warp waits at
-    // the barrier below, off every issue slot, until the consumers are done with the ring.
     const CombinePlan cp(a, T, kStages * kStageBytes, kEp);
-    if (warp == kCombineWarp && cp.bulk && a.debug_stop != 3) {
-      // The consumers are done with the stage ring: they join this barrier after their last
-      // tile, each after the proxy fence that orders its reads of the ring before these bulk
-      // copies. (The counter below orders that too, through the gpu-scope releases, but
-      // compute-sanitizer's racecheck follows a barrier, not that chain.)
-      sm90::named_barrier(kCombineRingBarrier, kConsumerThreads + 32);
-      if (lane == 0) {
-        sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2],
-                                   a.n2 * sc.unit_off[E_total]);
-        sm90::fence_proxy_async_global();  // y_rows (the GEMM2 epilogues' generic stores)
-      }
-      __syncwarp();
-      // Lane k < slots: whether token t has slot k's row (a routed slot without an expert
-      // has none), loaded a unit ahead so the round trip overlaps the ring's waits.
-      auto has_row = [&](int u) {
-        if (u >= cp.units || lane >= cp.slots) return false;
-        return lane >= a.K || __ldcg(a.topk_ids + cp.token(u) * a.K + lane) >= 0;
-      };
-      bool valid_next = has_row(blockIdx.x);
-      int i = 0;
-      for (int u = blockIdx.x; u < cp.units; u += gridDim.x, ++i) {
-        const uint32_t mask = __ballot_sync(0xffffffffu, valid_next);
-        valid_next = has_row(u + gridDim.x);
-        if (lane == 0) {
-          const int s = cp.stage(i), c0 = cp.col0(u);
-          const uint32_t bytes = uint32_t(min(kCombineCols, a.H - c0)) * 2;
-          sm90::mbar_wait(&comb_empty[s], cp.parity(i) ^ 1);
-          comb_mask[s] = mask;  // published by the full barrier's completion
-          sm90::mbar_arrive_expect_tx(&comb_full[s], __popc(mask) * bytes);
-          uint8_t* dst = smem + s * cp.stage_bytes;
-          const uint16_t* src = a.y_rows + size_t(cp.token(u)) * cp.slots * a.H + c0;
-          for (int k = 0; k < cp.slots; ++k)
-            if ((mask >> k) & 1)
-              sm90::bulk_load(dst + k * (kCombineCols * 2), src + size_t(k) * a.H, bytes, &comb_full[s]);
-        }
-      }
-    }
+    if (warp == kCombineWarp && cp.bulk && a.debug_stop != 3) combine_load_rows<S>(a, sm, cp, E_total, lane);
     return;
   }
 
@@ -1145,123 +1354,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
 
   if (a.debug_stop == 3) return leave_cluster();
-  const uint32_t t_comb = pf.now();
-  // ---- Combine: y[t] = bf16(sum over slots, ascending, of the BF16 slot rows) ----
-  const CombinePlan cp(a, T, kStages * kStageBytes, kEp);
-  if (cp.bulk) {
-    // Through shared memory (CombinePlan): a thread sums 8 columns of a unit over its slots.
-    // The ring is free: each thread fences its own reads of it (the K loops' scale loads)
-    // against the combine's bulk copies into it (async proxy), then syncs with the combine
-    // warp -- bar.sync, not an arrive: the copies cannot land before this barrier anyway, and
-    // racecheck then sees the order from both sides. (v27 had one fence, the combine lane's
-    // after the barrier, which the PTX memory model accepts too, and bar.arrive; its racecheck
-    // reported these loads against those copies where BN = 8 puts ring stage 0's scales
-    // inside the combine's first stage: NOTES v28.)
-    sm90::fence_proxy_async_shared();
-    sm90::named_barrier(kCombineRingBarrier, kConsumerThreads + 32);
-    int i = 0;
-    for (int u = blockIdx.x; u < cp.units; u += gridDim.x, ++i) {
-      const int s = cp.stage(i);
-      sm90::mbar_wait(&comb_full[s], cp.parity(i));
-      if (i == 0) pf.add(kPfDone2, t_comb);  // the first unit waited for every GEMM2 tile too
-      const uint32_t mask = comb_mask[s];
-      const int t = cp.token(u);
-      const int col = cp.col0(u) + ctid * 8;
-      if (col < a.H) {
-        const uint8_t* src = smem + s * cp.stage_bytes + ctid * 16;
-        float sum[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) sum[j] = 0.0f;
-        // Slot order (routed 0..K-1, then shared), as the warp-unit combine below.
-        for (int k = 0; k < cp.slots; ++k) {
-          if (!((mask >> k) & 1)) continue;
-          add_bf16x8(sum, *reinterpret_cast<const uint4*>(src + k * (kCombineCols * 2)));
-        }
-        *reinterpret_cast<uint4*>(a.y + size_t(t) * a.H + col) = bf16x8_encode(sum);
-      }
-      // Every thread arrives itself: with one arrival a warp (release_stage) racecheck did
-      // not order the other lanes' reads before the next bulk copy into the stage.
-      sm90::mbar_arrive(&comb_empty[s]);
-    }
-    pf.add(kPfCombine, t_comb);
-    pf.add(kPfTotal, t_start);
-    if (ctid == 0) pf.store(0, kPfProdTotal);
-    return leave_cluster();
-  }
-  // (t2 again from the shared tables: kept live across the tiles it cost a spill)
-  if (ctid == 0)
-    sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2], a.n2 * sc.unit_off[E_total]);
-  sm90::named_barrier(1, kConsumerThreads);
-  pf.add(kPfDone2, t_comb);
-  const uint16_t* ep_combine = nullptr;  // expert parallelism: routed slot rows, [T][K][H]
-  if (kEp) {
-    // Step 4's end: every GEMM2 tile of this rank is done (its rows are in the sources'
-    // combine slots), so CTA 0 tells every source; step 5: wait for every owner.
-    const int R = a.ep.ranks;
-    const uint64_t epoch = a.ep.state[0];  // (re-read here: nothing kept live across the K loops)
-    if (blockIdx.x == 0 && ctid < R) {
-      __threadfence_system();
-      sm90::st_release_sys(ep_signal(a.ep, ctid, EpLayout::kCombine, a.ep.rank), epoch);
-    }
-    const bool ok = ctid >= R || ep_wait_signal(a.ep, EpLayout::kCombine, ctid, epoch, EpStatus::kCombine);
-    if (sm90::named_barrier_or(1, kConsumerThreads, !ok)) return;
-    ep_combine = ep_region<uint16_t>(a.ep.peer[a.ep.rank], a.ep.l.combine);
-  }
-  // Work unit: one token's 256 V-column slab (a lane: 8 V columns), over every consumer warp
-  // of the grid, so a few tokens still spread over many SMs. A lane holds one slot's row
-  // (shuffled to the others); all slots' loads are in flight at once and the next unit's
-  // slot rows are loaded before this unit is summed: about one load round trip a unit.
-  // Single device: a token's slot rows are adjacent in y_rows (v15; v14 gathered them
-  // from the expert-sorted rows, one 512-byte piece per DRAM page).
-  const int slots = a.K + a.has_shared;
-  constexpr int V = kCombineVecs;  // uint4 (8 columns) a lane and slot: 32 V x 8 columns a unit
-  const int slabs = (a.H + 256 * V - 1) / (256 * V);
-  const int units = T * slabs;
-  const int warps_total = gridDim.x * (kConsumerThreads / 32);
-  int u = blockIdx.x * (kConsumerThreads / 32) + cwarp;
-  int row = u < units ? combine_row<kEp>(a, sc, u / slabs, lane) : -1;
-  for (; u < units; u += warps_total) {
-    const int t = u / slabs;
-    const int c8 = (u - t * slabs) * 32 * V + lane;  // uint4 of the row; + 32 v
-    float sum[V][8];
-#pragma unroll
-    for (int v = 0; v < V; ++v)
-#pragma unroll
-      for (int i = 0; i < 8; ++i) sum[v][i] = 0.0f;
-    for (int k0 = 0; k0 < slots; k0 += kCombineBatch) {
-      uint4 x[kCombineBatch][V];
-      int r[kCombineBatch];
-#pragma unroll
-      for (int i = 0; i < kCombineBatch; ++i) {
-        r[i] = __shfl_sync(0xffffffffu, row, (k0 + i) & 31);
-        if (k0 + i >= slots) r[i] = -1;
-        const uint16_t* rows = kEp && k0 + i < a.K ? ep_combine : a.y_rows;  // (slot k0 + i's rows)
-        const uint4* src = reinterpret_cast<const uint4*>(rows + size_t(r[i]) * a.H) + c8;
-#pragma unroll
-        for (int v = 0; v < V; ++v)
-          x[i][v] = r[i] >= 0 && (c8 + 32 * v) * 8 < a.H ? __ldcg(src + 32 * v) : make_uint4(0, 0, 0, 0);
-      }
-      if (k0 + kCombineBatch >= slots) {  // the last batch: the next unit's rows load meanwhile
-        const int un = u + warps_total;
-        row = un < units ? combine_row<kEp>(a, sc, un / slabs, lane) : -1;
-      }
-      // Sum in slot order (routed 0..K-1, then shared): the bytes do not depend on the split.
-#pragma unroll
-      for (int i = 0; i < kCombineBatch; ++i) {
-        if (r[i] < 0) continue;
-#pragma unroll
-        for (int v = 0; v < V; ++v) add_bf16x8(sum[v], x[i][v]);
-      }
-    }
-#pragma unroll
-    for (int v = 0; v < V; ++v) {
-      if ((c8 + 32 * v) * 8 >= a.H) break;
-      reinterpret_cast<uint4*>(a.y + size_t(t) * a.H)[c8 + 32 * v] = bf16x8_encode(sum[v]);
-    }
-  }
-  pf.add(kPfCombine, t_comb);
-  pf.add(kPfTotal, t_start);
-  if (ctid == 0) pf.store(0, kPfProdTotal);
+  if (!combine<S>(a, sm, T, E_total, ctid, cwarp, lane, t_start, pf)) return;  // (kEp: no cluster)
   leave_cluster();
 }
 
