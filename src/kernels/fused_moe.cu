@@ -508,6 +508,265 @@ __device__ __forceinline__ bool combine(const KernelArgs& a, const CtaSmem<S>& s
   return true;
 }
 
+// ============================================================================
+// Producer warpgroup: the TMA producer (thread 0), the signal thread (thread 32), the
+// expert-parallel pull warps and the combine's loads
+// ============================================================================
+
+// A stage's weights and its tokens are issued separately: the weights never depend on
+// anything, the tokens on phase 0 (GEMM1) or on the tile's GEMM1 units (GEMM2), so weight
+// loads start before those are done.
+// w_tag (std::bool_constant): the tile's pair shares its weights (Tile::wpair); g_tag
+// (std::integral_constant): the tile's GEMM; both decided once a tile (fill_tile's caller)
+// so a stage's path has no branch on them. h: a GEMM1 tile's half (one-block stages).
+template <class S, class WTag, class GTag>
+__device__ __forceinline__ void issue_weights(WTag, GTag, const KernelArgs& a, const TensorMaps& tm,
+                                              const CtaSmem<S>& sm, bool no_loads, const Tile& tl, int kb, int h,
+                                              int stage) {
+  constexpr bool kGemm1 = GTag::value == 1;
+  if (no_loads) return;
+  uint8_t* w_s = sm.ring + stage * S::kStageBytes;
+  uint64_t* full = &sm.full_bar[stage];
+  const bool shared = tl.e == a.E;
+  if constexpr (S::kWide) {
+    // Two blocks in one box: GEMM1 the tile's 16 8-row gate / up groups (both halves), GEMM2
+    // output blocks nblk (even) and nblk + 1, 256 rows; block 1's rows start at 16 KB.
+    if constexpr (kGemm1)
+      sm90::tma_load_5d(w_s, shared ? &tm.sw13w : &tm.w13w, full, kb * 128, 0, 0, tl.nblk * 16, shared ? 0 : tl.e);
+    else
+      sm90::tma_load_3d(w_s, shared ? &tm.sw2w : &tm.w2w, full, kb * 128, tl.nblk * 128, shared ? 0 : tl.e);
+  } else if constexpr (WTag::value) {
+    // A pair sharing its weights: this CTA's 64 of the stage's 128 weight rows into both
+    // CTAs' stage (GEMM1: 4 of the half's 8 gate / up row groups of 16).
+    const int half = int(sm90::cluster_ctarank());
+    if constexpr (kGemm1)
+      sm90::tma_load_5d_multicast(w_s + half * 64 * 128, shared ? &tm.sw13h : &tm.w13h, full, kb * 128, 0, 0,
+                                  tl.nblk * 16 + h * 8 + half * 4, shared ? 0 : tl.e, 0x3);
+    else
+      sm90::tma_load_3d_multicast(w_s + half * 64 * 128, shared ? &tm.sw2h : &tm.w2h, full, kb * 128,
+                                  tl.nblk * 128 + half * 64, shared ? 0 : tl.e, 0x3);
+  } else if constexpr (kGemm1) {
+    sm90::tma_load_5d(w_s, shared ? &tm.sw13 : &tm.w13, full, kb * 128, 0, 0, tl.nblk * 16 + h * 8,
+                      shared ? 0 : tl.e);
+  } else {
+    sm90::tma_load_3d(w_s, shared ? &tm.sw2 : &tm.w2, full, kb * 128, tl.nblk * 128, shared ? 0 : tl.e);
+  }
+}
+
+// A stage's token rows and their scales (K block kb of the tile).
+template <class S, class WTag, class GTag>
+__device__ __forceinline__ void issue_tokens(WTag, GTag, const TensorMaps& tm, const CtaSmem<S>& sm,
+                                             bool no_loads, const Tile& tl, int kb, int stage) {
+  if (no_loads) return;
+  uint8_t* x_s = sm.ring + stage * S::kStageBytes + S::kWBytes;
+  uint8_t* s_s = x_s + S::kXBytes;
+  uint64_t* full = &sm.full_bar[stage];
+  // Pair tiles: this CTA's 64 of the tile's token rows into both CTAs' stage (the
+  // peer loads the other 64); the scales each CTA loads for itself.
+  auto rows = [&](const CUtensorMap* map, const CUtensorMap* half_map) {
+    if constexpr (S::kPairRing && !WTag::value) {
+      const int half = int(sm90::cluster_ctarank());
+      sm90::tma_load_2d_multicast(x_s + half * 64 * 128, half_map, full, kb * 128, tl.row0 + half * 64, 0x3);
+    } else {
+      sm90::tma_load_2d(x_s, map, full, kb * 128, tl.row0);
+    }
+  };
+  if constexpr (GTag::value == 1) {
+    rows(&tm.x, &tm.xh);
+    sm90::tma_load_2d(s_s, &tm.xs, full, tl.row0, kb);
+  } else {
+    rows(&tm.a2, &tm.a2h);
+    sm90::tma_load_2d(s_s, &tm.a2s, full, tl.row0, kb);
+  }
+}
+
+// A CTA's next tile: its own list's, then claims of the pool (TileSchedule).
+template <class S>
+__device__ __forceinline__ int claim_next_tile(const KernelArgs& a, TileSchedule& sch, int tiles) {
+  const int t = sch.next();
+  if constexpr (S::kPairs) return t;  // (no pool)
+  return t == sch.pool_begin() && t < tiles ? t + atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterPool], 1)
+                                            : t;
+}
+
+// The producer's loads of one tile's stages. ready: the tile's dependency (done1[unit] >=
+// need) is met; until it is, stages go out with their weights only and their tokens are
+// issued once it is (at most kStages of them deferred).
+template <class S, class WTag, class GTag>
+__device__ __forceinline__ void fill_tile(WTag w_tag, GTag g_tag, const KernelArgs& a, const TensorMaps& tm,
+                                          const CtaSmem<S>& sm, const Tile& tl, RingPos<S::kStages>& rp,
+                                          bool ready, int need, int* done1, bool no_loads, uint32_t stage_tx,
+                                          Prof& pf) {
+  constexpr int kStages = S::kStages;
+  constexpr bool kSwapAB = S::kSwapAB, kHalfPairs = S::kHalfPairs, kEp = S::kEp;
+  // The stage's bytes of its weights (from stage_tx: one value less live in the producer's loop)
+  const uint32_t weight_tx = stage_tx ? uint32_t(S::kWBytes) : 0u;
+  // Stage i of the tile: K block i (of this CTA's half of a decode pair's GEMM1 tile), or
+  // for a GEMM1 tile on one-block stages (kHalves) one K block of one half: decode tiles
+  // half 0's K blocks, then half 1's; tokens in M the halves of a K block in turn. (On
+  // one device only a GEMM2 tile defers its tokens, one stage a K block; with the
+  // expert-parallel pull overlapped a routed GEMM1 tile also waits for its rows.)
+  constexpr bool kHalves = GTag::value == 1 && !S::kWide && !kHalfPairs;
+  const int stages = (kHalves ? 2 : 1) * tl.kblocks;
+  // Stage i's half and K block.
+  auto half_of = [&](int i) {
+    return !kHalves ? (kHalfPairs ? int(sm90::cluster_ctarank()) : 0) : kSwapAB ? (i >= tl.kblocks) : (i & 1);
+  };
+  auto kblock_of = [&](int i) { return !kHalves ? i : kSwapAB ? i - half_of(i) * tl.kblocks : (i >> 1); };
+  int deferred = 0;  // the last `deferred` stages filled: weights issued, tokens not yet
+  for (int i = 0;; ++i) {
+    // NOTE: at most kStages deferred stages: the next empty-wait must concern a stage
+    // whose tokens were issued, or the consumers could never free it.
+    if (!ready && (deferred == kStages || i == stages)) {
+      const uint32_t t0 = pf.now();
+      sm90::wait_geq_acquire_gpu(&done1[tl.unit], need);
+      pf.add(kPfProdDep, t0);
+      ready = true;
+    }
+    if (ready && deferred > 0) {
+      sm90::fence_proxy_async_global();
+      for (int d = 0; d < deferred; ++d) {
+        int st = rp.stage - deferred + d;
+        if (st < 0) st += kStages;
+        if constexpr (kEp) sm90::mbar_arrive_expect_tx(&sm.full_bar[st], stage_tx - weight_tx);
+        // (on one device only GEMM2 tiles defer: their stage is their K block)
+        issue_tokens<S>(w_tag, g_tag, tm, sm, no_loads, tl, kEp ? kblock_of(i - deferred + d) : i - deferred + d,
+                        st);
+      }
+      deferred = 0;
+    }
+    if (i == stages) break;
+    const int stage = rp.stage;
+    const uint32_t t0 = pf.now();
+    sm90::mbar_wait(&sm.empty_bar[stage], rp.phase ^ 1);
+    pf.add(kPfProdEmpty, t0);
+    if (i == 0) sm.stage_tile[stage] = tl;  // published by the full barrier's completion
+    // Expert parallelism: a stage arrives with its tokens (below, or when deferred ones
+    // go out), so the arrival follows the acquire of their unit's count and the
+    // consumers' generic reads of what the pull wrote beside the TMA data (row weights,
+    // sources) are ordered after it. (One device defers only GEMM2 tiles, whose generic
+    // reads phase 0 wrote before its grid barrier: one arrival with every byte.)
+    if constexpr (kEp)
+      sm90::mbar_expect_tx(&sm.full_bar[stage], weight_tx);
+    else
+      sm90::mbar_arrive_expect_tx(&sm.full_bar[stage], stage_tx);
+    const int h = half_of(i), kb = kblock_of(i);
+    issue_weights<S>(w_tag, g_tag, a, tm, sm, no_loads, tl, kb, h, stage);
+    if (ready) {
+      if constexpr (kEp) sm90::mbar_arrive_expect_tx(&sm.full_bar[stage], stage_tx - weight_tx);
+      issue_tokens<S>(w_tag, g_tag, tm, sm, no_loads, tl, kb, stage);
+    } else {
+      ++deferred;
+    }
+    rp.advance();
+  }
+}
+
+// The TMA producer (thread 0): every tile of the CTA's schedule, stage by stage, then a
+// sentinel stage (Tile::gemm = 0) that ends the consumers' loop.
+template <class S>
+__device__ __forceinline__ void producer_thread(const KernelArgs& a, const TensorMaps& tm, const CtaSmem<S>& sm,
+                                                const TileIds& ids, TileSchedule& sched, int first_tile,
+                                                int* done1, Prof& pf) {
+  const bool no_loads = a.debug_skip & kSkipLoads;
+  // A stage's bytes: weights, tokens and the tokens' scales of its K block (either GEMM).
+  const uint32_t stage_tx = no_loads ? 0 : S::kWBytes + S::kXBytes + S::BN * 4;
+  const int t1_routed = ids.t1_routed, t1 = ids.t1, tiles = ids.tiles();
+  const uint32_t t_prod = pf.now();
+  sm90::fence_proxy_async_global();
+  sm90::fence_proxy_async_shared();  // the phase-0 tables (generic writes) before TMA fills the stage
+  RingPos<S::kStages> rp;            // the next stage to fill
+  int tile = first_tile;
+  for (;;) {
+    if (tile >= tiles) {
+      // Sentinel stage: tells the consumers there is no further tile.
+      sm90::mbar_wait(&sm.empty_bar[rp.stage], rp.phase ^ 1);
+      sm.stage_tile[rp.stage].gemm = 0;
+      sm90::mbar_arrive(&sm.full_bar[rp.stage]);
+      pf.add(kPfProdTotal, t_prod);
+      pf.store(kPfProdTotal, kPfSlots);
+      break;
+    }
+    // (wide GEMM2 tiles: the pair's rank-0 tile, nblk even; the consumers add block nblk + 1)
+    const Tile tl = decode_tile<S::BN>(a, sm.sc, tile, t1_routed, t1, S::sh1, S::sh2,
+                                       S::kPairs ? sm90::cluster_ctarank() : 0);
+    // The tile after this one, chosen now: a pool claim's round trip overlaps this
+    // tile's loads (it is used at the end of the loop).
+    const int next = claim_next_tile<S>(a, sched, tiles);
+    // GEMM2 needs every GEMM1 tile of its (expert, token block).
+    // (decode pairs: each CTA publishes its half of a GEMM1 tile)
+    // Expert parallelism with the pull overlapped: the unit's done1 counts its pulled rows
+    // first (ep_pull_overlapped), so both GEMMs of a routed unit wait for those too.
+    int need = (tl.e == a.E ? a.Is : a.I) / 128 * (S::kHalfPairs ? 2 : 1);
+    if constexpr (S::kEp) need = (tl.gemm == 1 ? 0 : need) + (a.ep_overlap && tl.e < a.E ? tl.rows : 0);
+    // (timing only: what the dependency costs, the wait and the acquiring load both)
+    if (a.debug_skip & kSkipDeps) need = 0;
+    const uint32_t t0 = pf.now();
+    bool ready = need == 0 || (!S::kEp && tl.gemm == 1) || sm90::ld_acquire_gpu(&done1[tl.unit]) >= need;
+    if (a.no_early_loads && !ready) {
+      sm90::wait_geq_acquire_gpu(&done1[tl.unit], need);
+      ready = true;
+    }
+    pf.add(kPfProdDep, t0);
+    // The tile's stages: the pairing and the GEMM are chosen once a tile, so a stage's path
+    // has no branch on them.
+    auto fill_gemm = [&](auto w_tag) {
+      if (tl.gemm == 1)
+        fill_tile<S>(w_tag, std::integral_constant<int, 1>{}, a, tm, sm, tl, rp, ready, need, done1, no_loads,
+                     stage_tx, pf);
+      else
+        fill_tile<S>(w_tag, std::integral_constant<int, 2>{}, a, tm, sm, tl, rp, ready, need, done1, no_loads,
+                     stage_tx, pf);
+    };
+    if constexpr (S::kPairRing) {
+      if (tl.wpair)
+        fill_gemm(std::true_type{});
+      else
+        fill_gemm(std::false_type{});
+    } else {
+      fill_gemm(std::false_type{});
+    }
+    tile = next;
+  }
+}
+
+// The signal thread (thread 32): publishes each finished tile to the other CTAs.
+// NOTE: the release runs here, off the consumers' path: they arrive on done_bar and go on
+// (a release waits for their stores; on a consumer thread it cost ~1 us a tile).
+// Cumulativity: the lanes' stores are ordered before their warp's mbarrier arrive
+// (release.cta), observed by this thread's wait (acquire.cta), so its gpu-scope release
+// covers them.
+template <class S>
+__device__ __forceinline__ void signal_thread(const KernelArgs& a, const CtaSmem<S>& sm) {
+  for (int n = 0;; ++n) {
+    const int slot = n % kTileSlots;
+    sm90::mbar_wait(&sm.done_bar[slot], (n / kTileSlots) & 1);
+    const int counter = sm.slot_counter[slot];
+    if (counter < 0) break;  // the consumers saw the last tile
+    sm90::red_release_gpu_add(&a.counters[counter], 1);
+    sm90::mbar_arrive(&sm.free_bar[slot]);
+  }
+}
+
+// Warpgroup 0 after phase 0: thread 0 the TMA producer, thread 32 the signal thread, with
+// the expert-parallel pull overlapped warps 2-3 the pull; then warp kCombineWarp the bulk
+// combine's loads. The other threads leave.
+template <class S>
+__device__ __forceinline__ void producer_warpgroup(const KernelArgs& a, const TensorMaps& tm, const CtaSmem<S>& sm,
+                                                   const TileIds& ids, TileSchedule& sched, int first_tile,
+                                                   int* done1, int T, int E_total, int tid, int warp,
+                                                   int lane, Prof& pf) {
+  sm90::setmaxnreg_dec<kProducerRegs>();
+  if (tid == 0)
+    producer_thread<S>(a, tm, sm, ids, sched, first_tile, done1, pf);
+  else if (S::kEp && a.ep_overlap && warp >= 2)
+    ep_pull_overlapped<S::BN>(a, sm.sc, done1, warp - 2, 2);  // step 3, beside the tiles
+  else if (tid == 32)
+    signal_thread<S>(a, sm);
+  const CombinePlan cp(a, T, S::kStages * S::kStageBytes, S::kEp);
+  if (warp == kCombineWarp && cp.bulk && a.debug_stop != 3) combine_load_rows<S>(a, sm, cp, E_total, lane);
+}
+
 // kEp: expert parallelism (a separate instantiation, so the single-device kernel keeps
 // its registers: the EP paths' extra live values spill four ints at BN = 128, stored
 // once and reloaded once a tile, never inside the K loops -- checked in the SASS).
@@ -529,8 +788,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   using S = KernelShape<BN, kEp, kPairs, kWide>;
   constexpr int kStages = S::kStages;
   constexpr int kStageBytes = S::kStageBytes;
-  constexpr int kWBytes = S::kWBytes;
-  constexpr int kXBytes = S::kXBytes;
   constexpr bool kSwapAB = S::kSwapAB;
   constexpr bool kPairRing = S::kPairRing;
   constexpr bool kHalfPairs = S::kHalfPairs;
@@ -621,84 +878,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // place of a CTA in TileSchedule.
   constexpr int sh1 = S::sh1, sh2 = S::sh2, csh = S::csh;
   const TileIds ids = tile_ids(a, sc, sh1, sh2);
-  const int t1_routed = ids.t1_routed, t1 = ids.t1, t2 = ids.t2, tiles = ids.tiles();
-
-  // ---- Producer helpers (thread 0 only) ----
-  // A stage's weights and its tokens are issued separately: the weights never
-  // depend on anything, the tokens on phase 0 (GEMM1) or on the tile's GEMM1
-  // units (GEMM2), so weight loads start before those are done.
-  const bool no_loads = a.debug_skip & kSkipLoads;
-  // A stage's bytes: weights, tokens and the tokens' scales of its K block (either GEMM).
-  const uint32_t stage_tx = no_loads ? 0 : kWBytes + kXBytes + BN * 4;
-  // Of them the weights' (from stage_tx: one value less live in the producer's loop)
-  auto weight_tx = [&] { return stage_tx ? uint32_t(kWBytes) : 0u; };
-  // w_tag (std::bool_constant): the tile's pair shares its weights (Tile::wpair); g_tag
-  // (std::integral_constant): the tile's GEMM; both decided once a tile (the producer's fill
-  // below) so a stage's path has no branch on them. h: a GEMM1 tile's half (one-block stages).
-  auto issue_weights = [&](auto w_tag, auto g_tag, const Tile& tl, int kb, int h, int stage) {
-    constexpr bool kGemm1 = decltype(g_tag)::value == 1;
-    if (no_loads) return;
-    uint8_t* w_s = smem + stage * kStageBytes;
-    const bool shared = tl.e == a.E;
-    if constexpr (kWide) {
-      // Two blocks in one box: GEMM1 the tile's 16 8-row gate / up groups (both halves), GEMM2
-      // output blocks nblk (even) and nblk + 1, 256 rows; block 1's rows start at 16 KB.
-      if constexpr (kGemm1)
-        sm90::tma_load_5d(w_s, shared ? &tm.sw13w : &tm.w13w, &full_bar[stage], kb * 128, 0, 0, tl.nblk * 16,
-                          shared ? 0 : tl.e);
-      else
-        sm90::tma_load_3d(w_s, shared ? &tm.sw2w : &tm.w2w, &full_bar[stage], kb * 128, tl.nblk * 128,
-                          shared ? 0 : tl.e);
-    } else if constexpr (decltype(w_tag)::value) {
-      // A pair sharing its weights: this CTA's 64 of the stage's 128 weight rows into both
-      // CTAs' stage (GEMM1: 4 of the half's 8 gate / up row groups of 16).
-      const int half = int(sm90::cluster_ctarank());
-      if constexpr (kGemm1)
-        sm90::tma_load_5d_multicast(w_s + half * 64 * 128, shared ? &tm.sw13h : &tm.w13h, &full_bar[stage],
-                                    kb * 128, 0, 0, tl.nblk * 16 + h * 8 + half * 4, shared ? 0 : tl.e, 0x3);
-      else
-        sm90::tma_load_3d_multicast(w_s + half * 64 * 128, shared ? &tm.sw2h : &tm.w2h, &full_bar[stage],
-                                    kb * 128, tl.nblk * 128 + half * 64, shared ? 0 : tl.e, 0x3);
-    } else if constexpr (kGemm1) {
-      sm90::tma_load_5d(w_s, shared ? &tm.sw13 : &tm.w13, &full_bar[stage], kb * 128, 0, 0,
-                        tl.nblk * 16 + h * 8, shared ? 0 : tl.e);
-    } else {
-      sm90::tma_load_3d(w_s, shared ? &tm.sw2 : &tm.w2, &full_bar[stage], kb * 128, tl.nblk * 128,
-                        shared ? 0 : tl.e);
-    }
-  };
-  auto issue_tokens = [&](auto w_tag, auto g_tag, const Tile& tl, int kb, int stage) {
-    if (no_loads) return;
-    uint8_t* x_s = smem + stage * kStageBytes + kWBytes;
-    uint8_t* s_s = x_s + kXBytes;
-    // Pair tiles: this CTA's 64 of the tile's token rows into both CTAs' stage (the
-    // peer loads the other 64); the scales each CTA loads for itself.
-    auto rows = [&](const CUtensorMap* map, const CUtensorMap* half_map) {
-      if constexpr (kPairRing && !decltype(w_tag)::value) {
-        const int half = int(sm90::cluster_ctarank());
-        sm90::tma_load_2d_multicast(x_s + half * 64 * 128, half_map, &full_bar[stage], kb * 128,
-                                    tl.row0 + half * 64, 0x3);
-      } else {
-        sm90::tma_load_2d(x_s, map, &full_bar[stage], kb * 128, tl.row0);
-      }
-    };
-    if constexpr (decltype(g_tag)::value == 1) {
-      rows(&tm.x, &tm.xh);
-      sm90::tma_load_2d(s_s, &tm.xs, &full_bar[stage], tl.row0, kb);
-    } else {
-      rows(&tm.a2, &tm.a2h);
-      sm90::tma_load_2d(s_s, &tm.a2s, &full_bar[stage], tl.row0, kb);
-    }
-  };
-
-  // A CTA's next tile: its own list's, then claims of the pool (TileSchedule).
-  auto next_tile = [&](TileSchedule& sch) {
-    const int t = sch.next();
-    if constexpr (kPairs) return t;  // (no pool)
-    return t == sch.pool_begin() && t < tiles
-               ? t + atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterPool], 1)
-               : t;
-  };
+  const int t1 = ids.t1, t2 = ids.t2, tiles = ids.tiles();
 
   // NOTE: no weight load goes out before phase 0. v5 to v13 issued the first tile's 12
   // stages here to stream while the tokens were quantized; with the ring full the grid
@@ -714,7 +894,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int G = gridDim.x >> csh;
     sched.init(schedule_unit(a, csh), G, t1, t2, a.H / 128 * (kWide || kHalfPairs ? 1 : 2), a.I / 128,
                !a.round_robin, a.round_robin || kPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
-    first_tile = next_tile(sched);
+    first_tile = claim_next_tile<S>(a, sched, tiles);
   }
 
   // ---- Phase 0: quantize x (1x128 E4M3) and scatter each token to its rows. ----
@@ -810,148 +990,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   pf.stamp(kPfPassNs);
 
   if (warp < 4) {
-    // ======================= producer warpgroup =======================
-    sm90::setmaxnreg_dec<kProducerRegs>();
-    if (tid == 0) {
-      const uint32_t t_prod = pf.now();
-      sm90::fence_proxy_async_global();
-      sm90::fence_proxy_async_shared();  // the phase-0 tables (generic writes) before TMA fills the stage
-      RingPos<kStages> rp;               // the next stage to fill
-      int tile = first_tile;
-      for (;;) {
-        if (tile >= tiles) {
-          // Sentinel stage: tells the consumers there is no further tile.
-          sm90::mbar_wait(&empty_bar[rp.stage], rp.phase ^ 1);
-          stage_tile[rp.stage].gemm = 0;
-          sm90::mbar_arrive(&full_bar[rp.stage]);
-          pf.add(kPfProdTotal, t_prod);
-          pf.store(kPfProdTotal, kPfSlots);
-          break;
-        }
-        // (wide GEMM2 tiles: the pair's rank-0 tile, nblk even; the consumers add block nblk + 1)
-        const Tile tl =
-            decode_tile<BN>(a, sc, tile, t1_routed, t1, sh1, sh2, kPairs ? sm90::cluster_ctarank() : 0);
-        // The tile after this one, chosen now: a pool claim's round trip overlaps this
-        // tile's loads (it is used at the end of the loop).
-        const int next = next_tile(sched);
-        // GEMM2 needs every GEMM1 tile of its (expert, token block).
-        // (decode pairs: each CTA publishes its half of a GEMM1 tile)
-        // Expert parallelism with the pull overlapped: the unit's done1 counts its pulled rows
-        // first (ep_pull_overlapped), so both GEMMs of a routed unit wait for those too.
-        int need = (tl.e == a.E ? a.Is : a.I) / 128 * (kHalfPairs ? 2 : 1);
-        if constexpr (kEp) need = (tl.gemm == 1 ? 0 : need) + (a.ep_overlap && tl.e < a.E ? tl.rows : 0);
-        // (timing only: what the dependency costs, the wait and the acquiring load both)
-        if (a.debug_skip & kSkipDeps) need = 0;
-        uint32_t t0 = pf.now();
-        bool ready = need == 0 || (!kEp && tl.gemm == 1) || sm90::ld_acquire_gpu(&done1[tl.unit]) >= need;
-        if (a.no_early_loads && !ready) {
-          sm90::wait_geq_acquire_gpu(&done1[tl.unit], need);
-          ready = true;
-        }
-        pf.add(kPfProdDep, t0);
-        // The tile's stages (w_tag, g_tag: issue_weights, stage_tx); the pairing and the GEMM
-        // are chosen once a tile, so a stage's path has no branch on them (v24).
-        auto fill = [&](auto w_tag, auto g_tag) {
-          // Stage i of the tile: K block i (of this CTA's half of a decode pair's GEMM1 tile), or
-          // for a GEMM1 tile on one-block stages (kHalves) one K block of one half: decode tiles
-          // half 0's K blocks, then half 1's; tokens in M the halves of a K block in turn. (On
-          // one device only a GEMM2 tile defers its tokens, one stage a K block; with the
-          // expert-parallel pull overlapped a routed GEMM1 tile also waits for its rows.)
-          constexpr bool kHalves = decltype(g_tag)::value == 1 && !kWide && !kHalfPairs;
-          const int stages = (kHalves ? 2 : 1) * tl.kblocks;
-          // Stage i's half and K block.
-          auto half_of = [&](int i) {
-            return !kHalves  ? (kHalfPairs ? int(sm90::cluster_ctarank()) : 0)
-                   : kSwapAB ? (i >= tl.kblocks)
-                             : (i & 1);
-          };
-          auto kblock_of = [&](int i) {
-            return !kHalves ? i : kSwapAB ? i - half_of(i) * tl.kblocks : (i >> 1);
-          };
-          int deferred = 0;  // the last `deferred` stages filled: weights issued, tokens not yet
-          for (int i = 0;; ++i) {
-            // NOTE: at most kStages deferred stages: the next empty-wait must concern a stage
-            // whose tokens were issued, or the consumers could never free it.
-            if (!ready && (deferred == kStages || i == stages)) {
-              t0 = pf.now();
-              sm90::wait_geq_acquire_gpu(&done1[tl.unit], need);
-              pf.add(kPfProdDep, t0);
-              ready = true;
-            }
-            if (ready && deferred > 0) {
-              sm90::fence_proxy_async_global();
-              for (int d = 0; d < deferred; ++d) {
-                int st = rp.stage - deferred + d;
-                if (st < 0) st += kStages;
-                if constexpr (kEp) sm90::mbar_arrive_expect_tx(&full_bar[st], stage_tx - weight_tx());
-                // (on one device only GEMM2 tiles defer: their stage is their K block)
-                issue_tokens(w_tag, g_tag, tl, kEp ? kblock_of(i - deferred + d) : i - deferred + d, st);
-              }
-              deferred = 0;
-            }
-            if (i == stages) break;
-            const int stage = rp.stage;
-            t0 = pf.now();
-            sm90::mbar_wait(&empty_bar[stage], rp.phase ^ 1);
-            pf.add(kPfProdEmpty, t0);
-            if (i == 0) stage_tile[stage] = tl;  // published by the full barrier's completion
-            // Expert parallelism: a stage arrives with its tokens (below, or when deferred ones
-            // go out), so the arrival follows the acquire of their unit's count and the
-            // consumers' generic reads of what the pull wrote beside the TMA data (row weights,
-            // sources) are ordered after it. (One device defers only GEMM2 tiles, whose generic
-            // reads phase 0 wrote before its grid barrier: one arrival with every byte.)
-            if constexpr (kEp)
-              sm90::mbar_expect_tx(&full_bar[stage], weight_tx());
-            else
-              sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx);
-            const int h = half_of(i), kb = kblock_of(i);
-            issue_weights(w_tag, g_tag, tl, kb, h, stage);
-            if (ready) {
-              if constexpr (kEp) sm90::mbar_arrive_expect_tx(&full_bar[stage], stage_tx - weight_tx());
-              issue_tokens(w_tag, g_tag, tl, kb, stage);
-            } else {
-              ++deferred;
-            }
-            rp.advance();
-          }
-        };
-        auto fill_gemm = [&](auto w_tag) {
-          if (tl.gemm == 1)
-            fill(w_tag, std::integral_constant<int, 1>{});
-          else
-            fill(w_tag, std::integral_constant<int, 2>{});
-        };
-        if constexpr (kPairRing) {
-          if (tl.wpair)
-            fill_gemm(std::true_type{});
-          else
-            fill_gemm(std::false_type{});
-        } else {
-          fill_gemm(std::false_type{});
-        }
-        tile = next;
-      }
-    } else if (kEp && a.ep_overlap && warp >= 2) {
-      ep_pull_overlapped<BN>(a, sc, done1, warp - 2, 2);  // step 3, beside the tiles
-    } else if (tid == 32) {
-      // ---- Signal thread: publishes each finished tile to the other CTAs. ----
-      // NOTE: the release runs here, off the consumers' path: they arrive on done_bar
-      // and go on (a release waits for their stores; v7 had that on thread 0 of the
-      // consumers, ~1 us a tile). Cumulativity: the lanes' stores are ordered before
-      // their warp's mbarrier arrive (release.cta), observed by this thread's wait
-      // (acquire.cta), so its gpu-scope release covers them.
-      for (int n = 0;; ++n) {
-        const int slot = n % kTileSlots;
-        sm90::mbar_wait(&done_bar[slot], (n / kTileSlots) & 1);
-        const int counter = slot_counter[slot];
-        if (counter < 0) break;  // the consumers saw the last tile
-        sm90::red_release_gpu_add(&a.counters[counter], 1);
-        sm90::mbar_arrive(&free_bar[slot]);
-      }
-    }
-    // ---- Combine loads (warp kCombineWarp): each unit's slot rows into a ring stage ----
-    const CombinePlan cp(a, T, kStages * kStageBytes, kEp);
-    if (warp == kCombineWarp && cp.bulk && a.debug_stop != 3) combine_load_rows<S>(a, sm, cp, E_total, lane);
+    producer_warpgroup<S>(a, tm, sm, ids, sched, first_tile, done1, T, E_total, tid, warp, lane, pf);
     return;
   }
 
