@@ -767,6 +767,510 @@ __device__ __forceinline__ void producer_warpgroup(const KernelArgs& a, const Te
   if (warp == kCombineWarp && cp.bulk && a.debug_stop != 3) combine_load_rows<S>(a, sm, cp, E_total, lane);
 }
 
+// ============================================================================
+// Consumer warpgroups: the K loops (fused_moe_mainloop.cuh) and the epilogues
+// ============================================================================
+
+// A consumer thread's place in the warpgroups' fragments and its counts of finished tiles,
+// carried across the tiles.
+template <class S>
+struct Consumer {
+  int lane;
+  int ctid;   // 0..255
+  int wg;     // warpgroup 0, 1
+  int wwarp;  // warp inside the warpgroup
+  int cwarp;  // 0..7
+  int lrow;   // fragment row (and row + 8)
+  int lcol;   // fragment column (and + 1), plus 8 * j
+  // Pair tiles: a stage goes back to both CTAs (the peer's producer wrote half of its
+  // token or weight rows here and waits for this CTA's consumers too).
+  uint32_t peer_empty;
+  int ntile = 0;   // tiles this CTA finished (the done_bar / free_bar slot sequence)
+  int nsplit = 0;  // split wide GEMM1 tiles this CTA finished (their amax exchange's buffer)
+  int nxchg = 0;   // decode pairs: amax exchanges with the peer CTA (their buffer and parity)
+  int rank;        // pair tiles: this CTA's rank in its cluster
+  // Decode pairs: the peer's exchange region, as a shared::cluster address.
+  uint32_t peer_xchg;
+
+  __device__ __forceinline__ Consumer(const CtaSmem<S>& sm, int tid, int lane_) : lane(lane_), ctid(tid - 128) {
+    // Broadcast from lane 0: ptxas then knows wg is warp-uniform and keeps what derives from
+    // it (the wgmma descriptors, the ring position) in uniform registers, not in vector
+    // registers copied over by R2UR at every wgmma (see docs/performance-history.md).
+    wg = __shfl_sync(0xffffffffu, ctid / 128, 0);
+    wwarp = (ctid / 32) % 4;
+    cwarp = ctid / 32;
+    lrow = wwarp * 16 + lane / 4;
+    lcol = (lane % 4) * 2;
+    peer_empty = S::kPairRing ? sm90::mapa_shared(sm90::smem_u32(sm.empty_bar), sm90::cluster_ctarank() ^ 1u) : 0u;
+    rank = S::kPairs ? int(sm90::cluster_ctarank()) : 0;
+    peer_xchg = S::kHalfPairs ? sm90::mapa_shared(sm90::smem_u32(sm.xchg), uint32_t(rank) ^ 1u) : 0u;
+  }
+
+  // Half tiles (a.half_tiles, kHalfTileMaxAvgRows): a 128-token tile of at most 64 rows has
+  // none in warpgroup 1's half, which then only hands the stages back (kSkipMma in
+  // mainloop_tokens_m), so the tensor cores run warpgroup 0's chains alone; its epilogue
+  // stores nothing. (The producer still loads all 128 token rows: choosing a 64-row box
+  // there spilled its registers in the stage loop.) Tokens-in-M tiles only.
+  __device__ __forceinline__ int wg_idle(const KernelArgs& a, const Tile& tl) const {
+    return a.half_tiles && wg * 64 >= tl.rows ? kSkipMma : 0;
+  }
+
+  // This warp's outputs of the tile are written: hand the counter to release (index in
+  // a.counters; -1 = no more tiles) to the signal thread.
+  __device__ __forceinline__ void tile_written(const CtaSmem<S>& sm, int counter, Prof& pf) {
+    const int slot = ntile % kTileSlots, use = ntile / kTileSlots;
+    const uint32_t t0 = pf.now();
+    if (use > 0) sm90::mbar_wait(&sm.free_bar[slot], (use - 1) & 1);  // the slot's last tile is published
+    pf.add(kPfSlotWait, t0);
+    if (cwarp == 0 && lane == 0) sm.slot_counter[slot] = counter;
+    __syncwarp();
+    if (lane == 0) sm90::mbar_arrive(&sm.done_bar[slot]);
+    ++ntile;
+  }
+};
+
+// GEMM1 epilogue, tokens in N (swap AB): SwiGLU x routing weight, 1x128 E4M3 quantization.
+// In half h (acc[h * BN / 2 ..]) the thread holds gate (row lrow) and up (row lrow + 8)
+// of intermediate column 64 h + wg * 32 + wwarp * 8 + lane / 4 for tokens j * 8 + lcol
+// + {0, 1} (decode pairs: one half, the CTA's rank). swiglu_fast when the whole warp's
+// gates allow it; straight-line code either way (columns past tl.rows are computed too,
+// with weight 0, and never stored), so ptxas overlaps the thread's SwiGLUs.
+template <class S>
+__device__ __forceinline__ void epilogue1_swap_ab(const KernelArgs& a, const CtaSmem<S>& sm, Consumer<S>& cs,
+                                                  const Tile& tl, float (&acc)[S::kAcc],
+                                                  const float (&rw)[S::BN / 8][2]) {
+  constexpr int BN = S::BN;
+  constexpr bool kHalfPairs = S::kHalfPairs;
+  constexpr int kHalf = BN / 2, kHeld = kHalfPairs ? 1 : 2;
+  const int lane = cs.lane, lcol = cs.lcol, ctid = cs.ctid;
+  bool fast_ok = true;
+#pragma unroll
+  for (int h = 0; h < kHeld; ++h)
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+        fast_ok &= (j * 8 + lcol + c >= tl.rows) | num::swiglu_fast_ok(acc[h * kHalf + j * 4 + c], a.swiglu_limit);
+  auto swiglu_rows = [&](auto act, float limit) {
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int n = j * 8 + lcol + c;
+        float m = 0.0f;
+#pragma unroll
+        for (int h = 0; h < kHeld; ++h) {
+          const int i = h * kHalf + j * 4 + c;
+          const float v = act(acc[i], acc[i + 2], limit, rw[j][c]);
+          acc[i] = v;
+          m = fmaxf(m, fabsf(v));
+        }
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+        if (lane < 4) sm.red[cs.cwarp * BN + n] = m;
+      }
+    }
+  };
+  run_swiglu(swiglu_rows, __all_sync(0xffffffffu, fast_ok), a.swiglu_limit);
+  sm90::named_barrier(1, kConsumerThreads);
+  // One thread a token works out its scale (to act2_scale) and the reciprocal the stores
+  // use, once (not every thread for each of its tokens: 8 loads and two divisions an element).
+  if (ctid < BN) {
+    float amax = sm.red[ctid];
+#pragma unroll
+    for (int w = 1; w < 8; ++w) amax = fmaxf(amax, sm.red[w * BN + ctid]);
+    if constexpr (kHalfPairs) {
+      // The other half's maxima come from the peer CTA: each sends its own into the
+      // peer's buffer (st.async, counted on the peer's exchange barrier) and waits for
+      // the peer's in its own. Two buffers by the exchanges' parity: the peer sends the
+      // next-but-one tile's maxima only after it received the next tile's from this CTA,
+      // sent after this CTA read these.
+      const int b = cs.nxchg & 1;
+      if (ctid == 0) sm90::mbar_arrive_expect_tx(&sm.xchg_bar[b], BN * 4);
+      sm90::st_async_cluster(cs.peer_xchg + uint32_t(SmemTail::kXchgAmax + (b * 64 + ctid) * 4), amax,
+                             cs.peer_xchg + uint32_t(SmemTail::kXchgBar + b * 8));
+      sm90::mbar_wait(&sm.xchg_bar[b], (cs.nxchg >> 1) & 1);
+      amax = fmaxf(amax, sm.xchg_amax[b * 64 + ctid]);
+    }
+    const float s = num::act_scale(amax);
+    sm.tok_inv_scale[ctid] = 1.0f / s;
+    if (ctid < tl.rows && (!kHalfPairs || cs.rank == 0))
+      a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + ctid] = s;
+  }
+  if constexpr (kHalfPairs) ++cs.nxchg;
+  sm90::named_barrier(1, kConsumerThreads);
+  const int col = tl.nblk * 128 + (kHalfPairs ? cs.rank * 64 : 0) + cs.wg * 32 + cs.wwarp * 8 + lane / 4;
+#pragma unroll
+  for (int h = 0; h < kHeld; ++h)
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int n = j * 8 + lcol + c;
+        if (n < tl.rows)
+          a.act2[size_t(tl.row0 + n) * a.inter_pitch + col + h * 64] =
+              to_e4m3(acc[h * kHalf + j * 4 + c] * sm.tok_inv_scale[n]);
+      }
+    }
+}
+
+// GEMM1, tokens in N (swap AB): the K loop, then epilogue1_swap_ab. Returns the epilogue's
+// start (profile).
+template <class S>
+__device__ __forceinline__ uint32_t gemm1_swap_ab(const KernelArgs& a, const CtaSmem<S>& sm, Consumer<S>& cs,
+                                                  const Tile& tl, const float* sg_row, const float* su_row,
+                                                  float (&acc)[S::kAcc], RingPos<S::kStages>& rp, Prof& pf) {
+  constexpr int BN = S::BN;
+  // Routing weights of this thread's tokens, loaded before the K loop hides the latency.
+  float rw[BN / 8][2];
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int n = j * 8 + cs.lcol + c;
+      rw[j][c] = n < tl.rows ? __ldcg(a.row_weight + tl.row0 + n) : 0.0f;
+    }
+  mainloop_swap_ab<BN, 1, !S::kHalfPairs>(acc, tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar, cs.wg, cs.lcol,
+                                          sg_row, su_row, a.debug_skip, pf);
+  const uint32_t t_epi = pf.now();
+  epilogue1_swap_ab<S>(a, sm, cs, tl, acc, rw);
+  return t_epi;
+}
+
+// SwiGLU x routing weight of one 64-column block, tokens in M (epilogue1_tokens_m); the
+// rows' amax into m0, m1. swiglu_fast when the whole warp's gates allow it; straight-line
+// code either way (rows past tl.rows are computed too, with weight 0, and never stored),
+// so ptxas overlaps the thread's 32 SwiGLUs.
+__device__ __forceinline__ void swiglu_block_tokens_m(float (&ac)[64], const Tile& tl, int n0, int n1r, float rw0,
+                                                      float rw1, float swiglu_limit, float& m0, float& m1) {
+  bool ok0 = true, ok1 = true;
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      ok0 &= num::swiglu_fast_ok(ac[8 * i + c], swiglu_limit);
+      ok1 &= num::swiglu_fast_ok(ac[8 * i + 2 + c], swiglu_limit);
+    }
+  const bool fast_ok = ((n0 >= tl.rows) | ok0) & ((n1r >= tl.rows) | ok1);
+  auto swiglu_rows = [&](auto act, float limit) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float v0 = act(ac[8 * i + c], ac[8 * i + 4 + c], limit, rw0);
+        const float v1 = act(ac[8 * i + 2 + c], ac[8 * i + 6 + c], limit, rw1);
+        ac[8 * i + c] = v0;
+        ac[8 * i + 2 + c] = v1;
+        m0 = fmaxf(m0, fabsf(v0));
+        m1 = fmaxf(m1, fabsf(v1));
+      }
+    }
+  };
+  run_swiglu(swiglu_rows, __all_sync(0xffffffffu, fast_ok), swiglu_limit);
+}
+
+// The E4M3 codes of one 64-column block, tokens in M, to act2 (columns col0..col0 + 63;
+// scale: also the rows' act2_scale). A token's 64 codes of a block sit in one lane quad,
+// two bytes a lane every 8 columns: a 4 x 4 word transpose inside the quad gives each lane
+// 16 adjacent bytes, one 16-byte store a row and block.
+__device__ __forceinline__ void store_block_tokens_m(const KernelArgs& a, const Tile& tl, float (&ac)[64], int col0,
+                                                     bool scale, int n0, int n1r, int ql, float inv0, float s0,
+                                                     float inv1, float s1) {
+  auto store_row = [&](int n, int base, float inv, float s) {
+    uint32_t w[4];  // w[k]: columns 16k + lcol + {0, 1} (lo) and 16k + 8 + lcol + {0, 1} (hi)
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      w[k] = uint32_t(pack_e4m3x2(ac[16 * k + base] * inv, ac[16 * k + base + 1] * inv)) |
+             (uint32_t(pack_e4m3x2(ac[16 * k + 8 + base] * inv, ac[16 * k + 8 + base + 1] * inv)) << 16);
+    quad_transpose(w, ql);  // w[m]: lane m's word ql
+    if (n < tl.rows) {
+      const uint4 v = make_uint4(__byte_perm(w[0], w[1], 0x5410), __byte_perm(w[2], w[3], 0x5410),
+                                 __byte_perm(w[0], w[1], 0x7632), __byte_perm(w[2], w[3], 0x7632));
+      *reinterpret_cast<uint4*>(a.act2 + size_t(tl.row0 + n) * a.inter_pitch + col0 + 16 * ql) = v;
+      if (scale && ql == 0) a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + n] = s;
+    }
+  };
+  store_row(n0, 0, inv0, s0);
+  store_row(n1r, 2, inv1, s1);
+}
+
+// GEMM1 epilogue, tokens in M: SwiGLU x routing weight, 1x128 E4M3. The thread holds tokens
+// n0 = rbase + lrow and n0 + 8; in half h (acc_block<h>) for i in 0..7 the gate (ac[8i + c],
+// j = 2i) and up (ac[8i + 4 + c], j = 2i + 1) values of intermediate column 64 h + 8i + lcol
+// + c. A token's 64 columns of a half sit in one lane quad. (A split wide tile: warpgroup wg
+// holds half wg of rows 0..63.)
+template <class S>
+__device__ __forceinline__ void epilogue1_tokens_m(const KernelArgs& a, const CtaSmem<S>& sm, Consumer<S>& cs,
+                                                   const Tile& tl, bool split, int n0p, float rw0, float rw1,
+                                                   float (&acc)[S::kAcc]) {
+  const int n0 = n0p, n1r = n0 + 8;
+  const int ql = cs.lane % 4;
+  float m0 = 0.0f, m1 = 0.0f;  // the rows' amax
+  swiglu_block_tokens_m(acc_block<0>(acc), tl, n0, n1r, rw0, rw1, a.swiglu_limit, m0, m1);
+  if (!split) swiglu_block_tokens_m(acc_block<1>(acc), tl, n0, n1r, rw0, rw1, a.swiglu_limit, m0, m1);
+#pragma unroll
+  for (int o = 1; o < 4; o <<= 1) {
+    m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, o));
+    m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, o));
+  }
+  if (split) {
+    // The other half's row maxima through shared memory, in one of two buffers by the
+    // split tiles' parity: a warpgroup writes the next split tile's maxima only after
+    // both passed this one's barrier, so after the other read these.
+    const int wg = cs.wg;
+    float* xm = sm.red + (cs.nsplit & 1) * 128;
+    if (ql == 0) xm[wg * 64 + n0] = m0, xm[wg * 64 + n1r] = m1;
+    sm90::named_barrier(1, kConsumerThreads);
+    m0 = fmaxf(m0, xm[(wg ^ 1) * 64 + n0]);
+    m1 = fmaxf(m1, xm[(wg ^ 1) * 64 + n1r]);
+    ++cs.nsplit;
+  }
+  const float s0 = num::act_scale(m0), s1 = num::act_scale(m1);
+  const float inv0 = 1.0f / s0, inv1 = 1.0f / s1;
+  store_block_tokens_m(a, tl, acc_block<0>(acc), tl.nblk * 128 + (split ? cs.wg * 64 : 0), !split || cs.wg == 0, n0,
+                       n1r, ql, inv0, s0, inv1, s1);
+  if (!split) store_block_tokens_m(a, tl, acc_block<1>(acc), tl.nblk * 128 + 64, false, n0, n1r, ql, inv0, s0, inv1, s1);
+}
+
+// GEMM1, tokens in M: the K loop (a wide tile's two halves, or a split wide tile's half of
+// warpgroup wg), then epilogue1_tokens_m. Returns the epilogue's start (profile).
+template <class S>
+__device__ __forceinline__ uint32_t gemm1_tokens_m(const KernelArgs& a, const CtaSmem<S>& sm, Consumer<S>& cs,
+                                                   const Tile& tl, bool split, int rbase, const float* sg_row,
+                                                   const float* su_row, float (&acc)[S::kAcc],
+                                                   RingPos<S::kStages>& rp, Prof& pf) {
+  const int n0p = rbase + cs.lrow;
+  const float rw0 = n0p < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p) : 0.0f;
+  const float rw1 = n0p + 8 < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p + 8) : 0.0f;
+  if constexpr (S::kWide) {
+    if (split)
+      mainloop_tokens_m<1, false, true>(acc_block<0>(acc), tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar, 0, 0,
+                                        cs.wg, cs.lrow, sg_row, su_row, a.debug_skip, pf);
+    else
+      mainloop_tokens_m_blocks<1, true, false>(acc, tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar, 0, rbase,
+                                               cs.lrow, sg_row, su_row, nullptr, a.debug_skip | cs.wg_idle(a, tl),
+                                               pf);
+  } else {
+    mainloop_tokens_m_blocks<1, false, S::kPairs>(acc, tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar,
+                                                  cs.peer_empty, rbase, cs.lrow, sg_row, su_row, nullptr,
+                                                  a.debug_skip | cs.wg_idle(a, tl), pf);
+  }
+  const uint32_t t_epi = pf.now();
+  epilogue1_tokens_m<S>(a, sm, cs, tl, split, n0p, rw0, rw1, acc);
+  return t_epi;
+}
+
+// A GEMM1 tile: 128 intermediate columns of one expert into act2 and act2_scale, then its
+// unit's done1 count (the signal thread's release).
+template <class S>
+__device__ __forceinline__ void gemm1_tile(const KernelArgs& a, const CtaSmem<S>& sm, Consumer<S>& cs,
+                                           const Tile& tl, bool split, int rbase, float (&acc)[S::kAcc],
+                                           RingPos<S::kStages>& rp, Prof& pf) {
+  const bool shared = tl.e == a.E;
+  const int I_e = shared ? a.Is : a.I;
+  const float* wsc = shared ? a.sw13_scale : a.w13_scale + size_t(tl.e) * (2 * (a.I / 128)) * (a.H / 128);
+  const float* sg_row = wsc + size_t(tl.nblk) * (a.H / 128);
+  const float* su_row = wsc + size_t(I_e / 128 + tl.nblk) * (a.H / 128);
+  uint32_t t_epi;
+  if constexpr (S::kSwapAB)
+    t_epi = gemm1_swap_ab<S>(a, sm, cs, tl, sg_row, su_row, acc, rp, pf);
+  else
+    t_epi = gemm1_tokens_m<S>(a, sm, cs, tl, split, rbase, sg_row, su_row, acc, rp, pf);
+  // act2 is read next by other CTAs' TMA (async proxy): the proxy fence, then the
+  // signal thread's release of done1 (see tile_written).
+  pf.add(kPfEpi1, t_epi);
+  const uint32_t t_fence = pf.now();
+  sm90::fence_proxy_async_global();
+  pf.add(kPfFence, t_fence);
+  if constexpr (S::kSwapAB) sm90::named_barrier(1, kConsumerThreads);  // red[] is free for the next tile
+  cs.tile_written(sm, a.units_base + tl.unit, pf);                     // done1[unit]
+}
+
+// GEMM2, tokens in N (swap AB): the K loop, then the BF16 per-slot rows straight from the
+// fragments. Returns the epilogue's start (profile).
+template <class S>
+__device__ __forceinline__ uint32_t gemm2_swap_ab(const KernelArgs& a, const CtaSmem<S>& sm, Consumer<S>& cs,
+                                                  const Tile& tl, const float* wsc, float (&acc)[S::kAcc],
+                                                  RingPos<S::kStages>& rp, Prof& pf) {
+  constexpr int BN = S::BN;
+  const int lane = cs.lane, lcol = cs.lcol;
+  // Token n's row_src entry in lane n % 32 of src[n / 32], loaded before the K loop.
+  int32_t src[(BN + 31) / 32];
+#pragma unroll
+  for (int h = 0; h < (BN + 31) / 32; ++h) src[h] = load_row_src(a, tl, h * 32 + lane);
+  mainloop_swap_ab<BN, 2>(acc, tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar, cs.wg, lcol, wsc, wsc,
+                          a.debug_skip, pf);
+  const uint32_t t_epi = pf.now();
+  // ---- GEMM2 epilogue: BF16 per-slot rows ----
+  const int f = tl.nblk * 128 + cs.wg * 64 + cs.lrow;
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int n = j * 8 + lcol + c;  // (j * 8 + 7 < 32 decides src[0] or src[1] at compile time)
+      const int32_t s_n = __shfl_sync(0xffffffffu, src[j * 8 / 32], n % 32);
+      if (n < tl.rows) {
+        uint16_t* yr = out_row<S::kEp>(a, tl, tl.row0 + n, s_n);
+        const uint32_t b = num::bf16x2_encode(acc[j * 4 + c], acc[j * 4 + 2 + c]);
+        yr[f] = uint16_t(b);
+        yr[f + 8] = uint16_t(b >> 16);
+      }
+    }
+  }
+  return t_epi;
+}
+
+// GEMM2 epilogue, tokens in M: the warp's 16 token rows x 128 columns of output block nblk
+// from the accumulators ac (a wide tile runs it for both blocks). Out through the warp's
+// shared-memory tile, 64 columns a pass: stmatrix takes the accumulator fragment as it is
+// (16-byte chunks XOR-swizzled by row, so neither side has bank conflicts), then each lane
+// stores whole 16-byte chunks, four rows of 128 bytes a warp instruction (4-byte stores
+// straight from the fragment, 32 a thread, kept the epilogue waiting on the LSU queue).
+template <class S>
+__device__ __forceinline__ void epilogue2_tokens_m(const KernelArgs& a, const CtaSmem<S>& sm, const Consumer<S>& cs,
+                                                   const Tile& tl, int rbase, int32_t src, float (&ac)[64],
+                                                   int nblk) {
+  const int lane = cs.lane;
+  const uint8_t* warp_tile = sm.staging + cs.cwarp * SmemTail::kStagingWarpBytes;
+  const uint32_t stg = sm90::smem_u32(warp_tile);
+  const int chunk = lane % 8;
+  uint16_t* dst[4];  // rows 4k + lane / 8 of the warp's 16
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int n = rbase + cs.wwarp * 16 + 4 * k + lane / 8;
+    const int32_t s_n = __shfl_sync(0xffffffffu, src, 4 * k + lane / 8);
+    dst[k] = n < tl.rows ? out_row<S::kEp>(a, tl, tl.row0 + n, s_n) + nblk * 128 + chunk * 8 : nullptr;
+  }
+  // stmatrix lane address: matrix q = lane / 8 is (row half q % 2, column block
+  // q / 2 of the pair), its row lane % 8.
+  const int st_row = (lane / 8) % 2 * 8 + lane % 8;
+  const uint32_t st_addr = stg + st_row * 128;
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int j = pass * 8 + 2 * m;  // column blocks j, j + 1 (8 columns each)
+      const int c = 2 * m + lane / 16;
+      sm90::stmatrix_x4(st_addr + ((c ^ (st_row % 8)) * 16), num::bf16x2_encode(ac[4 * j], ac[4 * j + 1]),
+                        num::bf16x2_encode(ac[4 * j + 2], ac[4 * j + 3]),
+                        num::bf16x2_encode(ac[4 * j + 4], ac[4 * j + 5]),
+                        num::bf16x2_encode(ac[4 * j + 6], ac[4 * j + 7]));
+    }
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int r = 4 * k + lane / 8;
+      const uint4 v = *reinterpret_cast<const uint4*>(warp_tile + r * 128 + ((chunk ^ (r % 8)) * 16));
+      if (dst[k]) *reinterpret_cast<uint4*>(dst[k] + pass * 64) = v;
+    }
+    __syncwarp();  // the tile is free for the next pass (or tile)
+  }
+}
+
+// GEMM2, tokens in M: the K loop (a wide tile's two output blocks, or a split wide tile's
+// block wg), then epilogue2_tokens_m. Returns the epilogue's start (profile).
+template <class S>
+__device__ __forceinline__ uint32_t gemm2_tokens_m(const KernelArgs& a, const CtaSmem<S>& sm, Consumer<S>& cs,
+                                                   const Tile& tl, bool split, int rbase, const float* wsc,
+                                                   float (&acc)[S::kAcc], RingPos<S::kStages>& rp, Prof& pf) {
+  const bool shared = tl.e == a.E;
+  const int lane = cs.lane;
+  // Lane i < 16 loads the row_src entry of the warp's row i before the K loop.
+  // (the row from a fresh read of the thread index: kept in a register from the
+  // kernel's start, it was the 128-token kernel's one spill)
+  const int row_in_tile = (sm90::thread_index() - 128) / 32 * 16 + lane -
+                          (split ? cs.wg * 64 : 0);  // rbase + wwarp * 16 + lane
+  const int32_t src = load_row_src(a, tl, lane < 16 ? row_in_tile : tl.rows);
+  const float* wsc1 = wsc + (shared ? a.Is : a.I) / 128;  // (wide tiles: block nblk + 1's)
+  if constexpr (S::kWide) {
+    if (split)
+      mainloop_tokens_m<2, false, true>(acc_block<0>(acc), tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar, 0, 0,
+                                        cs.wg, cs.lrow, cs.wg ? wsc1 : wsc, cs.wg ? wsc1 : wsc, a.debug_skip, pf);
+    else
+      mainloop_tokens_m_blocks<2, true, false>(acc, tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar, 0, rbase,
+                                               cs.lrow, wsc, nullptr, wsc1, a.debug_skip | cs.wg_idle(a, tl), pf);
+  } else {
+    mainloop_tokens_m<2, S::kPairs>(acc_block<0>(acc), tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar,
+                                    cs.peer_empty, rbase, 0, cs.lrow, wsc, wsc, a.debug_skip | cs.wg_idle(a, tl), pf);
+  }
+  const uint32_t t_epi = pf.now();
+  epilogue2_tokens_m<S>(a, sm, cs, tl, rbase, src, acc_block<0>(acc), tl.nblk + (split ? cs.wg : 0));
+  if constexpr (S::kWide) {  // (two tiles in done2, as in GEMM1's done1)
+    sm90::fence_proxy_async_global();
+    cs.tile_written(sm, MoeWorkspaceLayout::kCounterDone2, pf);
+    if (!split) epilogue2_tokens_m<S>(a, sm, cs, tl, rbase, src, acc_block<1>(acc), tl.nblk + 1);
+  }
+  return t_epi;
+}
+
+// A GEMM2 tile: 128 hidden outputs x the tile's token rows, BF16, into their slot rows
+// (y_rows, or under expert parallelism the sources' combine slots), then done2.
+template <class S>
+__device__ __forceinline__ void gemm2_tile(const KernelArgs& a, const CtaSmem<S>& sm, Consumer<S>& cs,
+                                           const Tile& tl, bool split, int rbase, float (&acc)[S::kAcc],
+                                           RingPos<S::kStages>& rp, Prof& pf) {
+  const bool shared = tl.e == a.E;
+  const float* wsc = shared ? a.sw2_scale + size_t(tl.nblk) * (a.Is / 128)
+                            : a.w2_scale + (size_t(tl.e) * (a.H / 128) + tl.nblk) * (a.I / 128);
+  uint32_t t_epi;
+  if constexpr (S::kSwapAB)
+    t_epi = gemm2_swap_ab<S>(a, sm, cs, tl, wsc, acc, rp, pf);
+  else
+    t_epi = gemm2_tokens_m<S>(a, sm, cs, tl, split, rbase, wsc, acc, rp, pf);
+  // The single-device combine reads y_rows by bulk copies (async proxy): the proxy
+  // fence before the release, as for act2.
+  if (!S::kEp) sm90::fence_proxy_async_global();
+  pf.add(kPfEpi2, t_epi);
+  cs.tile_written(sm, MoeWorkspaceLayout::kCounterDone2, pf);
+}
+
+// The consumers' tiles: each starts with the record its first stage carries (the
+// producer's schedule, decoded), until the sentinel.
+template <class S>
+__device__ __forceinline__ void consumer_tiles(const KernelArgs& a, const CtaSmem<S>& sm, Consumer<S>& cs,
+                                               Prof& pf) {
+  float acc[S::kAcc];
+  RingPos<S::kStages> rp;
+  for (;;) {
+    const uint32_t t_tile = pf.now();
+    sm90::mbar_wait(&sm.full_bar[rp.stage], rp.phase);
+    // NOTE: lane 0 reads the record and broadcasts it: lane 0 also hands the stage back
+    // (release_stage), so the read is ordered before the producer's next write to it in
+    // a way compute-sanitizer's racecheck follows too.
+    int rec[6] = {};
+    if (cs.lane == 0) {
+      const int4* p = reinterpret_cast<const int4*>(&sm.stage_tile[rp.stage]);
+      const int4 w0 = p[0], w1 = p[1];
+      rec[0] = w0.x, rec[1] = w0.y, rec[2] = w0.z, rec[3] = w0.w, rec[4] = w1.x, rec[5] = w1.y;
+    }
+#pragma unroll
+    for (int i = 0; i < 6; ++i) rec[i] = __shfl_sync(0xffffffffu, rec[i], 0);
+    if (rec[0] == 0) {
+      cs.tile_written(sm, -1, pf);
+      break;
+    }
+    // (kblocks again from the kernel's constants: carried in a register through the tile,
+    // it cost the 128-token kernel a 4-byte spill)
+    const Tile tl{rec[0], rec[1], rec[2], rec[3], rec[4], rec[5], tile_kblocks(a, rec[0], rec[1]), 0};
+    // A wide tile of at most 64 rows with half tiles on: each warpgroup computes one of its
+    // two output blocks (block wg) on token rows 0..63 instead of warpgroup 1 idling.
+    // (So wg_idle is 0 on a wide tile that is not split; the wide loop still takes it:
+    // without that operand ptxas laid out the whole wide kernel anew.)
+    const bool split = S::kWide && a.half_tiles && tl.rows <= 64;
+    const int rbase = split ? 0 : cs.wg * 64;  // the warpgroup's first token row in the tile
+#pragma unroll
+    for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.0f;
+    pf.add(kPfTileStart, t_tile);
+    pf.count(kPfTiles);
+    if (tl.gemm == 1)
+      gemm1_tile<S>(a, sm, cs, tl, split, rbase, acc, rp, pf);
+    else
+      gemm2_tile<S>(a, sm, cs, tl, split, rbase, acc, rp, pf);
+    pf.add(kPfTile, t_tile);
+  }
+}
+
 // kEp: expert parallelism (a separate instantiation, so the single-device kernel keeps
 // its registers: the EP paths' extra live values spill four ints at BN = 128, stored
 // once and reloaded once a tile, never inside the K loops -- checked in the SASS).
@@ -788,10 +1292,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   using S = KernelShape<BN, kEp, kPairs, kWide>;
   constexpr int kStages = S::kStages;
   constexpr int kStageBytes = S::kStageBytes;
-  constexpr bool kSwapAB = S::kSwapAB;
   constexpr bool kPairRing = S::kPairRing;
   constexpr bool kHalfPairs = S::kHalfPairs;
-  constexpr int kAcc = S::kAcc;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // NOTE: offset the __shared__ array itself (not a cast integer) so the compiler keeps
   // the shared address space and emits LDS for the scale reads.
@@ -801,17 +1303,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* empty_bar = sm.empty_bar;
   uint64_t* done_bar = sm.done_bar;
   uint64_t* free_bar = sm.free_bar;
-  int* slot_counter = sm.slot_counter;
-  Tile* stage_tile = sm.stage_tile;
   uint64_t* comb_full = sm.comb_full;
   uint64_t* comb_empty = sm.comb_empty;
   const Sched sc = sm.sc;
-  float* red = sm.red;
-  float* tok_inv_scale = sm.tok_inv_scale;
-  uint8_t* staging = sm.staging;
-  uint8_t* xchg = sm.xchg;
   uint64_t* xchg_bar = sm.xchg_bar;
-  const float* xchg_amax = sm.xchg_amax;
 
   Prof pf;
   const uint32_t t_start = pf.now();
@@ -994,397 +1489,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  // ======================= consumer warpgroups =======================
+  // ---- Consumer warpgroups ----
   sm90::setmaxnreg_inc<kConsumerRegs>();
-  const int ctid = tid - 128;  // 0..255
-  // Broadcast from lane 0: ptxas then knows wg is warp-uniform and keeps what derives from
-  // it (the wgmma descriptors, the ring position) in uniform registers, not in vector
-  // registers copied over by R2UR at every wgmma (v17: T = 1024 -2 %, DeepSeek-V3 16384 -2 %).
-  const int wg = __shfl_sync(0xffffffffu, ctid / 128, 0);  // 0, 1
-  const int wwarp = (ctid / 32) % 4;                       // warp inside the warpgroup
-  const int cwarp = ctid / 32;                             // 0..7
-  const int lrow = wwarp * 16 + lane / 4;                  // fragment row (and row + 8)
-  const int lcol = (lane % 4) * 2;                         // fragment column (and + 1), plus 8 * j
-
-  float acc[kAcc];
-  RingPos<kStages> rp;
-  // Half tiles (a.half_tiles, kHalfTileMaxAvgRows): a 128-token tile of at most 64 rows has
-  // none in warpgroup 1's half, which then only hands the stages back (kSkipMma in
-  // mainloop_tokens_m), so the tensor cores run warpgroup 0's chains alone; its epilogue
-  // stores nothing. (The producer still loads all 128 token rows: choosing a 64-row box
-  // there spilled its registers in the stage loop.) Tokens-in-M tiles only.
-  auto wg_idle = [&](const Tile& tl) { return a.half_tiles && wg * 64 >= tl.rows ? kSkipMma : 0; };
-  // Pair tiles: a stage goes back to both CTAs (the peer's producer wrote half of its
-  // token or weight rows here and waits for this CTA's consumers too).
-  const uint32_t peer_empty =
-      kPairRing ? sm90::mapa_shared(sm90::smem_u32(empty_bar), sm90::cluster_ctarank() ^ 1u) : 0u;
-  int ntile = 0;   // tiles this CTA finished (the done_bar / free_bar slot sequence)
-  int nsplit = 0;  // split wide GEMM1 tiles this CTA finished (their amax exchange's buffer)
-  int nxchg = 0;   // decode pairs: amax exchanges with the peer CTA (their buffer and parity)
-  const int rank = kPairs ? int(sm90::cluster_ctarank()) : 0;
-  // Decode pairs: the peer's exchange region, as a shared::cluster address.
-  const uint32_t peer_xchg = kHalfPairs ? sm90::mapa_shared(sm90::smem_u32(xchg), uint32_t(rank) ^ 1u) : 0u;
-  // This warp's outputs of the tile are written: hand the counter to release (index in
-  // a.counters; -1 = no more tiles) to the signal thread.
-  auto tile_written = [&](int counter) {
-    const int slot = ntile % kTileSlots, use = ntile / kTileSlots;
-    const uint32_t t0 = pf.now();
-    if (use > 0) sm90::mbar_wait(&free_bar[slot], (use - 1) & 1);  // the slot's last tile is published
-    pf.add(kPfSlotWait, t0);
-    if (cwarp == 0 && lane == 0) slot_counter[slot] = counter;
-    __syncwarp();
-    if (lane == 0) sm90::mbar_arrive(&done_bar[slot]);
-    ++ntile;
-  };
-  for (;;) {
-    // The first stage of the next tile carries it (the producer's schedule, decoded).
-    const uint32_t t_tile = pf.now();
-    sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
-    // NOTE: lane 0 reads the record and broadcasts it: lane 0 also hands the stage back
-    // (release_stage), so the read is ordered before the producer's next write to it in
-    // a way compute-sanitizer's racecheck follows too.
-    int rec[6] = {};
-    if (lane == 0) {
-      const int4* p = reinterpret_cast<const int4*>(&stage_tile[rp.stage]);
-      const int4 w0 = p[0], w1 = p[1];
-      rec[0] = w0.x, rec[1] = w0.y, rec[2] = w0.z, rec[3] = w0.w, rec[4] = w1.x, rec[5] = w1.y;
-    }
-#pragma unroll
-    for (int i = 0; i < 6; ++i) rec[i] = __shfl_sync(0xffffffffu, rec[i], 0);
-    if (rec[0] == 0) {
-      tile_written(-1);
-      break;
-    }
-    // (kblocks again from the kernel's constants: carried in a register through the tile,
-    // it cost the 128-token kernel a 4-byte spill)
-    const Tile tl{rec[0], rec[1], rec[2], rec[3], rec[4], rec[5], tile_kblocks(a, rec[0], rec[1]), 0};
-    const bool shared = tl.e == a.E;
-    // A wide tile of at most 64 rows with half tiles on: each warpgroup computes one of its
-    // two output blocks (block wg) on token rows 0..63 instead of warpgroup 1 idling.
-    // (So wg_idle is 0 on a wide tile that is not split; the wide loop still takes it:
-    // without that operand ptxas laid out the whole wide kernel anew, v25.)
-    const bool split = kWide && a.half_tiles && tl.rows <= 64;
-    const int rbase = split ? 0 : wg * 64;  // the warpgroup's first token row in the tile
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
-    pf.add(kPfTileStart, t_tile);
-    pf.count(kPfTiles);
-
-    uint32_t t_epi = 0;
-    if (tl.gemm == 1) {
-      const int I_e = shared ? a.Is : a.I;
-      const float* wsc = shared ? a.sw13_scale : a.w13_scale + size_t(tl.e) * (2 * (a.I / 128)) * (a.H / 128);
-      const float* sg_row = wsc + size_t(tl.nblk) * (a.H / 128);
-      const float* su_row = wsc + size_t(I_e / 128 + tl.nblk) * (a.H / 128);
-      if constexpr (kSwapAB) {
-        // Routing weights of this thread's tokens, loaded before the K loop hides the latency.
-        float rw[BN / 8][2];
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int n = j * 8 + lcol + c;
-            rw[j][c] = n < tl.rows ? __ldcg(a.row_weight + tl.row0 + n) : 0.0f;
-          }
-        mainloop_swap_ab<BN, 1, !kHalfPairs>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lcol, sg_row,
-                                             su_row, a.debug_skip, pf);
-        t_epi = pf.now();
-        // ---- GEMM1 epilogue: SwiGLU x routing weight, 1x128 E4M3 quantization ----
-        // In half h (acc[h * BN / 2 ..]) the thread holds gate (row lrow) and up (row lrow + 8)
-        // of intermediate column 64 h + wg * 32 + wwarp * 8 + lane / 4 for tokens j * 8 + lcol
-        // + {0, 1} (decode pairs: one half, the CTA's rank). swiglu_fast when the whole warp's
-        // gates allow it; straight-line code either way (columns past tl.rows are computed too,
-        // with weight 0, and never stored), so ptxas overlaps the thread's SwiGLUs (v15).
-        constexpr int kHalf = BN / 2, kHeld = kHalfPairs ? 1 : 2;
-        bool fast_ok = true;
-#pragma unroll
-        for (int h = 0; h < kHeld; ++h)
-#pragma unroll
-          for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-            for (int c = 0; c < 2; ++c)
-              fast_ok &= (j * 8 + lcol + c >= tl.rows) |
-                         num::swiglu_fast_ok(acc[h * kHalf + j * 4 + c], a.swiglu_limit);
-        auto swiglu_rows = [&](auto act, float limit) {
-#pragma unroll
-          for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const int n = j * 8 + lcol + c;
-              float m = 0.0f;
-#pragma unroll
-              for (int h = 0; h < kHeld; ++h) {
-                const int i = h * kHalf + j * 4 + c;
-                const float v = act(acc[i], acc[i + 2], limit, rw[j][c]);
-                acc[i] = v;
-                m = fmaxf(m, fabsf(v));
-              }
-              m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-              m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-              m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-              if (lane < 4) red[cwarp * BN + n] = m;
-            }
-          }
-        };
-        run_swiglu(swiglu_rows, __all_sync(0xffffffffu, fast_ok), a.swiglu_limit);
-        sm90::named_barrier(1, kConsumerThreads);
-        // One thread a token works out its scale (to act2_scale) and the reciprocal the
-        // stores use, once (v13: every thread did it for each of its tokens, 8 loads and
-        // two divisions an element).
-        if (ctid < BN) {
-          float amax = red[ctid];
-#pragma unroll
-          for (int w = 1; w < 8; ++w) amax = fmaxf(amax, red[w * BN + ctid]);
-          if constexpr (kHalfPairs) {
-            // The other half's maxima come from the peer CTA: each sends its own into the
-            // peer's buffer (st.async, counted on the peer's exchange barrier) and waits for
-            // the peer's in its own. Two buffers by the exchanges' parity: the peer sends the
-            // next-but-one tile's maxima only after it received the next tile's from this CTA,
-            // sent after this CTA read these.
-            const int b = nxchg & 1;
-            if (ctid == 0) sm90::mbar_arrive_expect_tx(&xchg_bar[b], BN * 4);
-            sm90::st_async_cluster(peer_xchg + uint32_t(SmemTail::kXchgAmax + (b * 64 + ctid) * 4), amax,
-                                   peer_xchg + uint32_t(SmemTail::kXchgBar + b * 8));
-            sm90::mbar_wait(&xchg_bar[b], (nxchg >> 1) & 1);
-            amax = fmaxf(amax, xchg_amax[b * 64 + ctid]);
-          }
-          const float s = num::act_scale(amax);
-          tok_inv_scale[ctid] = 1.0f / s;
-          if (ctid < tl.rows && (!kHalfPairs || rank == 0))
-            a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + ctid] = s;
-        }
-        if constexpr (kHalfPairs) ++nxchg;
-        sm90::named_barrier(1, kConsumerThreads);
-        const int col = tl.nblk * 128 + (kHalfPairs ? rank * 64 : 0) + wg * 32 + wwarp * 8 + lane / 4;
-#pragma unroll
-        for (int h = 0; h < kHeld; ++h)
-#pragma unroll
-          for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const int n = j * 8 + lcol + c;
-              if (n < tl.rows)
-                a.act2[size_t(tl.row0 + n) * a.inter_pitch + col + h * 64] =
-                    to_e4m3(acc[h * kHalf + j * 4 + c] * tok_inv_scale[n]);
-            }
-          }
-      } else {
-        const int n0p = rbase + lrow;
-        const float rw0 = n0p < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p) : 0.0f;
-        const float rw1 = n0p + 8 < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p + 8) : 0.0f;
-        if constexpr (kWide) {
-          if (split)
-            mainloop_tokens_m<1, false, true>(acc_block<0>(acc), tl.kblocks, rp, smem, full_bar, empty_bar, 0,
-                                              0, wg, lrow, sg_row, su_row, a.debug_skip, pf);
-          else
-            mainloop_tokens_m_blocks<1, true, false>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, 0, rbase,
-                                                     lrow, sg_row, su_row, nullptr,
-                                                     a.debug_skip | wg_idle(tl), pf);
-        } else {
-          mainloop_tokens_m_blocks<1, false, kPairs>(acc, tl.kblocks, rp, smem, full_bar, empty_bar,
-                                                     peer_empty, rbase, lrow, sg_row, su_row, nullptr,
-                                                     a.debug_skip | wg_idle(tl), pf);
-        }
-        t_epi = pf.now();
-        // ---- GEMM1 epilogue (tokens in M): SwiGLU x routing weight, 1x128 E4M3 ----
-        // Thread holds tokens n0 = rbase + lrow and n0 + 8; in half h (acc_block<h>) for i in
-        // 0..7 the gate (ac[8i + c], j = 2i) and up (ac[8i + 4 + c], j = 2i + 1) values of
-        // intermediate column 64 h + 8i + lcol + c. A token's 64 columns of a half sit in one
-        // lane quad. (A split wide tile: warpgroup wg holds half wg of rows 0..63.)
-        const int n0 = n0p, n1r = n0 + 8;
-        const int ql = lane % 4;
-        float m0 = 0.0f, m1 = 0.0f;  // the rows' amax
-        auto swiglu_half = [&](float(&ac)[64]) {
-          // swiglu_fast when the whole warp's gates allow it; straight-line code either way
-          // (rows past tl.rows are computed too, with weight 0, and never stored), so
-          // ptxas overlaps the thread's 32 SwiGLUs (v15).
-          bool ok0 = true, ok1 = true;
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              ok0 &= num::swiglu_fast_ok(ac[8 * i + c], a.swiglu_limit);
-              ok1 &= num::swiglu_fast_ok(ac[8 * i + 2 + c], a.swiglu_limit);
-            }
-          const bool fast_ok = ((n0 >= tl.rows) | ok0) & ((n1r >= tl.rows) | ok1);
-          auto swiglu_rows = [&](auto act, float limit) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-#pragma unroll
-              for (int c = 0; c < 2; ++c) {
-                const float v0 = act(ac[8 * i + c], ac[8 * i + 4 + c], limit, rw0);
-                const float v1 = act(ac[8 * i + 2 + c], ac[8 * i + 6 + c], limit, rw1);
-                ac[8 * i + c] = v0;
-                ac[8 * i + 2 + c] = v1;
-                m0 = fmaxf(m0, fabsf(v0));
-                m1 = fmaxf(m1, fabsf(v1));
-              }
-            }
-          };
-          run_swiglu(swiglu_rows, __all_sync(0xffffffffu, fast_ok), a.swiglu_limit);
-        };
-        swiglu_half(acc_block<0>(acc));
-        if (!split) swiglu_half(acc_block<1>(acc));
-#pragma unroll
-        for (int o = 1; o < 4; o <<= 1) {
-          m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, o));
-          m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, o));
-        }
-        if (split) {
-          // The other half's row maxima through shared memory, in one of two buffers by the
-          // split tiles' parity: a warpgroup writes the next split tile's maxima only after
-          // both passed this one's barrier, so after the other read these.
-          float* xm = red + (nsplit & 1) * 128;
-          if (ql == 0) xm[wg * 64 + n0] = m0, xm[wg * 64 + n1r] = m1;
-          sm90::named_barrier(1, kConsumerThreads);
-          m0 = fmaxf(m0, xm[(wg ^ 1) * 64 + n0]);
-          m1 = fmaxf(m1, xm[(wg ^ 1) * 64 + n1r]);
-          ++nsplit;
-        }
-        const float s0 = num::act_scale(m0), s1 = num::act_scale(m1);
-        const float inv0 = 1.0f / s0, inv1 = 1.0f / s1;
-        // A token's 64 codes of a half sit in one lane quad, two bytes a lane every 8
-        // columns: a 4 x 4 word transpose inside the quad gives each lane 16 adjacent bytes,
-        // one 16-byte store a row and half (v14: eight 2-byte stores a row).
-        auto store_half = [&](float(&ac)[64], int col0, bool scale) {
-          auto store_row = [&](int n, int base, float inv, float s) {
-            uint32_t w[4];  // w[k]: columns 16k + lcol + {0, 1} (lo) and 16k + 8 + lcol + {0, 1} (hi)
-#pragma unroll
-            for (int k = 0; k < 4; ++k)
-              w[k] =
-                  uint32_t(pack_e4m3x2(ac[16 * k + base] * inv, ac[16 * k + base + 1] * inv)) |
-                  (uint32_t(pack_e4m3x2(ac[16 * k + 8 + base] * inv, ac[16 * k + 8 + base + 1] * inv)) << 16);
-            quad_transpose(w, ql);  // w[m]: lane m's word ql
-            if (n < tl.rows) {
-              const uint4 v = make_uint4(__byte_perm(w[0], w[1], 0x5410), __byte_perm(w[2], w[3], 0x5410),
-                                         __byte_perm(w[0], w[1], 0x7632), __byte_perm(w[2], w[3], 0x7632));
-              *reinterpret_cast<uint4*>(a.act2 + size_t(tl.row0 + n) * a.inter_pitch + col0 + 16 * ql) = v;
-              if (scale && ql == 0) a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + n] = s;
-            }
-          };
-          store_row(n0, 0, inv0, s0);
-          store_row(n1r, 2, inv1, s1);
-        };
-        store_half(acc_block<0>(acc), tl.nblk * 128 + (split ? wg * 64 : 0), !split || wg == 0);
-        if (!split) store_half(acc_block<1>(acc), tl.nblk * 128 + 64, false);
-      }
-      // act2 is read next by other CTAs' TMA (async proxy): the proxy fence, then the
-      // signal thread's release of done1 (see tile_written).
-      pf.add(kPfEpi1, t_epi);
-      const uint32_t t_fence = pf.now();
-      sm90::fence_proxy_async_global();
-      pf.add(kPfFence, t_fence);
-      if constexpr (kSwapAB) sm90::named_barrier(1, kConsumerThreads);  // red[] is free for the next tile
-      tile_written(a.units_base + tl.unit);                             // done1[unit]
-    } else {
-      const float* wsc = shared ? a.sw2_scale + size_t(tl.nblk) * (a.Is / 128)
-                                : a.w2_scale + (size_t(tl.e) * (a.H / 128) + tl.nblk) * (a.I / 128);
-      if constexpr (kSwapAB) {
-        // Token n's row_src entry in lane n % 32 of src[n / 32], loaded before the K loop.
-        int32_t src[(BN + 31) / 32];
-#pragma unroll
-        for (int h = 0; h < (BN + 31) / 32; ++h) src[h] = load_row_src(a, tl, h * 32 + lane);
-        mainloop_swap_ab<BN, 2>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, wg, lcol, wsc, wsc,
-                                a.debug_skip, pf);
-        t_epi = pf.now();
-        // ---- GEMM2 epilogue: BF16 per-slot rows ----
-        const int f = tl.nblk * 128 + wg * 64 + lrow;
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int n = j * 8 + lcol + c;  // (j * 8 + 7 < 32 decides src[0] or src[1] at compile time)
-            const int32_t s_n = __shfl_sync(0xffffffffu, src[j * 8 / 32], n % 32);
-            if (n < tl.rows) {
-              uint16_t* yr = out_row<kEp>(a, tl, tl.row0 + n, s_n);
-              const uint32_t b = num::bf16x2_encode(acc[j * 4 + c], acc[j * 4 + 2 + c]);
-              yr[f] = uint16_t(b);
-              yr[f + 8] = uint16_t(b >> 16);
-            }
-          }
-        }
-      } else {
-        // Lane i < 16 loads the row_src entry of the warp's row i before the K loop.
-        // (the row from a fresh read of the thread index: kept in a register from the
-        // kernel's start, it was the 128-token kernel's one spill)
-        const int row_in_tile = (sm90::thread_index() - 128) / 32 * 16 + lane -
-                                (split ? wg * 64 : 0);  // rbase + wwarp * 16 + lane
-        const int32_t src = load_row_src(a, tl, lane < 16 ? row_in_tile : tl.rows);
-        const float* wsc1 = wsc + (shared ? a.Is : a.I) / 128;  // (wide tiles: block nblk + 1's)
-        if constexpr (kWide) {
-          if (split)
-            mainloop_tokens_m<2, false, true>(acc_block<0>(acc), tl.kblocks, rp, smem, full_bar, empty_bar, 0,
-                                              0, wg, lrow, wg ? wsc1 : wsc, wg ? wsc1 : wsc, a.debug_skip,
-                                              pf);
-          else
-            mainloop_tokens_m_blocks<2, true, false>(acc, tl.kblocks, rp, smem, full_bar, empty_bar, 0, rbase,
-                                                     lrow, wsc, nullptr, wsc1, a.debug_skip | wg_idle(tl),
-                                                     pf);
-        } else {
-          mainloop_tokens_m<2, kPairs>(acc_block<0>(acc), tl.kblocks, rp, smem, full_bar, empty_bar,
-                                       peer_empty, rbase, 0, lrow, wsc, wsc, a.debug_skip | wg_idle(tl), pf);
-        }
-        t_epi = pf.now();
-        // ---- GEMM2 epilogue (tokens in M): the warp's 16 token rows x 128 columns ----
-        // (output block nblk from the accumulators ac; a wide tile runs it for both blocks)
-        auto epilogue2 = [&](float(&ac)[64], int nblk) {
-          // Out through the warp's shared-memory tile, 64 columns a pass: stmatrix takes
-          // the accumulator fragment as it is (16-byte chunks XOR-swizzled by row, so
-          // neither side has bank conflicts), then each lane stores whole 16-byte
-          // chunks, four rows of 128 bytes a warp instruction. (v14 stored 4 bytes a
-          // lane straight from the fragment, 32 stores a thread: ncu found the
-          // epilogue waiting on the LSU queue.)
-          const uint8_t* warp_tile = staging + cwarp * SmemTail::kStagingWarpBytes;
-          const uint32_t stg = sm90::smem_u32(warp_tile);
-          const int chunk = lane % 8;
-          uint16_t* dst[4];  // rows 4k + lane / 8 of the warp's 16
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const int n = rbase + wwarp * 16 + 4 * k + lane / 8;
-            const int32_t s_n = __shfl_sync(0xffffffffu, src, 4 * k + lane / 8);
-            dst[k] = n < tl.rows ? out_row<kEp>(a, tl, tl.row0 + n, s_n) + nblk * 128 + chunk * 8 : nullptr;
-          }
-          // stmatrix lane address: matrix q = lane / 8 is (row half q % 2, column block
-          // q / 2 of the pair), its row lane % 8.
-          const int st_row = (lane / 8) % 2 * 8 + lane % 8;
-          const uint32_t st_addr = stg + st_row * 128;
-#pragma unroll
-          for (int pass = 0; pass < 2; ++pass) {
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-              const int j = pass * 8 + 2 * m;  // column blocks j, j + 1 (8 columns each)
-              const int c = 2 * m + lane / 16;
-              sm90::stmatrix_x4(st_addr + ((c ^ (st_row % 8)) * 16),
-                                num::bf16x2_encode(ac[4 * j], ac[4 * j + 1]),
-                                num::bf16x2_encode(ac[4 * j + 2], ac[4 * j + 3]),
-                                num::bf16x2_encode(ac[4 * j + 4], ac[4 * j + 5]),
-                                num::bf16x2_encode(ac[4 * j + 6], ac[4 * j + 7]));
-            }
-            __syncwarp();
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-              const int r = 4 * k + lane / 8;
-              const uint4 v = *reinterpret_cast<const uint4*>(warp_tile + r * 128 + ((chunk ^ (r % 8)) * 16));
-              if (dst[k]) *reinterpret_cast<uint4*>(dst[k] + pass * 64) = v;
-            }
-            __syncwarp();  // the tile is free for the next pass (or tile)
-          }
-        };
-        epilogue2(acc_block<0>(acc), tl.nblk + (split ? wg : 0));
-        if constexpr (kWide) {  // (two tiles in done2, as in GEMM1's done1)
-          sm90::fence_proxy_async_global();
-          tile_written(MoeWorkspaceLayout::kCounterDone2);
-          if (!split) epilogue2(acc_block<1>(acc), tl.nblk + 1);
-        }
-      }
-      // The single-device combine reads y_rows by bulk copies (async proxy): the proxy
-      // fence before the release, as for act2.
-      if (!kEp) sm90::fence_proxy_async_global();
-      pf.add(kPfEpi2, t_epi);
-      tile_written(MoeWorkspaceLayout::kCounterDone2);
-    }
-    pf.add(kPfTile, t_tile);
-  }
+  Consumer<S> cs(sm, tid, lane);
+  consumer_tiles<S>(a, sm, cs, pf);
   // Pair tiles: this CTA's consumers are done with the peer's barriers; the CTA leaves
   // once the peer's consumers are done with its own (leave_cluster, at every exit below).
   if (kPairs) sm90::cluster_arrive();
@@ -1393,7 +1501,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
 
   if (a.debug_stop == 3) return leave_cluster();
-  if (!combine<S>(a, sm, T, E_total, ctid, cwarp, lane, t_start, pf)) return;  // (kEp: no cluster)
+  if (!combine<S>(a, sm, T, E_total, cs.ctid, cs.cwarp, lane, t_start, pf)) return;  // (kEp: no cluster)
   leave_cluster();
 }
 
