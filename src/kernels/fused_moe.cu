@@ -1271,6 +1271,167 @@ __device__ __forceinline__ void consumer_tiles(const KernelArgs& a, const CtaSme
   }
 }
 
+// ============================================================================
+// Setup and phase 0 (every thread of the CTA)
+// ============================================================================
+
+// The CTA's mbarriers (thread 0) and the tensor maps' prefetch (thread 32). Touches only
+// shared memory and the kernel's parameters (it runs before grid_dependency_wait).
+template <class S>
+__device__ __forceinline__ void init_cta(const TensorMaps& tm, const CtaSmem<S>& sm, int tid) {
+  if (tid == 0) {
+    for (int s = 0; s < S::kStages; ++s) {
+      sm90::mbar_init(&sm.full_bar[s], 1);
+      // One arrival per consumer warp (pair tiles: of both CTAs, release_stage_pair).
+      sm90::mbar_init(&sm.empty_bar[s], (S::kPairRing ? 2 : 1) * kConsumerThreads / 32);
+    }
+    for (int s = 0; s < kTileSlots; ++s) {
+      sm90::mbar_init(&sm.done_bar[s], kConsumerThreads / 32);
+      sm90::mbar_init(&sm.free_bar[s], 1);
+    }
+    if (S::kHalfPairs)
+      for (int b = 0; b < 2; ++b) sm90::mbar_init(&sm.xchg_bar[b], 1);
+    for (int s = 0; s < kCombineStages; ++s) {
+      sm90::mbar_init(&sm.comb_full[s], 1);
+      sm90::mbar_init(&sm.comb_empty[s], kConsumerThreads);  // every reader arrives (see combine_bulk)
+    }
+    sm90::mbar_init_fence();
+  }
+  if (tid == 32) {
+    sm90::tma_prefetch_desc(&tm.w13);
+    sm90::tma_prefetch_desc(&tm.w2);
+    sm90::tma_prefetch_desc(&tm.x);
+    sm90::tma_prefetch_desc(&tm.a2);
+    if (S::kPairRing) sm90::tma_prefetch_desc(&tm.xh), sm90::tma_prefetch_desc(&tm.a2h);
+    if (S::kWide) sm90::tma_prefetch_desc(&tm.w13w), sm90::tma_prefetch_desc(&tm.w2w);
+  }
+}
+
+// Schedule tables: rows and token blocks per expert (one warp scans). Expert parallelism:
+// this rank's local experts, from the counts its sources send (ep_exchange: steps 1-3 of
+// ep_layout.h up to the pull). False: a peer did not arrive (status set; nothing is in
+// flight yet).
+template <class S>
+__device__ __forceinline__ bool build_tables(const KernelArgs& a, const CtaSmem<S>& sm, const EpTables& et, int T,
+                                             int E_total, int warp, int lane) {
+  if (!S::kEp) {
+    if (warp == 0)
+      build_sched(
+          sm.sc, E_total, S::BN, lane,
+          [&](int e) { return e < a.E ? a.counters[MoeWorkspaceLayout::kCounterExperts + e] : T; }, 0, false);
+    __syncthreads();
+    // Pair tiles: the peer's barriers are initialized before this CTA multicasts into its
+    // stages or arrives on them (and the reverse).
+    if (S::kPairs) sm90::cluster_arrive(), sm90::cluster_wait();
+    return true;
+  }
+  return ep_exchange(a, sm.sc, et, T, a.ep.state[0], S::BN);
+}
+
+// The CTA's place in the tile schedule (thread 0): TileSchedule's balanced list of its
+// unit, then the pool's claims; returns its first tile.
+// NOTE: no weight load goes out before phase 0: with the ring full, the grid barrier's L2
+// round trips waited behind them, and early stages measured slower at few tokens, level
+// above (see docs/performance-history.md).
+template <class S>
+__device__ __forceinline__ int start_schedule(const KernelArgs& a, const TileIds& ids, TileSchedule& sched) {
+  // (no tail pool for pairs: both CTAs of a cluster would have to claim the same tile)
+  // (costs in weight bytes: a GEMM1 tile reads 256 rows x H, a GEMM2 tile 128 x I, a wide
+  // GEMM2 tile 256 x I; a CTA of decode pairs half a GEMM1 tile)
+  const int G = gridDim.x >> S::csh;
+  const int t2 = ids.t2;
+  sched.init(schedule_unit(a, S::csh), G, ids.t1, t2, a.H / 128 * (S::kWide || S::kHalfPairs ? 1 : 2), a.I / 128,
+             !a.round_robin, a.round_robin || S::kPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
+  return claim_next_tile<S>(a, sched, ids.tiles());
+}
+
+// Phase 0 on one device: quantize x (1x128 E4M3) and scatter each token to its rows.
+// A warp task is 512 columns (four 128-column groups) of one token: each lane loads 16
+// columns (32 bytes), eight lanes make a group (amax in three shuffles), and each slot
+// row gets one 16-byte store a lane. The next task's loads (its x columns and its slot
+// rows) are issued before this task is quantized and stored.
+template <class S>
+__device__ __forceinline__ void phase0_scatter(const KernelArgs& a, const Sched& sc, int T, int warp, int lane) {
+  constexpr int kTaskGroups = 4;  // 32 lanes x 16 columns
+  const int hb = a.H / 128;
+  const int warps_total = gridDim.x * (kThreads / 32);
+  const int chunks = (hb + kTaskGroups - 1) / kTaskGroups;
+  const int tasks = T * chunks;
+  const int slots = a.K + a.has_shared;
+  const int lg = lane / 8;  // this lane's group within the task
+  struct Task {
+    int t, g;  // token; this lane's group (>= hb: none)
+    uint4 raw[2];
+    int row;  // this lane's slot row (-1: none)
+    float w;  // its routing weight
+  };
+  auto load_task = [&](int task) {
+    Task k;
+    k.t = task / chunks;
+    k.g = (task - k.t * chunks) * kTaskGroups + lg;
+    const uint4* src = reinterpret_cast<const uint4*>(a.x + size_t(k.t) * a.H + k.g * 128 + (lane % 8) * 16);
+    k.raw[0] = k.g < hb ? src[0] : make_uint4(0, 0, 0, 0);
+    k.raw[1] = k.g < hb ? src[1] : make_uint4(0, 0, 0, 0);
+    k.row = slot_row<S::kEp>(a, sc, k.t, lane, k.w);
+    return k;
+  };
+  int task = blockIdx.x * (kThreads / 32) + warp;
+  Task cur{};
+  if (task < tasks) cur = load_task(task);
+  for (; task < tasks; task += warps_total) {
+    const int next = task + warps_total;
+    Task nxt{};
+    if (next < tasks) nxt = load_task(next);
+    const uint32_t raw[8] = {cur.raw[0].x, cur.raw[0].y, cur.raw[0].z, cur.raw[0].w,
+                             cur.raw[1].x, cur.raw[1].y, cur.raw[1].z, cur.raw[1].w};
+    uint32_t qw[4];
+    float scale;
+    quantize_group<8>(raw, qw, scale);
+    const uint4 q = make_uint4(qw[0], qw[1], qw[2], qw[3]);
+    const bool mine = cur.g < hb;
+    for (int k = 0; k < slots; ++k) {
+      const int r = __shfl_sync(0xffffffffu, cur.row, k);
+      const float w = __shfl_sync(0xffffffffu, cur.w, k);
+      if (r < 0) continue;
+      if (mine) {
+        *reinterpret_cast<uint4*>(a.x_sorted + size_t(r) * a.H + cur.g * 128 + (lane % 8) * 16) = q;
+        if (lane % 8 == 0) a.x_sorted_scale[size_t(cur.g) * a.rows_cap + r] = scale;
+      }
+      if (lane == 0 && cur.g == 0) {
+        a.row_weight[r] = w;
+        a.row_src[r] = cur.t * slots + k;  // the token's slot in y_rows
+      }
+    }
+    cur = nxt;
+  }
+}
+
+// Phase 0's grid barrier: every sorted row is written before any TMA reads one. (With the
+// expert-parallel pull overlapped, each unit's done1 counts its rows instead:
+// ep_pull_overlapped.) False: an expert-parallel peer timed out (leave at once).
+template <class S>
+__device__ __forceinline__ bool phase0_grid_barrier(const KernelArgs& a, int tid) {
+  sm90::fence_proxy_async_global();
+  __threadfence();
+  __syncthreads();
+  if (!S::kEp) {
+    if (tid == 0) {
+      atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterBarrier], 1);
+      sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterBarrier], int(gridDim.x));
+    }
+    __syncthreads();
+    return true;
+  }
+  // (the second barrier of the rank's CTAs: ep_exchange met at gridDim.x). With the pull
+  // overlapped it guards no rows, but it keeps a peer's timeout all-or-nothing: a CTA
+  // that gave up in ep_exchange never arrives, so every CTA leaves here (the barrier
+  // itself is all or nothing: ep_grid_barrier) instead of one starting tiles whose rows
+  // that CTA's pull warps would have brought.
+  const bool ok =
+      tid != 0 || ep_grid_barrier(a.ep, &a.counters[MoeWorkspaceLayout::kCounterBarrier], 2 * gridDim.x);
+  return !__syncthreads_or(!ok);  // (nothing is in flight: no load went out yet)
+}
+
 // kEp: expert parallelism (a separate instantiation, so the single-device kernel keeps
 // its registers: the EP paths' extra live values spill four ints at BN = 128, stored
 // once and reloaded once a tile, never inside the K loops -- checked in the SASS).
@@ -1290,23 +1451,11 @@ template <int BN, bool kEp, bool kPairs = false, bool kWide = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
   using S = KernelShape<BN, kEp, kPairs, kWide>;
-  constexpr int kStages = S::kStages;
-  constexpr int kStageBytes = S::kStageBytes;
-  constexpr bool kPairRing = S::kPairRing;
-  constexpr bool kHalfPairs = S::kHalfPairs;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // NOTE: offset the __shared__ array itself (not a cast integer) so the compiler keeps
   // the shared address space and emits LDS for the scale reads.
   uint8_t* smem = smem_raw + ((1024 - (sm90::smem_u32(smem_raw) & 1023)) & 1023);
   const CtaSmem<S> sm(smem);
-  uint64_t* full_bar = sm.full_bar;
-  uint64_t* empty_bar = sm.empty_bar;
-  uint64_t* done_bar = sm.done_bar;
-  uint64_t* free_bar = sm.free_bar;
-  uint64_t* comb_full = sm.comb_full;
-  uint64_t* comb_empty = sm.comb_empty;
-  const Sched sc = sm.sc;
-  uint64_t* xchg_bar = sm.xchg_bar;
 
   Prof pf;
   const uint32_t t_start = pf.now();
@@ -1316,193 +1465,56 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int E_total = a.E + a.has_shared;
   int* done1 = a.counters + a.units_base;
 
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      sm90::mbar_init(&full_bar[s], 1);
-      // One arrival per consumer warp (pair tiles: of both CTAs, release_stage_pair).
-      sm90::mbar_init(&empty_bar[s], (kPairRing ? 2 : 1) * kConsumerThreads / 32);
-    }
-    for (int s = 0; s < kTileSlots; ++s) {
-      sm90::mbar_init(&done_bar[s], kConsumerThreads / 32);
-      sm90::mbar_init(&free_bar[s], 1);
-    }
-    if (kHalfPairs)
-      for (int b = 0; b < 2; ++b) sm90::mbar_init(&xchg_bar[b], 1);
-    for (int s = 0; s < kCombineStages; ++s) {
-      sm90::mbar_init(&comb_full[s], 1);
-      sm90::mbar_init(&comb_empty[s], kConsumerThreads);  // every reader arrives (see the combine)
-    }
-    sm90::mbar_init_fence();
-  }
-  if (tid == 32) {
-    sm90::tma_prefetch_desc(&tm.w13);
-    sm90::tma_prefetch_desc(&tm.w2);
-    sm90::tma_prefetch_desc(&tm.x);
-    sm90::tma_prefetch_desc(&tm.a2);
-    if (kPairRing) sm90::tma_prefetch_desc(&tm.xh), sm90::tma_prefetch_desc(&tm.a2h);
-    if (kWide) sm90::tma_prefetch_desc(&tm.w13w), sm90::tma_prefetch_desc(&tm.w2w);
-  }
+  init_cta<S>(tm, sm, tid);
   // Launched programmatically (FusedMoeConfig::programmatic_launch), the CTA got here while
   // route_topk ran: everything above touches only shared memory and the kernel's parameters;
   // the routing's outputs, the counters and the token count are read from here on.
   sm90::grid_dependency_wait();
   const int T = device_token_count(a.num_tokens, a.tokens_cap);
-
-  // ---- Schedule tables: rows and token blocks per expert (one warp scans). ----
-  // Expert parallelism: this rank's local experts, from the counts its sources send
-  // (ep_exchange: steps 1-3 of ep_layout.h up to the pull).
-  EpTables et(reinterpret_cast<int*>(smem + (kStages - 1) * kStageBytes));
-  if (!kEp) {
-    if (warp == 0)
-      build_sched(
-          sc, E_total, BN, lane,
-          [&](int e) { return e < a.E ? a.counters[MoeWorkspaceLayout::kCounterExperts + e] : T; }, 0, false);
-    __syncthreads();
-    // Pair tiles: the peer's barriers are initialized before this CTA multicasts into its
-    // stages or arrives on them (and the reverse).
-    if (kPairs) sm90::cluster_arrive(), sm90::cluster_wait();
-  } else if (!ep_exchange(a, sc, et, T, a.ep.state[0], BN)) {
-    return;  // a peer did not arrive (status set); nothing is in flight yet
-  }
+  // (expert parallelism: the exchange's tables, in the ring's last stage)
+  EpTables et(reinterpret_cast<int*>(smem + (S::kStages - 1) * S::kStageBytes));
+  if (!build_tables<S>(a, sm, et, T, E_total, warp, lane)) return;
   if (a.debug_stop == 1) return;
   pf.add(kPfSched, t_start);
   const uint32_t t_tasks = pf.now();
 
-  // ---- Tile schedule (identical in every role) ----
-  // Pair tiles: the schedule's ids count pairs of tiles (TileIds), and a cluster takes the
-  // place of a CTA in TileSchedule.
-  constexpr int sh1 = S::sh1, sh2 = S::sh2, csh = S::csh;
-  const TileIds ids = tile_ids(a, sc, sh1, sh2);
-  const int t1 = ids.t1, t2 = ids.t2, tiles = ids.tiles();
-
-  // NOTE: no weight load goes out before phase 0. v5 to v13 issued the first tile's 12
-  // stages here to stream while the tokens were quantized; with the ring full the grid
-  // barrier's L2 round trips waited behind them (the last CTA left it 8 us after the last
-  // arrival at T = 1, against 1 us without), and 0 early stages measured faster than 3,
-  // 6 or 12 at T <= 256, level above (v14, bench/results/ab/v14_pool.log).
+  // The tile schedule (identical in every role).
+  const TileIds ids = tile_ids(a, sm.sc, S::sh1, S::sh2);
   TileSchedule sched;
-  int first_tile = tiles;
-  if (tid == 0) {
-    // (no tail pool for pairs: both CTAs of a cluster would have to claim the same tile)
-    // (costs in weight bytes: a GEMM1 tile reads 256 rows x H, a GEMM2 tile 128 x I, a wide
-    // GEMM2 tile 256 x I; a CTA of decode pairs half a GEMM1 tile)
-    const int G = gridDim.x >> csh;
-    sched.init(schedule_unit(a, csh), G, t1, t2, a.H / 128 * (kWide || kHalfPairs ? 1 : 2), a.I / 128,
-               !a.round_robin, a.round_robin || kPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
-    first_tile = claim_next_tile<S>(a, sched, tiles);
-  }
+  int first_tile = ids.tiles();
+  if (tid == 0) first_tile = start_schedule<S>(a, ids, sched);
 
-  // ---- Phase 0: quantize x (1x128 E4M3) and scatter each token to its rows. ----
-  // A warp task is 512 columns (four 128-column groups) of one token: each lane loads 16
-  // columns (32 bytes), eight lanes make a group (amax in three shuffles), and each slot
-  // row gets one 16-byte store a lane (v16; v13-v15 held 4 columns a lane, a group a
-  // warp-wide amax and four 4-byte stores a group and row). The next task's loads (its x
-  // columns and its slot rows) are issued before this task is quantized and stored.
-  if (!kEp) {
-    constexpr int kTaskGroups = 4;  // 32 lanes x 16 columns
-    const int hb = a.H / 128;
-    const int warps_total = gridDim.x * (kThreads / 32);
-    const int chunks = (hb + kTaskGroups - 1) / kTaskGroups;
-    const int tasks = T * chunks;
-    const int slots = a.K + a.has_shared;
-    const int lg = lane / 8;  // this lane's group within the task
-    struct Task {
-      int t, g;  // token; this lane's group (>= hb: none)
-      uint4 raw[2];
-      int row;  // this lane's slot row (-1: none)
-      float w;  // its routing weight
-    };
-    auto load_task = [&](int task) {
-      Task k;
-      k.t = task / chunks;
-      k.g = (task - k.t * chunks) * kTaskGroups + lg;
-      const uint4* src =
-          reinterpret_cast<const uint4*>(a.x + size_t(k.t) * a.H + k.g * 128 + (lane % 8) * 16);
-      k.raw[0] = k.g < hb ? src[0] : make_uint4(0, 0, 0, 0);
-      k.raw[1] = k.g < hb ? src[1] : make_uint4(0, 0, 0, 0);
-      k.row = slot_row<kEp>(a, sc, k.t, lane, k.w);
-      return k;
-    };
-    int task = blockIdx.x * (kThreads / 32) + warp;
-    Task cur{};
-    if (task < tasks) cur = load_task(task);
-    for (; task < tasks; task += warps_total) {
-      const int next = task + warps_total;
-      Task nxt{};
-      if (next < tasks) nxt = load_task(next);
-      const uint32_t raw[8] = {cur.raw[0].x, cur.raw[0].y, cur.raw[0].z, cur.raw[0].w,
-                               cur.raw[1].x, cur.raw[1].y, cur.raw[1].z, cur.raw[1].w};
-      uint32_t qw[4];
-      float scale;
-      quantize_group<8>(raw, qw, scale);
-      const uint4 q = make_uint4(qw[0], qw[1], qw[2], qw[3]);
-      const bool mine = cur.g < hb;
-      for (int k = 0; k < slots; ++k) {
-        const int r = __shfl_sync(0xffffffffu, cur.row, k);
-        const float w = __shfl_sync(0xffffffffu, cur.w, k);
-        if (r < 0) continue;
-        if (mine) {
-          *reinterpret_cast<uint4*>(a.x_sorted + size_t(r) * a.H + cur.g * 128 + (lane % 8) * 16) = q;
-          if (lane % 8 == 0) a.x_sorted_scale[size_t(cur.g) * a.rows_cap + r] = scale;
-        }
-        if (lane == 0 && cur.g == 0) {
-          a.row_weight[r] = w;
-          a.row_src[r] = cur.t * slots + k;  // the token's slot in y_rows
-        }
-      }
-      cur = nxt;
-    }
-  } else if (!a.ep_overlap) {
-    // Step 3: the rows of the local experts into the ring (with a.ep_overlap the producer
-    // warpgroup's pull warps run it beside the tiles instead: ep_pull_overlapped).
-    ep_pull(a, et);
-  }
-  // Grid barrier: every sorted row is written before any TMA reads one. (With the expert-
-  // parallel pull overlapped, each unit's done1 counts its rows instead: ep_pull_overlapped.)
+  // ---- Phase 0 ----
+  if (!kEp)
+    phase0_scatter<S>(a, sm.sc, T, warp, lane);
+  else if (!a.ep_overlap)
+    ep_pull(a, et);  // step 3: the rows of the local experts into the ring (else ep_pull_overlapped)
   pf.add(kPfTasks, t_tasks);
   pf.stamp(kPfArriveNs);
-  sm90::fence_proxy_async_global();
-  __threadfence();
-  __syncthreads();
-  if (!kEp) {
-    if (tid == 0) {
-      atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterBarrier], 1);
-      sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterBarrier], int(gridDim.x));
-    }
-    __syncthreads();
-  } else {
-    // (the second barrier of the rank's CTAs: ep_exchange met at gridDim.x). With the pull
-    // overlapped it guards no rows, but it keeps a peer's timeout all-or-nothing: a CTA
-    // that gave up in ep_exchange never arrives, so every CTA leaves here (the barrier
-    // itself is all or nothing: ep_grid_barrier) instead of one starting tiles whose rows
-    // that CTA's pull warps would have brought.
-    const bool ok =
-        tid != 0 || ep_grid_barrier(a.ep, &a.counters[MoeWorkspaceLayout::kCounterBarrier], 2 * gridDim.x);
-    if (__syncthreads_or(!ok)) return;  // (nothing is in flight: no load went out yet)
-  }
+  if (!phase0_grid_barrier<S>(a, tid)) return;
   if (a.debug_stop == 2) return;
   pf.add(kPfPhase0, t_start);
   pf.stamp(kPfPassNs);
 
+  // ---- Producer warpgroup ----
   if (warp < 4) {
     producer_warpgroup<S>(a, tm, sm, ids, sched, first_tile, done1, T, E_total, tid, warp, lane, pf);
     return;
   }
 
-  // ---- Consumer warpgroups ----
+  // ---- Consumer warpgroups: the tiles, then the combine ----
   sm90::setmaxnreg_inc<kConsumerRegs>();
   Consumer<S> cs(sm, tid, lane);
   consumer_tiles<S>(a, sm, cs, pf);
   // Pair tiles: this CTA's consumers are done with the peer's barriers; the CTA leaves
-  // once the peer's consumers are done with its own (leave_cluster, at every exit below).
+  // once the peer's consumers are done with its own (cluster_wait, at every exit below).
   if (kPairs) sm90::cluster_arrive();
-  auto leave_cluster = [&] {
+  if (a.debug_stop == 3) {
     if (kPairs) sm90::cluster_wait();
-  };
-
-  if (a.debug_stop == 3) return leave_cluster();
+    return;
+  }
   if (!combine<S>(a, sm, T, E_total, cs.ctid, cs.cwarp, lane, t_start, pf)) return;  // (kEp: no cluster)
-  leave_cluster();
+  if (kPairs) sm90::cluster_wait();
 }
 
 // ============================================================================
