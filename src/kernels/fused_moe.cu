@@ -1,11 +1,22 @@
 // fused_moe: the persistent Hopper (sm_90a) MoE kernel, its workspace layout
 // and its launch plan (tensor maps). See include/megamoe/kernels/fused_moe.h
-// for the flow; the numerics are SPEC §4 and §7 and are mirrored exactly by
+// for the flow; the numerics are docs/numerics.md §4 and §7 and are mirrored exactly by
 // ref::moe_layer(kKernelFaithful). The kernel's parts, in the order this file
 // includes them: fused_moe_device.cuh (arguments, tiles, the stage ring, the
 // schedule tables), fused_moe_ep.cuh (the expert-parallel protocol, the epilogues'
 // row addressing), fused_moe_mainloop.cuh (the consumers' K loops); here the
-// combine's helpers, the kernel and the host side.
+// kernel's roles as functions, the kernel (their sequence) and the host side.
+//
+// The kernel's layout (warp-specialized, one function a role and phase):
+//   fused_moe_kernel     setup (init_cta, build_tables, start_schedule), phase 0
+//                        (phase0_scatter or ep_pull, phase0_grid_barrier), then the roles
+//   producer_warpgroup   producer_thread (fill_tile: issue_weights, issue_tokens),
+//                        signal_thread, ep_pull_overlapped, combine_load_rows
+//   consumer_tiles       per tile gemm1_tile (gemm1_swap_ab / gemm1_tokens_m and their
+//                        epilogues) or gemm2_tile (gemm2_swap_ab / gemm2_tokens_m)
+//   combine              combine_bulk or combine_warp_units
+// KernelShape holds an instantiation's constants, CtaSmem its shared-memory regions,
+// Consumer a consumer thread's fragment coordinates and tile counts.
 //
 // Roles inside one CTA of 384 threads (one CTA per SM):
 //   warpgroup 0: thread 0 issues every TMA load (weights, tokens, scales)
@@ -220,9 +231,9 @@ struct CombinePlan {
 
 // This CTA's unit of TileSchedule: blockIdx.x (>> csh: pair tiles' clusters), or with
 // a.sm_units its SM's place in the order a plain launch on an idle GPU fills the SMs
-// (sm_unit, found at plan creation). The prefill layer depends on which SM runs which unit (v37: TPC mates
-// share one L2 path, and the plain launch puts units 2k, 2k + 1 on one TPC; other orders
-// +4..+33 % at 4096 tokens), and a launch behind busy SMs (a programmatic launch, another
+// (sm_unit, found at plan creation). The prefill layer depends on which SM runs which unit (TPC mates
+// share one L2 path, and the plain launch puts units 2k, 2k + 1 on one TPC; other orders were
+// slower at 4096 tokens, see docs/performance-history.md), and a launch behind busy SMs (a programmatic launch, another
 // stream's kernel still running) places the CTAs in another order: the table keeps the
 // idle launch's mapping whatever the placement. A measurement switch (a.unit_stride,
 // MEGAMOE_UNIT_STRIDE, which turns the table off) permutes the units, b * stride mod G, or
@@ -1439,14 +1450,14 @@ __device__ __forceinline__ bool phase0_grid_barrier(const KernelArgs& a, int tid
 // own instantiation, so the other kernels' registers do not move. 128-token tiles share
 // their stages (kPairRing: the token or weight rows multicast); decode pairs (kHalfPairs,
 // BN <= kDecodePairsMaxBlockN) give the two CTAs a GEMM1 tile's two halves, and the
-// epilogues exchange the tokens' amax (so a GEMM1 tile costs a CTA 64 columns' weights,
-// as before v27's 128-column groups), and GEMM2 token pairs (output blocks 2j, 2j + 1).
+// epilogues exchange the tokens' amax (so a GEMM1 tile costs a CTA 64 columns' weights),
+// and GEMM2 token pairs (output blocks 2j, 2j + 1).
 // kWide: wide tiles (FusedMoeConfig::wide_tiles): 256 weight rows a stage, a GEMM1 tile's
 // two halves, or a GEMM2 token pair's two tiles (mainloop_tokens_m_blocks); no cluster.
 // NOTE: its consumers hold 128 accumulators through the epilogues, and ptxas spills 4 bytes
-// there (nvcc 13.0, v27; 28 in v25): a value of the consumers' start, reloaded at each tile,
-// never in the K loops (checked in the SASS). Chosen: the K loops are what the wide tiles
-// are for. (The expert-parallel wide kernel, kEpWideTiles, allocates without a spill, v32.)
+// there (nvcc 13.0): a value of the consumers' start, reloaded at each tile, never in the
+// K loops (checked in the SASS). Chosen: the K loops are what the wide tiles are for.
+// (The expert-parallel wide kernel, kEpWideTiles, allocates without a spill.)
 template <int BN, bool kEp, bool kPairs = false, bool kWide = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
