@@ -231,10 +231,10 @@ struct CombinePlan {
 
 // This CTA's unit of TileSchedule: blockIdx.x (>> csh: pair tiles' clusters), or with
 // a.sm_units its SM's place in the order a plain launch on an idle GPU fills the SMs
-// (sm_unit, found at plan creation). The prefill layer depends on which SM runs which unit (TPC mates
-// share one L2 path, and the plain launch puts units 2k, 2k + 1 on one TPC; other orders were
-// slower at 4096 tokens, see docs/performance-history.md), and a launch behind busy SMs (a programmatic launch, another
-// stream's kernel still running) places the CTAs in another order: the table keeps the
+// (sm_unit, found at plan creation). The prefill layer depends on which SM runs which unit
+// (TPC mates share one L2 path, and the plain launch puts units 2k, 2k + 1 on one TPC; other
+// orders were slower at 4096 tokens, see docs/performance-history.md), and a launch behind
+// busy SMs (a programmatic launch, another stream's kernel still running) places the CTAs in another order: the table keeps the
 // idle launch's mapping whatever the placement. A measurement switch (a.unit_stride,
 // MEGAMOE_UNIT_STRIDE, which turns the table off) permutes the units, b * stride mod G, or
 // with 0 takes the SM's id where the grid holds one CTA on each SM numbered 0..G-1. A CTA
@@ -303,9 +303,9 @@ struct CtaSmem {
   uint64_t* comb_empty;
   uint32_t* comb_mask;
   Sched sc;
-  float* red;              // [8 warps][BN]
-  float* tok_inv_scale;    // [BN]
-  uint8_t* staging;        // [8 warps][16 rows][128 B], tokens in M only
+  float* red;            // [8 warps][BN]
+  float* tok_inv_scale;  // [BN]
+  uint8_t* staging;      // [8 warps][16 rows][128 B], tokens in M only
   // Decode pairs, at the same place (SmemTail::xchg): the amax exchange's barriers and buffers.
   uint8_t* xchg;
   uint64_t* xchg_bar;      // [2]
@@ -352,7 +352,8 @@ __device__ __forceinline__ void combine_load_rows(const KernelArgs& a, const Cta
   // compute-sanitizer's racecheck follows a barrier, not that chain.)
   sm90::named_barrier(kCombineRingBarrier, kConsumerThreads + 32);
   if (lane == 0) {
-    sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2], a.n2 * sm.sc.unit_off[E_total]);
+    sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2],
+                               a.n2 * sm.sc.unit_off[E_total]);
     sm90::fence_proxy_async_global();  // y_rows (the GEMM2 epilogues' generic stores)
   }
   __syncwarp();
@@ -505,8 +506,8 @@ __device__ __forceinline__ bool combine_warp_units(const KernelArgs& a, const Sc
 // The consumers' combine after their last tile: the bulk one where CombinePlan allows it,
 // else the warp-unit one. False: an expert-parallel peer timed out (leave at once).
 template <class S>
-__device__ __forceinline__ bool combine(const KernelArgs& a, const CtaSmem<S>& sm, int T, int E_total, int ctid,
-                                        int cwarp, int lane, uint32_t t_start, Prof& pf) {
+__device__ __forceinline__ bool combine(const KernelArgs& a, const CtaSmem<S>& sm, int T, int E_total,
+                                        int ctid, int cwarp, int lane, uint32_t t_start, Prof& pf) {
   const uint32_t t_comb = pf.now();
   const CombinePlan cp(a, T, S::kStages * S::kStageBytes, S::kEp);
   if (cp.bulk)
@@ -532,8 +533,8 @@ __device__ __forceinline__ bool combine(const KernelArgs& a, const CtaSmem<S>& s
 // so a stage's path has no branch on them. h: a GEMM1 tile's half (one-block stages).
 template <class S, class WTag, class GTag>
 __device__ __forceinline__ void issue_weights(WTag, GTag, const KernelArgs& a, const TensorMaps& tm,
-                                              const CtaSmem<S>& sm, bool no_loads, const Tile& tl, int kb, int h,
-                                              int stage) {
+                                              const CtaSmem<S>& sm, bool no_loads, const Tile& tl, int kb,
+                                              int h, int stage) {
   constexpr bool kGemm1 = GTag::value == 1;
   if (no_loads) return;
   uint8_t* w_s = sm.ring + stage * S::kStageBytes;
@@ -543,7 +544,8 @@ __device__ __forceinline__ void issue_weights(WTag, GTag, const KernelArgs& a, c
     // Two blocks in one box: GEMM1 the tile's 16 8-row gate / up groups (both halves), GEMM2
     // output blocks nblk (even) and nblk + 1, 256 rows; block 1's rows start at 16 KB.
     if constexpr (kGemm1)
-      sm90::tma_load_5d(w_s, shared ? &tm.sw13w : &tm.w13w, full, kb * 128, 0, 0, tl.nblk * 16, shared ? 0 : tl.e);
+      sm90::tma_load_5d(w_s, shared ? &tm.sw13w : &tm.w13w, full, kb * 128, 0, 0, tl.nblk * 16,
+                        shared ? 0 : tl.e);
     else
       sm90::tma_load_3d(w_s, shared ? &tm.sw2w : &tm.w2w, full, kb * 128, tl.nblk * 128, shared ? 0 : tl.e);
   } else if constexpr (WTag::value) {
@@ -641,8 +643,8 @@ __device__ __forceinline__ void fill_tile(WTag w_tag, GTag g_tag, const KernelAr
         if (st < 0) st += kStages;
         if constexpr (kEp) sm90::mbar_arrive_expect_tx(&sm.full_bar[st], stage_tx - weight_tx);
         // (on one device only GEMM2 tiles defer: their stage is their K block)
-        issue_tokens<S>(w_tag, g_tag, tm, sm, no_loads, tl, kEp ? kblock_of(i - deferred + d) : i - deferred + d,
-                        st);
+        issue_tokens<S>(w_tag, g_tag, tm, sm, no_loads, tl,
+                        kEp ? kblock_of(i - deferred + d) : i - deferred + d, st);
       }
       deferred = 0;
     }
@@ -676,9 +678,9 @@ __device__ __forceinline__ void fill_tile(WTag w_tag, GTag g_tag, const KernelAr
 // The TMA producer (thread 0): every tile of the CTA's schedule, stage by stage, then a
 // sentinel stage (Tile::gemm = 0) that ends the consumers' loop.
 template <class S>
-__device__ __forceinline__ void producer_thread(const KernelArgs& a, const TensorMaps& tm, const CtaSmem<S>& sm,
-                                                const TileIds& ids, TileSchedule& sched, int first_tile,
-                                                int* done1, Prof& pf) {
+__device__ __forceinline__ void producer_thread(const KernelArgs& a, const TensorMaps& tm,
+                                                const CtaSmem<S>& sm, const TileIds& ids, TileSchedule& sched,
+                                                int first_tile, int* done1, Prof& pf) {
   const bool no_loads = a.debug_skip & kSkipLoads;
   // A stage's bytes: weights, tokens and the tokens' scales of its K block (either GEMM).
   const uint32_t stage_tx = no_loads ? 0 : S::kWBytes + S::kXBytes + S::BN * 4;
@@ -763,10 +765,10 @@ __device__ __forceinline__ void signal_thread(const KernelArgs& a, const CtaSmem
 // the expert-parallel pull overlapped warps 2-3 the pull; then warp kCombineWarp the bulk
 // combine's loads. The other threads leave.
 template <class S>
-__device__ __forceinline__ void producer_warpgroup(const KernelArgs& a, const TensorMaps& tm, const CtaSmem<S>& sm,
-                                                   const TileIds& ids, TileSchedule& sched, int first_tile,
-                                                   int* done1, int T, int E_total, int tid, int warp,
-                                                   int lane, Prof& pf) {
+__device__ __forceinline__ void producer_warpgroup(const KernelArgs& a, const TensorMaps& tm,
+                                                   const CtaSmem<S>& sm, const TileIds& ids,
+                                                   TileSchedule& sched, int first_tile, int* done1, int T,
+                                                   int E_total, int tid, int warp, int lane, Prof& pf) {
   sm90::setmaxnreg_dec<kProducerRegs>();
   if (tid == 0)
     producer_thread<S>(a, tm, sm, ids, sched, first_tile, done1, pf);
@@ -803,7 +805,8 @@ struct Consumer {
   // Decode pairs: the peer's exchange region, as a shared::cluster address.
   uint32_t peer_xchg;
 
-  __device__ __forceinline__ Consumer(const CtaSmem<S>& sm, int tid, int lane_) : lane(lane_), ctid(tid - 128) {
+  __device__ __forceinline__ Consumer(const CtaSmem<S>& sm, int tid, int lane_)
+      : lane(lane_), ctid(tid - 128) {
     // Broadcast from lane 0: ptxas then knows wg is warp-uniform and keeps what derives from
     // it (the wgmma descriptors, the ring position) in uniform registers, not in vector
     // registers copied over by R2UR at every wgmma (see docs/performance-history.md).
@@ -812,7 +815,8 @@ struct Consumer {
     cwarp = ctid / 32;
     lrow = wwarp * 16 + lane / 4;
     lcol = (lane % 4) * 2;
-    peer_empty = S::kPairRing ? sm90::mapa_shared(sm90::smem_u32(sm.empty_bar), sm90::cluster_ctarank() ^ 1u) : 0u;
+    peer_empty =
+        S::kPairRing ? sm90::mapa_shared(sm90::smem_u32(sm.empty_bar), sm90::cluster_ctarank() ^ 1u) : 0u;
     rank = S::kPairs ? int(sm90::cluster_ctarank()) : 0;
     peer_xchg = S::kHalfPairs ? sm90::mapa_shared(sm90::smem_u32(sm.xchg), uint32_t(rank) ^ 1u) : 0u;
   }
@@ -861,7 +865,8 @@ __device__ __forceinline__ void epilogue1_swap_ab(const KernelArgs& a, const Cta
     for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
       for (int c = 0; c < 2; ++c)
-        fast_ok &= (j * 8 + lcol + c >= tl.rows) | num::swiglu_fast_ok(acc[h * kHalf + j * 4 + c], a.swiglu_limit);
+        fast_ok &=
+            (j * 8 + lcol + c >= tl.rows) | num::swiglu_fast_ok(acc[h * kHalf + j * 4 + c], a.swiglu_limit);
   auto swiglu_rows = [&](auto act, float limit) {
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
@@ -942,8 +947,8 @@ __device__ __forceinline__ uint32_t gemm1_swap_ab(const KernelArgs& a, const Cta
       const int n = j * 8 + cs.lcol + c;
       rw[j][c] = n < tl.rows ? __ldcg(a.row_weight + tl.row0 + n) : 0.0f;
     }
-  mainloop_swap_ab<BN, 1, !S::kHalfPairs>(acc, tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar, cs.wg, cs.lcol,
-                                          sg_row, su_row, a.debug_skip, pf);
+  mainloop_swap_ab<BN, 1, !S::kHalfPairs>(acc, tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar, cs.wg,
+                                          cs.lcol, sg_row, su_row, a.debug_skip, pf);
   const uint32_t t_epi = pf.now();
   epilogue1_swap_ab<S>(a, sm, cs, tl, acc, rw);
   return t_epi;
@@ -953,8 +958,9 @@ __device__ __forceinline__ uint32_t gemm1_swap_ab(const KernelArgs& a, const Cta
 // rows' amax into m0, m1. swiglu_fast when the whole warp's gates allow it; straight-line
 // code either way (rows past tl.rows are computed too, with weight 0, and never stored),
 // so ptxas overlaps the thread's 32 SwiGLUs.
-__device__ __forceinline__ void swiglu_block_tokens_m(float (&ac)[64], const Tile& tl, int n0, int n1r, float rw0,
-                                                      float rw1, float swiglu_limit, float& m0, float& m1) {
+__device__ __forceinline__ void swiglu_block_tokens_m(float (&ac)[64], const Tile& tl, int n0, int n1r,
+                                                      float rw0, float rw1, float swiglu_limit, float& m0,
+                                                      float& m1) {
   bool ok0 = true, ok1 = true;
 #pragma unroll
   for (int i = 0; i < 8; ++i)
@@ -985,9 +991,9 @@ __device__ __forceinline__ void swiglu_block_tokens_m(float (&ac)[64], const Til
 // scale: also the rows' act2_scale). A token's 64 codes of a block sit in one lane quad,
 // two bytes a lane every 8 columns: a 4 x 4 word transpose inside the quad gives each lane
 // 16 adjacent bytes, one 16-byte store a row and block.
-__device__ __forceinline__ void store_block_tokens_m(const KernelArgs& a, const Tile& tl, float (&ac)[64], int col0,
-                                                     bool scale, int n0, int n1r, int ql, float inv0, float s0,
-                                                     float inv1, float s1) {
+__device__ __forceinline__ void store_block_tokens_m(const KernelArgs& a, const Tile& tl, float (&ac)[64],
+                                                     int col0, bool scale, int n0, int n1r, int ql,
+                                                     float inv0, float s0, float inv1, float s1) {
   auto store_row = [&](int n, int base, float inv, float s) {
     uint32_t w[4];  // w[k]: columns 16k + lcol + {0, 1} (lo) and 16k + 8 + lcol + {0, 1} (hi)
 #pragma unroll
@@ -1039,9 +1045,11 @@ __device__ __forceinline__ void epilogue1_tokens_m(const KernelArgs& a, const Ct
   }
   const float s0 = num::act_scale(m0), s1 = num::act_scale(m1);
   const float inv0 = 1.0f / s0, inv1 = 1.0f / s1;
-  store_block_tokens_m(a, tl, acc_block<0>(acc), tl.nblk * 128 + (split ? cs.wg * 64 : 0), !split || cs.wg == 0, n0,
-                       n1r, ql, inv0, s0, inv1, s1);
-  if (!split) store_block_tokens_m(a, tl, acc_block<1>(acc), tl.nblk * 128 + 64, false, n0, n1r, ql, inv0, s0, inv1, s1);
+  store_block_tokens_m(a, tl, acc_block<0>(acc), tl.nblk * 128 + (split ? cs.wg * 64 : 0),
+                       !split || cs.wg == 0, n0, n1r, ql, inv0, s0, inv1, s1);
+  if (!split)
+    store_block_tokens_m(a, tl, acc_block<1>(acc), tl.nblk * 128 + 64, false, n0, n1r, ql, inv0, s0, inv1,
+                         s1);
 }
 
 // GEMM1, tokens in M: the K loop (a wide tile's two halves, or a split wide tile's half of
@@ -1056,12 +1064,12 @@ __device__ __forceinline__ uint32_t gemm1_tokens_m(const KernelArgs& a, const Ct
   const float rw1 = n0p + 8 < tl.rows ? __ldcg(a.row_weight + tl.row0 + n0p + 8) : 0.0f;
   if constexpr (S::kWide) {
     if (split)
-      mainloop_tokens_m<1, false, true>(acc_block<0>(acc), tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar, 0, 0,
-                                        cs.wg, cs.lrow, sg_row, su_row, a.debug_skip, pf);
+      mainloop_tokens_m<1, false, true>(acc_block<0>(acc), tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar,
+                                        0, 0, cs.wg, cs.lrow, sg_row, su_row, a.debug_skip, pf);
     else
-      mainloop_tokens_m_blocks<1, true, false>(acc, tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar, 0, rbase,
-                                               cs.lrow, sg_row, su_row, nullptr, a.debug_skip | cs.wg_idle(a, tl),
-                                               pf);
+      mainloop_tokens_m_blocks<1, true, false>(acc, tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar, 0,
+                                               rbase, cs.lrow, sg_row, su_row, nullptr,
+                                               a.debug_skip | cs.wg_idle(a, tl), pf);
   } else {
     mainloop_tokens_m_blocks<1, false, S::kPairs>(acc, tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar,
                                                   cs.peer_empty, rbase, cs.lrow, sg_row, su_row, nullptr,
@@ -1139,9 +1147,9 @@ __device__ __forceinline__ uint32_t gemm2_swap_ab(const KernelArgs& a, const Cta
 // stores whole 16-byte chunks, four rows of 128 bytes a warp instruction (4-byte stores
 // straight from the fragment, 32 a thread, kept the epilogue waiting on the LSU queue).
 template <class S>
-__device__ __forceinline__ void epilogue2_tokens_m(const KernelArgs& a, const CtaSmem<S>& sm, const Consumer<S>& cs,
-                                                   const Tile& tl, int rbase, int32_t src, float (&ac)[64],
-                                                   int nblk) {
+__device__ __forceinline__ void epilogue2_tokens_m(const KernelArgs& a, const CtaSmem<S>& sm,
+                                                   const Consumer<S>& cs, const Tile& tl, int rbase,
+                                                   int32_t src, float (&ac)[64], int nblk) {
   const int lane = cs.lane;
   const uint8_t* warp_tile = sm.staging + cs.cwarp * SmemTail::kStagingWarpBytes;
   const uint32_t stg = sm90::smem_u32(warp_tile);
@@ -1190,20 +1198,23 @@ __device__ __forceinline__ uint32_t gemm2_tokens_m(const KernelArgs& a, const Ct
   // Lane i < 16 loads the row_src entry of the warp's row i before the K loop.
   // (the row from a fresh read of the thread index: kept in a register from the
   // kernel's start, it was the 128-token kernel's one spill)
-  const int row_in_tile = (sm90::thread_index() - 128) / 32 * 16 + lane -
-                          (split ? cs.wg * 64 : 0);  // rbase + wwarp * 16 + lane
+  const int row_in_tile =
+      (sm90::thread_index() - 128) / 32 * 16 + lane - (split ? cs.wg * 64 : 0);  // rbase + wwarp * 16 + lane
   const int32_t src = load_row_src(a, tl, lane < 16 ? row_in_tile : tl.rows);
   const float* wsc1 = wsc + (shared ? a.Is : a.I) / 128;  // (wide tiles: block nblk + 1's)
   if constexpr (S::kWide) {
     if (split)
-      mainloop_tokens_m<2, false, true>(acc_block<0>(acc), tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar, 0, 0,
-                                        cs.wg, cs.lrow, cs.wg ? wsc1 : wsc, cs.wg ? wsc1 : wsc, a.debug_skip, pf);
+      mainloop_tokens_m<2, false, true>(acc_block<0>(acc), tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar,
+                                        0, 0, cs.wg, cs.lrow, cs.wg ? wsc1 : wsc, cs.wg ? wsc1 : wsc,
+                                        a.debug_skip, pf);
     else
-      mainloop_tokens_m_blocks<2, true, false>(acc, tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar, 0, rbase,
-                                               cs.lrow, wsc, nullptr, wsc1, a.debug_skip | cs.wg_idle(a, tl), pf);
+      mainloop_tokens_m_blocks<2, true, false>(acc, tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar, 0,
+                                               rbase, cs.lrow, wsc, nullptr, wsc1,
+                                               a.debug_skip | cs.wg_idle(a, tl), pf);
   } else {
     mainloop_tokens_m<2, S::kPairs>(acc_block<0>(acc), tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar,
-                                    cs.peer_empty, rbase, 0, cs.lrow, wsc, wsc, a.debug_skip | cs.wg_idle(a, tl), pf);
+                                    cs.peer_empty, rbase, 0, cs.lrow, wsc, wsc,
+                                    a.debug_skip | cs.wg_idle(a, tl), pf);
   }
   const uint32_t t_epi = pf.now();
   epilogue2_tokens_m<S>(a, sm, cs, tl, rbase, src, acc_block<0>(acc), tl.nblk + (split ? cs.wg : 0));
@@ -1323,8 +1334,8 @@ __device__ __forceinline__ void init_cta(const TensorMaps& tm, const CtaSmem<S>&
 // ep_layout.h up to the pull). False: a peer did not arrive (status set; nothing is in
 // flight yet).
 template <class S>
-__device__ __forceinline__ bool build_tables(const KernelArgs& a, const CtaSmem<S>& sm, const EpTables& et, int T,
-                                             int E_total, int warp, int lane) {
+__device__ __forceinline__ bool build_tables(const KernelArgs& a, const CtaSmem<S>& sm, const EpTables& et,
+                                             int T, int E_total, int warp, int lane) {
   if (!S::kEp) {
     if (warp == 0)
       build_sched(
@@ -1351,8 +1362,9 @@ __device__ __forceinline__ int start_schedule(const KernelArgs& a, const TileIds
   // GEMM2 tile 256 x I; a CTA of decode pairs half a GEMM1 tile)
   const int G = gridDim.x >> S::csh;
   const int t2 = ids.t2;
-  sched.init(schedule_unit(a, S::csh), G, ids.t1, t2, a.H / 128 * (S::kWide || S::kHalfPairs ? 1 : 2), a.I / 128,
-             !a.round_robin, a.round_robin || S::kPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
+  sched.init(schedule_unit(a, S::csh), G, ids.t1, t2, a.H / 128 * (S::kWide || S::kHalfPairs ? 1 : 2),
+             a.I / 128, !a.round_robin,
+             a.round_robin || S::kPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
   return claim_next_tile<S>(a, sched, ids.tiles());
 }
 
@@ -1362,7 +1374,8 @@ __device__ __forceinline__ int start_schedule(const KernelArgs& a, const TileIds
 // row gets one 16-byte store a lane. The next task's loads (its x columns and its slot
 // rows) are issued before this task is quantized and stored.
 template <class S>
-__device__ __forceinline__ void phase0_scatter(const KernelArgs& a, const Sched& sc, int T, int warp, int lane) {
+__device__ __forceinline__ void phase0_scatter(const KernelArgs& a, const Sched& sc, int T, int warp,
+                                               int lane) {
   constexpr int kTaskGroups = 4;  // 32 lanes x 16 columns
   const int hb = a.H / 128;
   const int warps_total = gridDim.x * (kThreads / 32);
