@@ -234,8 +234,8 @@ struct CombinePlan {
 // (sm_unit, found at plan creation). The prefill layer depends on which SM runs which unit
 // (TPC mates share one L2 path, and the plain launch puts units 2k, 2k + 1 on one TPC; other
 // orders were slower at 4096 tokens, see docs/performance-history.md), and a launch behind
-// busy SMs (a programmatic launch, another stream's kernel still running) places the CTAs in another order: the table keeps the
-// idle launch's mapping whatever the placement. A measurement switch (a.unit_stride,
+// busy SMs (a programmatic launch, another stream's kernel still running) places the CTAs in
+// another order: the table keeps the idle launch's mapping whatever the placement. A measurement switch (a.unit_stride,
 // MEGAMOE_UNIT_STRIDE, which turns the table off) permutes the units, b * stride mod G, or
 // with 0 takes the SM's id where the grid holds one CTA on each SM numbered 0..G-1. A CTA
 // on an SM past either table traps: two CTAs would take one unit. Out of line: inlined, it
