@@ -608,7 +608,7 @@ __device__ __forceinline__ int claim_next_tile(const KernelArgs& a, TileSchedule
 template <class S, class WTag, class GTag>
 __device__ __forceinline__ void fill_tile(WTag w_tag, GTag g_tag, const KernelArgs& a, const TensorMaps& tm,
                                           const CtaSmem<S>& sm, const Tile& tl, RingPos<S::kStages>& rp,
-                                          bool ready, int need, int* done1, bool no_loads, uint32_t stage_tx,
+                                          bool& ready, int need, int* done1, bool no_loads, uint32_t stage_tx,
                                           Prof& pf) {
   constexpr int kStages = S::kStages;
   constexpr bool kSwapAB = S::kSwapAB, kHalfPairs = S::kHalfPairs, kEp = S::kEp;
@@ -680,10 +680,8 @@ __device__ __forceinline__ void fill_tile(WTag w_tag, GTag g_tag, const KernelAr
 template <class S>
 __device__ __forceinline__ void producer_thread(const KernelArgs& a, const TensorMaps& tm,
                                                 const CtaSmem<S>& sm, const TileIds& ids, TileSchedule& sched,
-                                                int first_tile, int* done1, Prof& pf) {
-  const bool no_loads = a.debug_skip & kSkipLoads;
-  // A stage's bytes: weights, tokens and the tokens' scales of its K block (either GEMM).
-  const uint32_t stage_tx = no_loads ? 0 : S::kWBytes + S::kXBytes + S::BN * 4;
+                                                int first_tile, int* done1, bool no_loads, uint32_t stage_tx,
+                                                Prof& pf) {
   const int t1_routed = ids.t1_routed, t1 = ids.t1, tiles = ids.tiles();
   const uint32_t t_prod = pf.now();
   sm90::fence_proxy_async_global();
@@ -767,11 +765,12 @@ __device__ __forceinline__ void signal_thread(const KernelArgs& a, const CtaSmem
 template <class S>
 __device__ __forceinline__ void producer_warpgroup(const KernelArgs& a, const TensorMaps& tm,
                                                    const CtaSmem<S>& sm, const TileIds& ids,
-                                                   TileSchedule& sched, int first_tile, int* done1, int T,
-                                                   int E_total, int tid, int warp, int lane, Prof& pf) {
+                                                   TileSchedule& sched, int first_tile, int* done1,
+                                                   bool no_loads, uint32_t stage_tx, int T, int E_total, int tid,
+                                                   int warp, int lane, Prof& pf) {
   sm90::setmaxnreg_dec<kProducerRegs>();
   if (tid == 0)
-    producer_thread<S>(a, tm, sm, ids, sched, first_tile, done1, pf);
+    producer_thread<S>(a, tm, sm, ids, sched, first_tile, done1, no_loads, stage_tx, pf);
   else if (S::kEp && a.ep_overlap && warp >= 2)
     ep_pull_overlapped<S::BN>(a, sm.sc, done1, warp - 2, 2);  // step 3, beside the tiles
   else if (tid == 32)
@@ -1504,8 +1503,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // The tile schedule (identical in every role).
   const TileIds ids = tile_ids(a, sm.sc, S::sh1, S::sh2);
+  const int tiles = ids.tiles();
+  // The producer's stage bytes: weights, tokens and the tokens' scales of its K block (either
+  // GEMM); none with kSkipLoads. (Here, before phase 0, as in the one-body kernel: computed in
+  // producer_thread they moved ptxas's allocation of the whole kernel.)
+  const bool no_loads = a.debug_skip & kSkipLoads;
+  const uint32_t stage_tx = no_loads ? 0 : S::kWBytes + S::kXBytes + S::BN * 4;
   TileSchedule sched;
-  int first_tile = ids.tiles();
+  int first_tile = tiles;
   if (tid == 0) first_tile = start_schedule<S>(a, ids, sched);
 
   // ---- Phase 0 ----
@@ -1522,7 +1527,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- Producer warpgroup ----
   if (warp < 4) {
-    producer_warpgroup<S>(a, tm, sm, ids, sched, first_tile, done1, T, E_total, tid, warp, lane, pf);
+    producer_warpgroup<S>(a, tm, sm, ids, sched, first_tile, done1, no_loads, stage_tx, T, E_total, tid, warp,
+                          lane, pf);
     return;
   }
 
