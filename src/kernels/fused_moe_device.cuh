@@ -49,13 +49,13 @@ struct KernelArgs {
   // Measurement switches (wrong outputs when set; for timing the parts of the kernel):
   int debug_skip;      // MEGAMOE_DEBUG_SKIP: kSkipMma | kSkipLoads | kSkipFold (below)
   int round_robin;     // MEGAMOE_SCHEDULE=rr: plain round-robin instead of TileSchedule's balance
-  int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (v5 behaviour)
+  int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (no early weight loads)
   int tail_pool;       // FusedMoeConfig::tail_pool (per forward): GEMM2 tiles left to claims at the end
   int unit_stride;     // MEGAMOE_UNIT_STRIDE: CTA b takes unit b * stride mod G (coprime to G; 1; 0: %smid)
   int sm_units;        // FusedMoeConfig::sm_units (per forward): the unit of the CTA's SM, sm_unit
   // MEGAMOE_UNIT_TURN (even; 0 = off): with sm_units the units turn by this many a forward
   // (unit + turn * epoch mod G, epoch = the routing's forward count), as a plain launch's
-  // starting SM moves from launch to launch. A measurement switch (v44).
+  // starting SM moves from launch to launch. A measurement switch.
   int unit_turn;
   uint64_t* epoch;   // [0] bumped by route_logits once a forward (MoeWorkspaceLayout::ep_state)
   int half_tiles;    // FusedMoeConfig::half_tiles (per forward)
@@ -250,7 +250,7 @@ struct Prof {
   uint32_t v[kPfSlots] = {};
   // NOTE: ptxas may still re-read the clock for a long-lived start value (an S2UR
   // rematerialized next to its use): the 128-token kernel's "tables" interval of phase 0
-  // reads near 2^32 (v18, bench/results/NOTES.md); the other intervals read right.
+  // reads near 2^32 (see docs/performance-history.md); the other intervals read right.
   __device__ __forceinline__ uint32_t now() const { return kProfile ? sm90::clock_ordered() : 0u; }
   __device__ __forceinline__ void stamp(int slot) {
     if (kProfile) v[slot] = uint32_t(sm90::globaltimer_ns());
@@ -269,8 +269,8 @@ struct Prof {
 
 // A consumer warp hands a stage back to the producer: one arrival per warp, after
 // every lane is done with the stage (its wgmma retired, its scale reads done).
-// NOTE: v7 arrived with all 256 threads; 256 arrivals on one mbarrier per stage
-// cost as much as the stage's loads or its wgmma (ncu, bench/results/NOTES.md).
+// NOTE: not one arrival a thread: 256 arrivals on one mbarrier per stage cost as much
+// as the stage's loads or its wgmma (ncu, see docs/performance-history.md).
 __device__ __forceinline__ void release_stage(uint64_t* empty) {
   __syncwarp();
   if (threadIdx.x % 32 == 0) sm90::mbar_arrive(empty);
@@ -290,7 +290,7 @@ __device__ __forceinline__ void release_stage_pair(uint64_t* empty, uint32_t pee
 // Sorted row (or -1) and routing weight of token t's slot `lane` (routed 0..K-1,
 // then the shared expert); lanes past the slots get -1. One load round trip for a
 // whole token: phase 0 and the combine take the slots from the lanes by shuffle or
-// shared memory instead of walking them with dependent loads (v7: ~27 serialized
+// shared memory instead of walking them with dependent loads (~27 serialized
 // round trips per token and thread in the combine).
 // Under expert parallelism (combine only) a routed slot's row is t * K + lane of the
 // combine region, where its owner stored it.

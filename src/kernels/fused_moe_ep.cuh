@@ -284,7 +284,7 @@ __device__ __forceinline__ void ep_pull_overlapped(const KernelArgs& a, const Sc
 
 // Where a GEMM2 row goes, from its row_src entry `src` (loaded before the K loop: the
 // load's round trip stays off the epilogue): single device y_rows[token][slot], so the
-// combine reads each token's slot rows from one place (v15); expert parallelism the
+// combine reads each token's slot rows from one place; expert parallelism the
 // source rank's combine[token][slot], or y_rows[row] for the shared expert.
 template <bool kEp>
 __device__ __forceinline__ uint16_t* out_row(const KernelArgs& a, const Tile& tl, int row, int32_t src) {

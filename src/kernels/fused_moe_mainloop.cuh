@@ -20,12 +20,12 @@ namespace {  // (this header belongs to fused_moe.cu, its one includer)
 // flight across a loop back-edge, so the next stage cannot be queued before this
 // stage's fold inside a one-stage loop; and (C7518) when a wgmma sits on a path
 // it cannot prove uniform. Check the build log for both after changing these loops.
-// The decode loop therefore takes two stages an iteration (v13). A stage handed back
+// The decode loop therefore takes two stages an iteration. A stage handed back
 // (release_stage: one lane's arrive) while a group is in flight made ptxas give the
 // next chain a third register buffer and spill the accumulator, so both stages of an
 // iteration are released after its last wait. The prefill loop keeps one K block an
-// iteration: two (same structure, 6 stages in the ring) measured 10 % slower at
-// T = 16384 (bench/results/NOTES.md, v13).
+// iteration: two (same structure, 6 stages in the ring) measured slower at
+// T = 16384 (see docs/performance-history.md).
 // ---------------------------------------------------------------------------
 
 // A chain of kSteps wgmma k-steps into buf, from zero, starting at k-step k0 of a stage:
@@ -60,8 +60,8 @@ __device__ __forceinline__ float (&acc_block(float (&acc)[N]))[64] {
 // and K block (GEMM2: one act2 group) times scale_w: GEMM1 gate (lo) / up (hi) of the
 // tile's 128-row scale blocks, GEMM2 one. A GEMM1 tile (kHalves) then runs its half 1 into
 // acc[BN / 2 ..] from the next stages (the producer's order: half 0's K blocks, then half
-// 1's, so a weight row's 128-byte pieces stream in order, as one half's rows did before
-// v27: the halves a K block in turn measured 1-3 % slower at 8-256 tokens); without
+// 1's, so a weight row's 128-byte pieces stream in order: the halves a K block in turn
+// measured slower at 8-256 tokens, see docs/performance-history.md); without
 // kHalves (decode pairs) the CTA's one half.
 template <int BN, int kGemm, bool kHalves = true>
 __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN], int kblocks, RingPos<stages_for(BN)>& rp,
@@ -76,7 +76,7 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN], int kblocks, 
   // Scale products per column pair j: (c0, c1) x (lo, hi) (GEMM2: lo == hi).
   float pa[BN / 8][4];
   const uint32_t t_loop = pf.now();
-  // Descriptors of stage 0's tiles; a stage and a K step add their offset >> 4 (v11).
+  // Descriptors of stage 0's tiles; a stage and a K step add their offset >> 4.
   const uint32_t dw0 = sm90::smem_desc_sw128_lo(smem + wg * 64 * 128);
   const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes);
   auto fold = [&](float(&dst)[BN / 2], const float(&buf)[BN / 2]) {
@@ -129,9 +129,9 @@ __device__ __forceinline__ void mainloop_swap_ab(float (&acc)[BN], int kblocks, 
     return;
   }
   // NOTE: ncu shows the weight-scale loads as the decode tiles' largest stall, but the
-  // wait overlaps the weight stream: holding the tile's scale rows in registers (v9) made
-  // T=256 1.4 % slower and T=16384 2.7 % (bench/results/NOTES.md).
-  // Two stages an iteration (v13): the second's chain is queued while the first's is
+  // wait overlaps the weight stream: holding the tile's scale rows in registers measured
+  // slower at 256 and 16384 tokens (see docs/performance-history.md).
+  // Two stages an iteration: the second's chain is queued while the first's is
   // folded, so the warpgroup's tensor work drains once per two stages, not per stage.
   // Both stages are waited for before the first issue: no wgmma is in flight across the
   // mbarrier's retry loop (see the NOTE above the K loops).
@@ -243,7 +243,7 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   const uint32_t t_loop = pf.now();
   const int r0 = xrow0 + lrow, r1 = r0 + 8;
   float ba[64];
-  // Descriptors of stage 0's tiles; a stage and a K step add their offset >> 4 (v11).
+  // Descriptors of stage 0's tiles; a stage and a K step add their offset >> 4.
   const uint32_t dx0 = sm90::smem_desc_sw128_lo(smem + kWBytes + xrow0 * 128);
   const uint32_t dw0 = sm90::smem_desc_sw128_lo(smem + wblk * (kBlockM * kBlockK));
   auto issue_stage = [&](uint32_t so) {
@@ -260,14 +260,12 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   }
   // (Nothing is in flight at the back-edge: see the NOTE above the K loops.)
   // NOTE: the weight scales' loads stay in the stage, here and in mainloop_tokens_m_blocks.
-  // ncu at 4096 tokens (v44) puts 8.5 % of the wide kernel's stall samples on the products'
-  // wait for them, but the stage's first chain runs meanwhile: loaded a stage ahead into
-  // registers (the copy at the back-edge then waited, with no chain in flight) the layer
-  // measured +1..+3.5 %, carried in the stage by the producer's cp.async (its refill slower,
-  // the consumers' data waits up) +2..+8 % (bench/results/ab/v44_*_attempt.diff, NOTES v44).
-  // Written before the stage's wait, they are issued (ptxas keeps them after the wait) ahead
-  // of the first chain instead of behind it: the 8-way shares -0.7..-1.2 % at 1024-4096
-  // tokens, the full layers level (H100, seven rounds, ab/v44_scales_early*_h100.log).
+  // ncu puts some of the wide kernel's stall samples on the products' wait for them, but
+  // the stage's first chain runs meanwhile: loaded a stage ahead into registers (the copy
+  // at the back-edge then waited, with no chain in flight) or carried in the stage by the
+  // producer's cp.async (its refill slower, the consumers' data waits up), the layer
+  // measured slower. Written before the stage's wait, they are issued (ptxas keeps them
+  // after the wait) ahead of the first chain instead of behind it (see docs/performance-history.md).
   for (int kb = 0; kb < kblocks; ++kb, rp.advance()) {
     // (before the stage's wait in the source, ahead of the chain in the SASS: see the NOTE)
     const float sg = __ldg(gate_scale + kb), su = kGemm == 1 ? __ldg(up_scale + kb) : sg;
@@ -302,8 +300,8 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
 // drains between the chains and the other warpgroup's chains fill the gap. The fold order
 // of each accumulator is mainloop_tokens_m's, so the bytes do not depend on the tile
 // shape. GEMM1's halves share their 128-row scale blocks, so one set of products serves
-// both. (kSkipFold is not taken here: that branch moved ptxas's schedule of the wide loop,
-// v25; the measurement build is bench/results/ab/v25_wide_skipfold_hack.diff.)
+// both. (kSkipFold is not taken here: that branch moved ptxas's schedule of the wide loop;
+// see docs/performance-history.md for the measurement build.)
 template <int kGemm, bool kWide, bool kPairs>
 __device__ __forceinline__ void mainloop_tokens_m_blocks(float (&acc)[128], int kblocks,
                                                          RingPos<stages_for(128, kWide)>& rp, uint8_t* smem,

@@ -86,7 +86,7 @@ __device__ __forceinline__ uint32_t mapa_shared(uint32_t addr, uint32_t rank) {
 // Arrive on an mbarrier of any CTA of the cluster (a mapa_shared address).
 // NOTE: the default semantics (release at CTA scope), as CUTLASS's ClusterBarrier: with
 // .release.cluster ptxas puts a MEMBAR.ALL.GPU before every arrival (and .acquire.cluster
-// on the waits an L1 invalidation), which made pair tiles 2.3x slower (v23). What the
+// on the waits an L1 invalidation), which made pair tiles over twice as slow. What the
 // arrival hands over is a stage whose reads (wgmma, retired by wgmma.wait_group) are done.
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_addr) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
@@ -246,7 +246,7 @@ __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
 
 // The SM's cycle counter (profile build): the "memory" clobber keeps the compiler from
 // moving loads and stores across the read (the epilogue intervals read near 2^32 with
-// clock(), v17). ptxas may still read it again for a value it rematerializes (Prof).
+// clock()). ptxas may still read it again for a value it rematerializes (Prof).
 __device__ __forceinline__ uint32_t clock_ordered() {
   uint32_t t;
   asm volatile("mov.u32 %0, %%clock;" : "=r"(t)::"memory");
@@ -264,7 +264,7 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
 // NOTE: ld.acquire.gpu compiles to LDG.STRONG.GPU + CCTL.IVALL, which drops the SM's
 // whole L1; spinning with acquires did that on every try. A single check stays one
 // acquire (a relaxed look first put a second L2 round trip on the producer's path at
-// every GEMM2 tile: T = 256 +2.6 %, docs/performance-history.md).
+// every GEMM2 tile, slower at 256 tokens: see docs/performance-history.md).
 __device__ __forceinline__ void wait_geq_acquire_gpu(const int* p, int v) {
   while (ld_relaxed_gpu(p) < v) {
   }
