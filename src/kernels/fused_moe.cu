@@ -59,7 +59,7 @@
 // completion counter of its (expert, token block). Expert row segments start on
 // multiples of 8 rows (kRowAlign: TMA boxes start 16-byte aligned).
 //
-// Pair tiles (kPairs, 128-token tiles on one device, heuristics.h): clusters of two
+// Pair tiles (kClusterPairs, 128-token tiles on one device, heuristics.h): clusters of two
 // CTAs, in which the schedule's unit is a pair of tiles and TileSchedule's "CTA" is a
 // cluster. A pair shares either its token block (output blocks 2j, 2j + 1: each CTA loads
 // its own weights and 64 of the 128 token rows, multicast into both CTAs' stage) or, with
@@ -254,34 +254,34 @@ __device__ __noinline__ int schedule_unit(const KernelArgs& a, int csh) {
 
 // The compile-time shape of one kernel instantiation: its template arguments and what
 // follows from them, shared by every role below.
-template <int BN_, bool kEp_, bool kPairs_, bool kWide_>
+template <int BN_, bool kEp_, bool kClusterPairs_, bool kWide_>
 struct KernelShape {
   static constexpr int BN = BN_;
-  static constexpr bool kEp = kEp_, kPairs = kPairs_, kWide = kWide_;
+  static constexpr bool kEp = kEp_, kClusterPairs = kClusterPairs_, kWide = kWide_;
   static constexpr int kStages = stages_for(BN, kWide);
   static constexpr int kStageBytes = stage_bytes(BN, kWide);
   static constexpr int kWBytes = (kWide ? 2 : 1) * kBlockM * kBlockK;  // a stage's weight rows
   static constexpr int kXBytes = BN * kBlockK;
   static constexpr bool kSwapAB = swap_ab(BN);
   // Pair tiles: 128-token tiles share their stages (multicast); decode tiles split a GEMM1
-  // tile's halves between the two CTAs and exchange the tokens' amax (kHalfPairs).
-  static constexpr bool kPairRing = kPairs && !kSwapAB;
-  static constexpr bool kHalfPairs = kPairs && kSwapAB;
+  // tile's halves between the two CTAs and exchange the tokens' amax (kDecodePair).
+  static constexpr bool kPairTile = kClusterPairs && !kSwapAB;
+  static constexpr bool kDecodePair = kClusterPairs && kSwapAB;
   // fp32 accumulators per thread: m64nBN for each of a GEMM1 tile's two halves (tokens in M:
   // two blocks of 64, also a wide GEMM2 tile's two output blocks)
   static constexpr int kAcc = kSwapAB ? BN : 128;
   // Pair tiles: the schedule's ids count pairs of tiles (TileIds), and a cluster takes the
   // place of a CTA in TileSchedule.
-  static constexpr int sh1 = kPairRing ? 1 : 0;        // GEMM1 ids count pairs of tiles
-  static constexpr int sh2 = kPairs || kWide ? 1 : 0;  // GEMM2 ids count pairs of tiles
-  static constexpr int csh = kPairs ? 1 : 0;           // the schedule's unit is a cluster of two CTAs
+  static constexpr int sh1 = kPairTile ? 1 : 0;        // GEMM1 ids count pairs of tiles
+  static constexpr int sh2 = kClusterPairs || kWide ? 1 : 0;  // GEMM2 ids count pairs of tiles
+  static constexpr int csh = kClusterPairs ? 1 : 0;           // the schedule's unit is a cluster of two CTAs
 
   static_assert(num::kGemm1FoldK == kBlockK && num::kInterGroup == kBlockK,
                 "both GEMMs fold once a K block (GEMM2: one intermediate scale group)");
   static_assert(kSwapAB || BN == 128, "the tokens-in-M layout is built for 128-token tiles");
   static_assert(kStages <= 16, "SmemTail holds 16 stage barriers");
-  static_assert(!kPairs || (!kEp && (BN == 128 || BN <= kDecodePairsMaxBlockN)), "pair tiles: one device");
-  static_assert(!kWide || (BN == 128 && !kPairs), "wide tiles: 128-token tiles, no cluster");
+  static_assert(!kClusterPairs || (!kEp && (BN == 128 || BN <= kDecodePairsMaxBlockN)), "pair tiles: one device");
+  static_assert(!kWide || (BN == 128 && !kClusterPairs), "wide tiles: 128-token tiles, no cluster");
 };
 
 // The CTA's shared memory: the stage ring (`ring`, kStages stages) and the regions of
@@ -577,7 +577,7 @@ __device__ __forceinline__ void issue_tokens(WTag, GTag, const TensorMaps& tm, c
   // Pair tiles: this CTA's 64 of the tile's token rows into both CTAs' stage (the
   // peer loads the other 64); the scales each CTA loads for itself.
   auto rows = [&](const CUtensorMap* map, const CUtensorMap* half_map) {
-    if constexpr (S::kPairRing && !WTag::value) {
+    if constexpr (S::kPairTile && !WTag::value) {
       const int half = int(sm90::cluster_ctarank());
       sm90::tma_load_2d_multicast(x_s + half * 64 * 128, half_map, full, kb * 128, tl.row0 + half * 64, 0x3);
     } else {
@@ -597,7 +597,7 @@ __device__ __forceinline__ void issue_tokens(WTag, GTag, const TensorMaps& tm, c
 template <class S>
 __device__ __forceinline__ int claim_next_tile(const KernelArgs& a, TileSchedule& sch, int tiles) {
   const int t = sch.next();
-  if constexpr (S::kPairs) return t;  // (no pool)
+  if constexpr (S::kClusterPairs) return t;  // (no pool)
   return t == sch.pool_begin() && t < tiles ? t + atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterPool], 1)
                                             : t;
 }
@@ -611,7 +611,7 @@ __device__ __forceinline__ void fill_tile(WTag w_tag, GTag g_tag, const KernelAr
                                           bool& ready, int need, int* done1, bool no_loads, uint32_t stage_tx,
                                           Prof& pf) {
   constexpr int kStages = S::kStages;
-  constexpr bool kSwapAB = S::kSwapAB, kHalfPairs = S::kHalfPairs, kEp = S::kEp;
+  constexpr bool kSwapAB = S::kSwapAB, kDecodePair = S::kDecodePair, kEp = S::kEp;
   // The stage's bytes of its weights (from stage_tx: one value less live in the producer's loop)
   const uint32_t weight_tx = stage_tx ? uint32_t(S::kWBytes) : 0u;
   // Stage i of the tile: K block i (of this CTA's half of a decode pair's GEMM1 tile), or
@@ -619,11 +619,11 @@ __device__ __forceinline__ void fill_tile(WTag w_tag, GTag g_tag, const KernelAr
   // half 0's K blocks, then half 1's; tokens in M the halves of a K block in turn. (On
   // one device only a GEMM2 tile defers its tokens, one stage a K block; with the
   // expert-parallel pull overlapped a routed GEMM1 tile also waits for its rows.)
-  constexpr bool kHalves = GTag::value == 1 && !S::kWide && !kHalfPairs;
+  constexpr bool kHalves = GTag::value == 1 && !S::kWide && !kDecodePair;
   const int stages = (kHalves ? 2 : 1) * tl.kblocks;
   // Stage i's half and K block.
   auto half_of = [&](int i) {
-    return !kHalves ? (kHalfPairs ? int(sm90::cluster_ctarank()) : 0) : kSwapAB ? (i >= tl.kblocks) : (i & 1);
+    return !kHalves ? (kDecodePair ? int(sm90::cluster_ctarank()) : 0) : kSwapAB ? (i >= tl.kblocks) : (i & 1);
   };
   auto kblock_of = [&](int i) { return !kHalves ? i : kSwapAB ? i - half_of(i) * tl.kblocks : (i >> 1); };
   int deferred = 0;  // the last `deferred` stages filled: weights issued, tokens not yet
@@ -700,7 +700,7 @@ __device__ __forceinline__ void producer_thread(const KernelArgs& a, const Tenso
     }
     // (wide GEMM2 tiles: the pair's rank-0 tile, nblk even; the consumers add block nblk + 1)
     const Tile tl = decode_tile<S::BN>(a, sm.sc, tile, t1_routed, t1, S::sh1, S::sh2,
-                                       S::kPairs ? sm90::cluster_ctarank() : 0);
+                                       S::kClusterPairs ? sm90::cluster_ctarank() : 0);
     // The tile after this one, chosen now: a pool claim's round trip overlaps this
     // tile's loads (it is used at the end of the loop).
     const int next = claim_next_tile<S>(a, sched, tiles);
@@ -708,13 +708,13 @@ __device__ __forceinline__ void producer_thread(const KernelArgs& a, const Tenso
     // (decode pairs: each CTA publishes its half of a GEMM1 tile)
     // Expert parallelism with the pull overlapped: the unit's done1 counts its pulled rows
     // first (ep_pull_overlapped), so both GEMMs of a routed unit wait for those too.
-    int need = (tl.e == a.E ? a.Is : a.I) / 128 * (S::kHalfPairs ? 2 : 1);
+    int need = (tl.e == a.E ? a.Is : a.I) / 128 * (S::kDecodePair ? 2 : 1);
     if constexpr (S::kEp) need = (tl.gemm == 1 ? 0 : need) + (a.ep_overlap && tl.e < a.E ? tl.rows : 0);
     // (timing only: what the dependency costs, the wait and the acquiring load both)
     if (a.debug_skip & kSkipDeps) need = 0;
     const uint32_t t0 = pf.now();
     bool ready = need == 0 || (!S::kEp && tl.gemm == 1) || sm90::ld_acquire_gpu(&done1[tl.unit]) >= need;
-    if (a.no_early_loads && !ready) {
+    if (!a.early_weights && !ready) {
       sm90::wait_geq_acquire_gpu(&done1[tl.unit], need);
       ready = true;
     }
@@ -729,7 +729,7 @@ __device__ __forceinline__ void producer_thread(const KernelArgs& a, const Tenso
         fill_tile<S>(w_tag, std::integral_constant<int, 2>{}, a, tm, sm, tl, rp, ready, need, done1, no_loads,
                      stage_tx, pf);
     };
-    if constexpr (S::kPairRing) {
+    if constexpr (S::kPairTile) {
       if (tl.wpair)
         fill_gemm(std::true_type{});
       else
@@ -815,9 +815,9 @@ struct Consumer {
     lrow = wwarp * 16 + lane / 4;
     lcol = (lane % 4) * 2;
     peer_empty =
-        S::kPairRing ? sm90::mapa_shared(sm90::smem_u32(sm.empty_bar), sm90::cluster_ctarank() ^ 1u) : 0u;
-    rank = S::kPairs ? int(sm90::cluster_ctarank()) : 0;
-    peer_xchg = S::kHalfPairs ? sm90::mapa_shared(sm90::smem_u32(sm.xchg), uint32_t(rank) ^ 1u) : 0u;
+        S::kPairTile ? sm90::mapa_shared(sm90::smem_u32(sm.empty_bar), sm90::cluster_ctarank() ^ 1u) : 0u;
+    rank = S::kClusterPairs ? int(sm90::cluster_ctarank()) : 0;
+    peer_xchg = S::kDecodePair ? sm90::mapa_shared(sm90::smem_u32(sm.xchg), uint32_t(rank) ^ 1u) : 0u;
   }
 
   // Half tiles (a.half_tiles, kHalfTileMaxAvgRows): a 128-token tile of at most 64 rows has
@@ -854,8 +854,8 @@ __device__ __forceinline__ void epilogue1_swap_ab(const KernelArgs& a, const Cta
                                                   const Tile& tl, float (&acc)[S::kAcc],
                                                   const float (&rw)[S::BN / 8][2]) {
   constexpr int BN = S::BN;
-  constexpr bool kHalfPairs = S::kHalfPairs;
-  constexpr int kHalf = BN / 2, kHeld = kHalfPairs ? 1 : 2;
+  constexpr bool kDecodePair = S::kDecodePair;
+  constexpr int kHalf = BN / 2, kHeld = kDecodePair ? 1 : 2;
   const int lane = cs.lane, lcol = cs.lcol, ctid = cs.ctid;
   bool fast_ok = true;
 #pragma unroll
@@ -895,7 +895,7 @@ __device__ __forceinline__ void epilogue1_swap_ab(const KernelArgs& a, const Cta
     float amax = sm.red[ctid];
 #pragma unroll
     for (int w = 1; w < 8; ++w) amax = fmaxf(amax, sm.red[w * BN + ctid]);
-    if constexpr (kHalfPairs) {
+    if constexpr (kDecodePair) {
       // The other half's maxima come from the peer CTA: each sends its own into the
       // peer's buffer (st.async, counted on the peer's exchange barrier) and waits for
       // the peer's in its own. Two buffers by the exchanges' parity: the peer sends the
@@ -910,12 +910,12 @@ __device__ __forceinline__ void epilogue1_swap_ab(const KernelArgs& a, const Cta
     }
     const float s = num::act_scale(amax);
     sm.tok_inv_scale[ctid] = 1.0f / s;
-    if (ctid < tl.rows && (!kHalfPairs || cs.rank == 0))
+    if (ctid < tl.rows && (!kDecodePair || cs.rank == 0))
       a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + ctid] = s;
   }
-  if constexpr (kHalfPairs) ++cs.nxchg;
+  if constexpr (kDecodePair) ++cs.nxchg;
   sm90::named_barrier(1, kConsumerThreads);
-  const int col = tl.nblk * 128 + (kHalfPairs ? cs.rank * 64 : 0) + cs.wg * 32 + cs.wwarp * 8 + lane / 4;
+  const int col = tl.nblk * 128 + (kDecodePair ? cs.rank * 64 : 0) + cs.wg * 32 + cs.wwarp * 8 + lane / 4;
 #pragma unroll
   for (int h = 0; h < kHeld; ++h)
 #pragma unroll
@@ -946,7 +946,7 @@ __device__ __forceinline__ uint32_t gemm1_swap_ab(const KernelArgs& a, const Cta
       const int n = j * 8 + cs.lcol + c;
       rw[j][c] = n < tl.rows ? __ldcg(a.row_weight + tl.row0 + n) : 0.0f;
     }
-  mainloop_swap_ab<BN, 1, !S::kHalfPairs>(acc, tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar, cs.wg,
+  mainloop_swap_ab<BN, 1, !S::kDecodePair>(acc, tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar, cs.wg,
                                           cs.lcol, sg_row, su_row, a.debug_skip, pf);
   const uint32_t t_epi = pf.now();
   epilogue1_swap_ab<S>(a, sm, cs, tl, acc, rw);
@@ -1070,7 +1070,7 @@ __device__ __forceinline__ uint32_t gemm1_tokens_m(const KernelArgs& a, const Ct
                                                rbase, cs.lrow, sg_row, su_row, nullptr,
                                                a.debug_skip | cs.wg_idle(a, tl), pf);
   } else {
-    mainloop_tokens_m_blocks<1, false, S::kPairs>(acc, tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar,
+    mainloop_tokens_m_blocks<1, false, S::kClusterPairs>(acc, tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar,
                                                   cs.peer_empty, rbase, cs.lrow, sg_row, su_row, nullptr,
                                                   a.debug_skip | cs.wg_idle(a, tl), pf);
   }
@@ -1211,7 +1211,7 @@ __device__ __forceinline__ uint32_t gemm2_tokens_m(const KernelArgs& a, const Ct
                                                rbase, cs.lrow, wsc, nullptr, wsc1,
                                                a.debug_skip | cs.wg_idle(a, tl), pf);
   } else {
-    mainloop_tokens_m<2, S::kPairs>(acc_block<0>(acc), tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar,
+    mainloop_tokens_m<2, S::kClusterPairs>(acc_block<0>(acc), tl.kblocks, rp, sm.ring, sm.full_bar, sm.empty_bar,
                                     cs.peer_empty, rbase, 0, cs.lrow, wsc, wsc,
                                     a.debug_skip | cs.wg_idle(a, tl), pf);
   }
@@ -1304,13 +1304,13 @@ __device__ __forceinline__ void init_cta(const TensorMaps& tm, const CtaSmem<S>&
     for (int s = 0; s < S::kStages; ++s) {
       sm90::mbar_init(&sm.full_bar[s], 1);
       // One arrival per consumer warp (pair tiles: of both CTAs, release_stage_pair).
-      sm90::mbar_init(&sm.empty_bar[s], (S::kPairRing ? 2 : 1) * kConsumerThreads / 32);
+      sm90::mbar_init(&sm.empty_bar[s], (S::kPairTile ? 2 : 1) * kConsumerThreads / 32);
     }
     for (int s = 0; s < kTileSlots; ++s) {
       sm90::mbar_init(&sm.done_bar[s], kConsumerThreads / 32);
       sm90::mbar_init(&sm.free_bar[s], 1);
     }
-    if (S::kHalfPairs)
+    if (S::kDecodePair)
       for (int b = 0; b < 2; ++b) sm90::mbar_init(&sm.xchg_bar[b], 1);
     for (int s = 0; s < kCombineStages; ++s) {
       sm90::mbar_init(&sm.comb_full[s], 1);
@@ -1323,7 +1323,7 @@ __device__ __forceinline__ void init_cta(const TensorMaps& tm, const CtaSmem<S>&
     sm90::tma_prefetch_desc(&tm.w2);
     sm90::tma_prefetch_desc(&tm.x);
     sm90::tma_prefetch_desc(&tm.a2);
-    if (S::kPairRing) sm90::tma_prefetch_desc(&tm.xh), sm90::tma_prefetch_desc(&tm.a2h);
+    if (S::kPairTile) sm90::tma_prefetch_desc(&tm.xh), sm90::tma_prefetch_desc(&tm.a2h);
     if (S::kWide) sm90::tma_prefetch_desc(&tm.w13w), sm90::tma_prefetch_desc(&tm.w2w);
   }
 }
@@ -1343,7 +1343,7 @@ __device__ __forceinline__ bool build_tables(const KernelArgs& a, const CtaSmem<
     __syncthreads();
     // Pair tiles: the peer's barriers are initialized before this CTA multicasts into its
     // stages or arrives on them (and the reverse).
-    if (S::kPairs) sm90::cluster_arrive(), sm90::cluster_wait();
+    if (S::kClusterPairs) sm90::cluster_arrive(), sm90::cluster_wait();
     return true;
   }
   return ep_exchange(a, sm.sc, et, T, a.ep.state[0], S::BN);
@@ -1361,9 +1361,9 @@ __device__ __forceinline__ int start_schedule(const KernelArgs& a, const TileIds
   // GEMM2 tile 256 x I; a CTA of decode pairs half a GEMM1 tile)
   const int G = gridDim.x >> S::csh;
   const int t2 = ids.t2;
-  sched.init(schedule_unit(a, S::csh), G, ids.t1, t2, a.H / 128 * (S::kWide || S::kHalfPairs ? 1 : 2),
+  sched.init(schedule_unit(a, S::csh), G, ids.t1, t2, a.H / 128 * (S::kWide || S::kDecodePair ? 1 : 2),
              a.I / 128, !a.round_robin,
-             a.round_robin || S::kPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
+             a.round_robin || S::kClusterPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
   return claim_next_tile<S>(a, sched, ids.tiles());
 }
 
@@ -1458,9 +1458,9 @@ __device__ __forceinline__ bool phase0_grid_barrier(const KernelArgs& a, int tid
 // kEp: expert parallelism (a separate instantiation, so the single-device kernel keeps
 // its registers: the EP paths' extra live values spill four ints at BN = 128, stored
 // once and reloaded once a tile, never inside the K loops -- checked in the SASS).
-// kPairs: pair tiles (FusedMoeConfig::pair_tiles), launched in clusters of two CTAs; its
+// kClusterPairs: pair tiles (FusedMoeConfig::pair_tiles), launched in clusters of two CTAs; its
 // own instantiation, so the other kernels' registers do not move. 128-token tiles share
-// their stages (kPairRing: the token or weight rows multicast); decode pairs (kHalfPairs,
+// their stages (kPairTile: the token or weight rows multicast); decode pairs (kDecodePair,
 // BN <= kDecodePairsMaxBlockN) give the two CTAs a GEMM1 tile's two halves, and the
 // epilogues exchange the tokens' amax (so a GEMM1 tile costs a CTA 64 columns' weights),
 // and GEMM2 token pairs (output blocks 2j, 2j + 1).
@@ -1470,10 +1470,10 @@ __device__ __forceinline__ bool phase0_grid_barrier(const KernelArgs& a, int tid
 // there (nvcc 13.0): a value of the consumers' start, reloaded at each tile, never in the
 // K loops (checked in the SASS). Chosen: the K loops are what the wide tiles are for.
 // (The expert-parallel wide kernel, kEpWideTiles, allocates without a spill.)
-template <int BN, bool kEp, bool kPairs = false, bool kWide = false>
+template <int BN, bool kEp, bool kClusterPairs = false, bool kWide = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
-  using S = KernelShape<BN, kEp, kPairs, kWide>;
+  using S = KernelShape<BN, kEp, kClusterPairs, kWide>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // NOTE: offset the __shared__ array itself (not a cast integer) so the compiler keeps
   // the shared address space and emits LDS for the scale reads.
@@ -1538,13 +1538,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   consumer_tiles<S>(a, sm, cs, pf);
   // Pair tiles: this CTA's consumers are done with the peer's barriers; the CTA leaves
   // once the peer's consumers are done with its own (cluster_wait, at every exit below).
-  if (kPairs) sm90::cluster_arrive();
+  if (kClusterPairs) sm90::cluster_arrive();
   if (a.debug_stop == 3) {
-    if (kPairs) sm90::cluster_wait();
+    if (kClusterPairs) sm90::cluster_wait();
     return;
   }
   if (!combine<S>(a, sm, T, E_total, cs.ctid, cs.cwarp, lane, t_start, pf)) return;  // (kEp: no cluster)
-  if (kPairs) sm90::cluster_wait();
+  if (kClusterPairs) sm90::cluster_wait();
 }
 
 // ============================================================================
@@ -1916,7 +1916,7 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   a.debug_stop = ov.debug_stop;
   a.debug_skip = ov.debug_skip;
   a.round_robin = ov.round_robin.value_or(false) ? 1 : 0;
-  a.no_early_loads = ov.early_weights.value_or(true) ? 0 : 1;
+  a.early_weights = ov.early_weights.value_or(true) ? 1 : 0;
   a.unit_stride = 1;
   if (ov.unit_stride) {
     a.unit_stride = *ov.unit_stride;

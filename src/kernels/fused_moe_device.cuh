@@ -48,8 +48,8 @@ struct KernelArgs {
   int debug_stop;  // MEGAMOE_DEBUG_STOP: 0 = full kernel; 1/2/3 stop after tables / phase 0 / the mainloop
   // Measurement switches (wrong outputs when set; for timing the parts of the kernel):
   int debug_skip;      // MEGAMOE_DEBUG_SKIP: kSkipMma | kSkipLoads | kSkipFold (below)
-  int round_robin;     // MEGAMOE_SCHEDULE=rr: plain round-robin instead of TileSchedule's balance
-  int no_early_loads;  // MEGAMOE_EARLY_WEIGHTS=0: weights wait with their tokens (no early weight loads)
+  int round_robin;     // MEGAMOE_ROUND_ROBIN=1: plain round-robin instead of TileSchedule's balance
+  int early_weights;   // MEGAMOE_EARLY_WEIGHTS (default 1): weight loads go out before the tile's tokens are ready; 0: they wait with them
   int tail_pool;       // FusedMoeConfig::tail_pool (per forward): GEMM2 tiles left to claims at the end
   int unit_stride;     // MEGAMOE_UNIT_STRIDE: CTA b takes unit b * stride mod G (coprime to G; 1; 0: %smid)
   int sm_units;        // FusedMoeConfig::sm_units (per forward): the unit of the CTA's SM, sm_unit
@@ -60,7 +60,7 @@ struct KernelArgs {
   uint64_t* epoch;   // [0] bumped by route_logits once a forward (MoeWorkspaceLayout::ep_state)
   int half_tiles;    // FusedMoeConfig::half_tiles (per forward)
   int pair_weights;  // FusedMoeConfig::pair_weights (per forward; pair tiles only)
-  int ep_overlap;    // expert parallelism: the row pull runs beside the tiles (kEpPullOverlap)
+  int ep_overlap;    // expert parallelism: the row pull runs beside the tiles (kEpOverlap)
   const int* num_tokens;
   int tokens_cap;  // the forward's host hint: T = device_token_count(num_tokens, tokens_cap)
   const uint16_t* x;

@@ -205,21 +205,21 @@ __device__ __forceinline__ void fold_tokens_m(float (&acc)[64], const float (&bu
 }
 
 // A tokens-in-M stage handed back; a pair tile's goes back to both CTAs (release_stage_pair).
-template <bool kPairs>
+template <bool kClusterPairs>
 __device__ __forceinline__ void release_ring_stage(uint64_t* empty_bar, int stage, uint32_t peer_empty) {
-  if constexpr (kPairs)
+  if constexpr (kClusterPairs)
     release_stage_pair(&empty_bar[stage], peer_empty + stage * 8);
   else
     release_stage(&empty_bar[stage]);
 }
 
 // `stages` stages handed back unread (kSkipMma: a half tile's idle warpgroup).
-template <bool kPairs, int kStages>
+template <bool kClusterPairs, int kStages>
 __device__ __forceinline__ void skip_stages(int stages, RingPos<kStages>& rp, uint64_t* full_bar,
                                             uint64_t* empty_bar, uint32_t peer_empty) {
   for (int s = 0; s < stages; ++s, rp.advance()) {
     sm90::mbar_wait(&full_bar[rp.stage], rp.phase);
-    release_ring_stage<kPairs>(empty_bar, rp.stage, peer_empty);
+    release_ring_stage<kClusterPairs>(empty_bar, rp.stage, peer_empty);
   }
 }
 
@@ -228,7 +228,7 @@ __device__ __forceinline__ void skip_stages(int stages, RingPos<kStages>& rp, ui
 // xrow0 = 0 in each warpgroup (a split wide tile of at most 64 rows: GEMM1 half wblk or
 // GEMM2 output block wblk). Otherwise xrow0 = 64 wg, wblk = 0: the warpgroup's own 64 token
 // rows of the one block.
-template <int kGemm, bool kPairs, bool kWide = false>
+template <int kGemm, bool kClusterPairs, bool kWide = false>
 __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
                                                   RingPos<stages_for(128, kWide)>& rp, uint8_t* smem,
                                                   uint64_t* full_bar, uint64_t* empty_bar,
@@ -238,8 +238,8 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
   constexpr int kStageBytes = stage_bytes(128, kWide);
   constexpr int kWBytes = (kWide ? 2 : 1) * kBlockM * kBlockK;
   constexpr int kXBytes = 128 * kBlockK;
-  auto release = [&](int stage) { release_ring_stage<kPairs>(empty_bar, stage, peer_empty); };
-  if (skip & kSkipMma) return skip_stages<kPairs>(kblocks, rp, full_bar, empty_bar, peer_empty);
+  auto release = [&](int stage) { release_ring_stage<kClusterPairs>(empty_bar, stage, peer_empty); };
+  if (skip & kSkipMma) return skip_stages<kClusterPairs>(kblocks, rp, full_bar, empty_bar, peer_empty);
   const uint32_t t_loop = pf.now();
   const int r0 = xrow0 + lrow, r1 = r0 + 8;
   float ba[64];
@@ -302,7 +302,7 @@ __device__ __forceinline__ void mainloop_tokens_m(float (&acc)[64], int kblocks,
 // shape. GEMM1's halves share their 128-row scale blocks, so one set of products serves
 // both. (kSkipFold is not taken here: that branch moved ptxas's schedule of the wide loop;
 // see docs/performance-history.md for the measurement build.)
-template <int kGemm, bool kWide, bool kPairs>
+template <int kGemm, bool kWide, bool kClusterPairs>
 __device__ __forceinline__ void mainloop_tokens_m_blocks(float (&acc)[128], int kblocks,
                                                          RingPos<stages_for(128, kWide)>& rp, uint8_t* smem,
                                                          uint64_t* full_bar, uint64_t* empty_bar,
@@ -314,9 +314,9 @@ __device__ __forceinline__ void mainloop_tokens_m_blocks(float (&acc)[128], int 
   constexpr int kWBytes = (kWide ? 2 : 1) * kBlockM * kBlockK;
   constexpr int kXBytes = 128 * kBlockK;
   constexpr uint32_t kBlock1 = kWide ? (kBlockM * kBlockK) >> 4 : 0;  // block 1's weight rows in a stage
-  auto release = [&](int stage) { release_ring_stage<kPairs>(empty_bar, stage, peer_empty); };
+  auto release = [&](int stage) { release_ring_stage<kClusterPairs>(empty_bar, stage, peer_empty); };
   if (skip & kSkipMma)
-    return skip_stages<kPairs>((kWide ? 1 : 2) * kblocks, rp, full_bar, empty_bar, peer_empty);
+    return skip_stages<kClusterPairs>((kWide ? 1 : 2) * kblocks, rp, full_bar, empty_bar, peer_empty);
   const uint32_t t_loop = pf.now();
   const int r0 = xrow0 + lrow, r1 = r0 + 8;
   float ba[64];
