@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Draws a `megamoe bench --json` file: the layer's time against tokens, log-log, one panel per
-preset and expert count (a whole layer, or one rank's share of an expert-parallel layer), with
-the read floor (the weight bytes of the experts hit over the streaming read of the same run),
-the tensor-core floor (the FLOPs at the FP8 peak) and the cuBLASLt baseline of the same run.
+preset, expert count (a whole layer, or one rank's share of an expert-parallel layer) and routing
+(uniform, zipf:S), with the read floor (the weight bytes of the experts hit over the streaming
+read of the same run), the tensor-core floor (the FLOPs at the in-run dense FP8 GEMM's rate of
+the regime drawn) and the cuBLASLt baseline of the same run. Files with both timing regimes
+draw one of them (--regime, default sustained).
 
-Usage: scripts/plot_bench.py bench/results/h100.json [-o docs/img/bench_h100.png]
+Usage: scripts/plot_bench.py bench/results/h100.json [-o docs/img/bench_h100.png] [--regime burst]
 Needs matplotlib (pip install matplotlib)."""
 import argparse
 import collections
@@ -30,8 +32,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("json", help="a `megamoe bench --json` file")
     ap.add_argument("-o", "--out", help="PNG to write (default: the JSON's name with .png)")
+    ap.add_argument("--regime", default="sustained", help="sustained | burst (files that record both)")
     args = ap.parse_args()
     doc, cases = load_cases(args.json)
+    if any("regime" in c for c in cases):
+        cases = [c for c in cases if c.get("regime") == args.regime]
+        if not cases:
+            sys.exit(f"{args.json}: no case of regime {args.regime!r}")
     out = args.out or args.json.rsplit(".", 1)[0] + ".png"
 
     import matplotlib
@@ -40,12 +47,12 @@ def main():
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, LogLocator
 
-    # One panel per (preset, local experts): whole layers on the top row, shares below.
+    # One panel per (preset, local experts, routing): whole layers on the top rows, shares below.
     groups = collections.OrderedDict()
-    for c in sorted(cases, key=lambda c: (c["preset"], -c["local_experts"], c["tokens"])):
-        groups.setdefault((c["preset"], c["local_experts"]), []).append(c)
-    presets = list(dict.fromkeys(p for p, _ in groups))
-    rows = max(sum(1 for p2, _ in groups if p2 == p) for p in presets)
+    for c in sorted(cases, key=lambda c: (c["preset"], -c["local_experts"], c.get("routing", ""), c["tokens"])):
+        groups.setdefault((c["preset"], c["local_experts"], c.get("routing", "")), []).append(c)
+    presets = list(dict.fromkeys(k[0] for k in groups))
+    rows = max(sum(1 for k in groups if k[0] == p) for p in presets)
     fig, axes = plt.subplots(rows, len(presets), figsize=(4.6 * len(presets), 3.9 * rows), squeeze=False)
     for col, preset in enumerate(presets):
         keys = [k for k in groups if k[0] == preset]
@@ -76,6 +83,8 @@ def main():
             ax.grid(True, which="minor", alpha=0.1)
             share = cs[0].get("ep_share", 1)
             what = f"{keys[row][1]} experts" + (f" (1/{share} of an EP layer)" if share and share > 1 else "")
+            if keys[row][2]:
+                what += f", {keys[row][2]} routing"
             ax.set_title(f"{preset}, {what}", fontsize=10)
             ax.set_xlabel("tokens")
             if col == 0:
@@ -87,7 +96,8 @@ def main():
                             bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.8))
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
-    fig.suptitle(f"megamoe bench on {doc.get('device', '?')} (commit {doc.get('commit', '?')}, "
+    regime = f"{args.regime} regime; " if "regimes" in doc else ""
+    fig.suptitle(f"megamoe bench on {doc.get('device', '?')} ({regime}commit {doc.get('commit', '?')}, "
                  f"{str(doc.get('date', '?'))[:10]}; streaming read {doc.get('read_bw_TBps', 0):.2f} TB/s; "
                  f"labels: time / max(floors))", fontsize=11)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
