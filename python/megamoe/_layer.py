@@ -52,7 +52,7 @@ def _cuda_unavailable_reason() -> str:
 
 @dataclasses.dataclass
 class MoEConfig:
-    """The shape and routing of one MoE layer (the C++ MoeShape, SPEC §1 and §6).
+    """The shape and routing of one MoE layer (the C++ MoeShape, docs/numerics.md §1 and §6).
 
     hidden, inter: H and the routed experts' intermediate size I; experts: E; topk: K;
     shared_experts: S (the shared MLP has intermediate S*I); n_group / topk_group: grouped

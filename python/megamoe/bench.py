@@ -13,7 +13,7 @@ take them, else the weights dequantized to BF16 and one matmul per expert), Deep
 grouped contiguous FP8 GEMMs, vLLM's fused_experts (block FP8) and FlashInfer's
 cutlass_fused_moe (DeepSeek FP8 block scales) where importable. Every implementation runs
 the routed experts on the same ids and weights plus the shared expert, and its output is
-checked against a float32 reference that quantizes the activations as SPEC §4 says
+checked against a float32 reference that quantizes the activations as docs/numerics.md §4 says
 (relative L2 in the table).
 
 Timing: CUDA events around each call, an L2 flush (a write of twice the L2) before each,
@@ -59,6 +59,17 @@ PRESETS: Dict[str, Dict[str, Any]] = {
 
 class Unavailable(Exception):
     """An implementation that cannot run here (not installed, or refuses the shape)."""
+
+
+def _import_peer(device, load):
+    """A peer library's entry points, `load()` (CUDA peers only); Unavailable with the reason
+    where the device is not CUDA or the import fails."""
+    if device.type != "cuda":
+        raise Unavailable("CUDA only")
+    try:
+        return load()
+    except Exception as e:  # noqa: BLE001
+        raise Unavailable(f"not importable ({type(e).__name__}: {str(e).splitlines()[0][:100]})") from None
 
 
 def _ceil(a: int, b: int) -> int:
@@ -111,14 +122,14 @@ class Weights:
 
 
 def dequant(w: torch.Tensor, s: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """fp8 codes [N, K] * their 128x128 scales -> [N, K] (SPEC §2)."""
+    """fp8 codes [N, K] * their 128x128 scales -> [N, K] (docs/numerics.md §2)."""
     n, k = w.shape
     full = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
     return (w.float() * full).to(dtype)
 
 
 def quant_1x128(a: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per row, per 128 columns: s = max(amax, 1e-4) / 448, q = e4m3(a * (1/s)) (SPEC §4).
+    """Per row, per 128 columns: s = max(amax, 1e-4) / 448, q = e4m3(a * (1/s)) (docs/numerics.md §4).
     Returns (q [M, K] E4M3, s [M, ceil(K/128)] float32)."""
     m, k = a.shape
     kb = _ceil(k, 128)
@@ -216,7 +227,7 @@ def _load_replay(path: str, K: int, E: int):
 
 
 def reference(W: Weights, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """y in float32: dequantized weights, activations quantized as SPEC §4 (x and the
+    """y in float32: dequantized weights, activations quantized as docs/numerics.md §4 (x and the
     SwiGLU output, per token per 128 columns), SwiGLU with the clamp, times the routing
     weight before the second quantization, plus the shared expert."""
     cfg = W.cfg
@@ -402,13 +413,13 @@ class VllmFusedExperts(Impl):
     graphable = True
 
     def setup(self, W, device, max_tokens):
-        if device.type != "cuda":
-            raise Unavailable("CUDA only")
-        try:
+        def load():
             import vllm
             from vllm.model_executor.layers.fused_moe import fused_experts
-        except Exception as e:  # noqa: BLE001
-            raise Unavailable(f"not importable ({type(e).__name__}: {str(e).splitlines()[0][:100]})") from None
+
+            return vllm, fused_experts
+
+        vllm, fused_experts = _import_peer(device, load)
         if W.cfg.swiglu_limit:
             raise Unavailable("fused_experts has no SwiGLU clamp (swiglu_limit)")
         params = inspect.signature(fused_experts).parameters
@@ -448,12 +459,7 @@ class DeepGemmGrouped(Impl):
     name = "deepgemm"
 
     def setup(self, W, device, max_tokens):
-        if device.type != "cuda":
-            raise Unavailable("CUDA only")
-        try:
-            import deep_gemm
-        except Exception as e:  # noqa: BLE001
-            raise Unavailable(f"not importable ({type(e).__name__}: {str(e).splitlines()[0][:100]})") from None
+        deep_gemm = _import_peer(device, lambda: __import__("deep_gemm"))
         self.fn = (getattr(deep_gemm, "m_grouped_fp8_gemm_nt_contiguous", None)
                    or getattr(deep_gemm, "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous", None))
         if self.fn is None:
@@ -514,20 +520,20 @@ class DeepGemmGrouped(Impl):
 
 class FlashInferCutlass(Impl):
     """FlashInfer's cutlass_fused_moe with DeepSeek FP8 block scales; the shared expert is
-    a second call with one expert. Its fc1 half order (gate/up) is found by checking both
-    against the reference once."""
+    a second call with one expert. fc1 goes in as [gate ; up] (not run here yet: another
+    order would show as a large rel_l2_vs_ref in the results, never as a silent figure)."""
 
     name = "flashinfer"
     graphable = True
 
     def setup(self, W, device, max_tokens):
-        if device.type != "cuda":
-            raise Unavailable("CUDA only")
-        try:
+        def load():
             import flashinfer
             from flashinfer.fused_moe import cutlass_fused_moe
-        except Exception as e:  # noqa: BLE001
-            raise Unavailable(f"not importable ({type(e).__name__}: {str(e).splitlines()[0][:100]})") from None
+
+            return flashinfer, cutlass_fused_moe
+
+        flashinfer, cutlass_fused_moe = _import_peer(device, load)
         if W.cfg.swiglu_limit:
             raise Unavailable("the SwiGLU clamp is not wired here")
         self.fn, self.W = cutlass_fused_moe, W
@@ -537,21 +543,6 @@ class FlashInferCutlass(Impl):
             s = W.shared
             self.sh = [s["w13"][None], s["w13_scale"][None], s["w2"][None], s["w2_scale"][None]]
         self.how = f"FlashInfer {getattr(flashinfer, '__version__', '?')} cutlass_fused_moe, DeepSeek FP8 block scales"
-        self.swapped = False
-
-    def swap_halves(self):
-        """fc1 as [up ; gate] (the TensorRT-LLM order) instead of [gate ; up]."""
-        I = self.W.cfg.inter
-
-        def sw(t, n):
-            return torch.cat([t[..., n:, :], t[..., :n, :]], dim=-2).contiguous()
-
-        self.w13, self.w13_scale = sw(self.W.w13, I), sw(self.W.w13_scale, _ceil(I, 128))
-        if self.sh is not None:
-            Is = self.sh[2].shape[2]
-            self.sh[0], self.sh[1] = sw(self.sh[0], Is), sw(self.sh[1], _ceil(Is, 128))
-        self.swapped = True
-        self.how += ", fc1 as [up ; gate]"
 
     def _call(self, x, ids, w, w13, s13, w2, s2):
         out = self.fn(x, ids.int(), w.float(), w13, w2, torch.bfloat16, quant_scales=[s13, s2],

@@ -5,7 +5,7 @@ random weights; the CPU backend), and one real-shape MoE block on the GPU.
 The unpatched model is the reference. Its MoE weights are first rounded through block FP8
 (quantize, dequantize) so that both models use the same weights: what is left between them
 is megamoe's FP8 activations (x and the SwiGLU output quantized per token per 128 columns,
-SPEC §4), about 4 % relative L2 on one block's output, and the BF16 hand-over.
+docs/numerics.md §4), about 4 % relative L2 on one block's output, and the BF16 hand-over.
 """
 import copy
 import importlib
