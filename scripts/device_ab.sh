@@ -3,7 +3,8 @@
 # file and prints one table row per case, so several kernel switches (heuristics.h
 # and the MEGAMOE_* measurement variables of the fused kernel) compare in one call.
 # Usage: scripts/device_ab.sh BIN_DIR VARIANTS_FILE > $OUT/ab.log  (summary: scripts/ab_summary.py;
-#   an example variants file: scripts/ab_variants.example.txt)
+#   keep variants files with the call's logs, outside git: e.g.
+#   `new@head | MEGAMOE_TAIL_POOL=4 | --preset glm-5 --tokens 4096 --no-baseline --no-ep`)
 #   a variant line: LABEL | ENV=VAL ENV2=VAL2 | bench arguments   ('#' lines are skipped)
 #   BIN_DIR/LABEL/megamoe, when present, runs that line (old / new builds interleaved);
 #   a label NAME@DIR runs BIN_DIR/DIR/megamoe; otherwise BIN_DIR/megamoe.
