@@ -35,7 +35,8 @@ def main():
     ap.add_argument("--regime", default="sustained", help="sustained | burst (files that record both)")
     args = ap.parse_args()
     doc, cases = load_cases(args.json)
-    if any("regime" in c for c in cases):
+    has_regimes = any("regime" in c for c in cases)  # files that record the timing regimes
+    if has_regimes:
         cases = [c for c in cases if c.get("regime") == args.regime]
         if not cases:
             sys.exit(f"{args.json}: no case of regime {args.regime!r}")
@@ -96,7 +97,7 @@ def main():
                             bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.8))
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
-    regime = f"{args.regime} regime; " if "regimes" in doc else ""
+    regime = f"{args.regime} regime; " if has_regimes else ""
     fig.suptitle(f"megamoe bench on {doc.get('device', '?')} ({regime}commit {doc.get('commit', '?')}, "
                  f"{str(doc.get('date', '?'))[:10]}; streaming read {doc.get('read_bw_TBps', 0):.2f} TB/s; "
                  f"labels: time / max(floors))", fontsize=11)

@@ -19,4 +19,6 @@ if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=cc
 CMAKE_ARGS="-DMEGAMOE_CUDA=OFF ${launcher[*]}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
   "$PY" -m pip install -q --no-build-isolation --no-deps --upgrade --target build/python-pkg \
     -C build-dir=build/python-cpu/{wheel_tag} .
-PYTHONPATH="$PWD/build/python-pkg" MEGAMOE_CLI="$PWD/build/megamoe" "$PY" -m pytest -q -p no:cacheprovider tests/python
+# The torch tests are scripts/test_python_hf.sh's (it runs them against torch and transformers).
+PYTHONPATH="$PWD/build/python-pkg" MEGAMOE_CLI="$PWD/build/megamoe" "$PY" -m pytest -q -p no:cacheprovider tests/python \
+  --ignore=tests/python/test_torch.py --ignore=tests/python/test_transformers.py --ignore=tests/python/test_bench.py

@@ -43,10 +43,6 @@ def cuda_available() -> bool:
     return bool(_megamoe.cuda_available()[0])
 
 
-def _cuda_unavailable_reason() -> str:
-    return _megamoe.cuda_available()[1]
-
-
 # ---------------------------------------------------------------- config
 
 
@@ -529,7 +525,7 @@ class MoELayer(_Base):
         ids = _as_array(topk_ids, "topk_ids") if topk_ids is not None else None
         wts = _as_array(topk_weights, "topk_weights") if topk_weights is not None else None
         n = -1 if num_tokens is None else _count(num_tokens, x.shape[0])
-        self._impl.forward(x, y, ids, wts, None, n, 0)
+        self._impl.forward(x, y, ids, wts, n)
         self._torch_routing = True
         return y
 
@@ -548,7 +544,7 @@ class MoELayer(_Base):
         ids = _as_array(topk_ids, "topk_ids") if topk_ids is not None else None
         wts = _as_array(topk_weights, "topk_weights") if topk_weights is not None else None
         n = -1 if num_tokens is None else _count(num_tokens, x.shape[0])
-        self._impl.forward(_as_array(x, "x"), _as_array(y, "out"), ids, wts, None, n, 0)
+        self._impl.forward(_as_array(x, "x"), _as_array(y, "out"), ids, wts, n)
         self._torch_routing = False
         return y
 

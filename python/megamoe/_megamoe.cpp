@@ -172,6 +172,22 @@ io::Dtype io_dtype(const char* arg, nb::dlpack::dtype d) {
                          dtype_name(d)));
 }
 
+// "cuda" (the current device's ordinal, checked usable) or "cpu" (-1); `who` prefixes the
+// messages ("Workspace: " or "").
+int open_device(const std::string& dev, const std::string& who) {
+  if (dev == "cpu") return -1;
+  if (dev != "cuda") value_error(fmt::format("{}device: expected 'cuda' or 'cpu', found '{}'", who, dev));
+#if MEGAMOE_HAVE_CUDA
+  std::string why;
+  if (!api::cuda_available(&why)) throw std::runtime_error(who + "device 'cuda' unavailable: " + why);
+  int device = 0;
+  cudaGetDevice(&device);
+  return device;
+#else
+  throw std::runtime_error(who + "device 'cuda': this build of megamoe has no CUDA backend (built without nvcc)");
+#endif
+}
+
 // ---------------------------------------------------------------- workspace
 
 struct Workspace {
@@ -186,17 +202,12 @@ struct Workspace {
     if (s.empty()) value_error("Workspace: config_or_configs: expected at least one MoEConfig, found none");
     if (max_tok < 1) value_error(fmt::format("Workspace: max_tokens: expected >= 1, found {}", max_tok));
     for (const MoeShape& x : s) x.validate();
-    if (dev == "cpu") return;  // the CPU backend needs no scratch memory
-    if (dev != "cuda") value_error(fmt::format("Workspace: device: expected 'cuda' or 'cpu', found '{}'", dev));
+    device = open_device(dev, "Workspace: ");
+    cuda = device >= 0;
+    if (!cuda) return;  // the CPU backend needs no scratch memory
 #if MEGAMOE_HAVE_CUDA
-    std::string why;
-    if (!api::cuda_available(&why)) throw std::runtime_error("Workspace: device 'cuda' unavailable: " + why);
-    cuda = true;
-    cudaGetDevice(&device);
     for (const MoeShape& x : s) bytes = std::max(bytes, api::CudaMoeLayer::workspace_bytes_for(x, max_tok));
     ptr = dev::device_alloc(bytes);
-#else
-    throw std::runtime_error("Workspace: device 'cuda': this build of megamoe has no CUDA backend");
 #endif
   }
   ~Workspace() { dev::device_free(ptr); }
@@ -228,18 +239,8 @@ struct Layer {
       : shape(s), max_tokens(max_tok), workspace(std::move(ws)) {
     shape.validate();
     if (max_tok < 1) value_error(fmt::format("max_tokens: expected >= 1, found {}", max_tok));
-    if (dev == "cuda") {
-      cuda = true;
-#if MEGAMOE_HAVE_CUDA
-      std::string why;
-      if (!api::cuda_available(&why)) throw std::runtime_error("device 'cuda' unavailable: " + why);
-      cudaGetDevice(&device);
-#else
-      throw std::runtime_error("device 'cuda': this build of megamoe has no CUDA backend (built without nvcc)");
-#endif
-    } else if (dev != "cpu") {
-      value_error(fmt::format("device: expected 'cuda' or 'cpu', found '{}'", dev));
-    }
+    device = open_device(dev, "");
+    cuda = device >= 0;
   }
 
   // The shared workspace must be on this layer's device and sized for its shape (checked
@@ -499,12 +500,12 @@ struct Layer {
     attach();
   }
 
-  // ---- forward
-  // x: [T, H] bf16 (uint16 bits) or float32 (CPU only); y: the same shape, bf16 or float32
-  // (CPU) / bf16 (CUDA). ids, weights: [T, K] external routing. num_tokens: CUDA, a device
-  // int32 holding the count (graphs); CPU, -1 or a count in [0, T].
+  // ---- forward of a CPU layer (a CUDA layer's eager calls go through forward_raw)
+  // x: [T, H] bf16 (uint16 bits) or float32; y: the same shape, bf16 or float32. ids,
+  // weights: [T, K] external routing. num_tokens: -1 or a count in [0, T].
   void forward(const In& x, Out& y, const std::optional<In>& ids_in, const std::optional<In>& w_in,
-               const std::optional<In>& num_tokens_dev, int64_t num_tokens, uintptr_t stream) {
+               int64_t num_tokens) {
+    if (cuda) throw std::logic_error("forward: a CUDA layer (its calls go through forward_raw)");
     const int64_t H = shape.hidden, K = shape.topk;
     if (x.ndim() != 2 || int64_t(x.shape(1)) != H)
       value_error(fmt::format("x: expected shape [T, {}], found {}", H, describe(x)));
@@ -526,10 +527,7 @@ struct Layer {
         type_error(fmt::format("topk_ids: expected int32 or int64, found {}", describe(*ids_in)));
       if (!is_f32(w_in->dtype())) type_error(fmt::format("topk_weights: expected float32, found {}", describe(*w_in)));
     }
-    if (cuda)
-      forward_cuda(x, y, ids_in, w_in, num_tokens_dev, int(T), stream);
-    else
-      forward_cpu(x, y, ids_in, w_in, num_tokens_dev, num_tokens, int(T));
+    forward_cpu(x, y, ids_in, w_in, num_tokens, int(T));
   }
 
   void require_device(const char* arg, int type, int id) const {
@@ -543,11 +541,10 @@ struct Layer {
   }
 
   void forward_cpu(const In& x, Out& y, const std::optional<In>& ids_in, const std::optional<In>& w_in,
-                   const std::optional<In>& num_tokens_dev, int64_t num_tokens, int T) {
+                   int64_t num_tokens, int T) {
     require_ready("forward");
     require_device("x", x.device_type(), x.device_id());
     require_device("out", y.device_type(), y.device_id());
-    if (num_tokens_dev) value_error("num_tokens: a tensor count is for CUDA layers; give a cpu layer an int");
     if (num_tokens > T)
       value_error(fmt::format("num_tokens: expected a count in [0, {}] (x's rows), found {}", T, num_tokens));
     const int n = num_tokens < 0 ? T : int(num_tokens);
@@ -603,44 +600,6 @@ struct Layer {
     last_tokens = n;
   }
 
-  void forward_cuda(const In& x, Out& y, const std::optional<In>& ids_in, const std::optional<In>& w_in,
-                    const std::optional<In>& num_tokens_dev, int T, uintptr_t stream) {
-#if MEGAMOE_HAVE_CUDA
-    if (!cuda_layer) require_ready("forward");
-    require_device("x", x.device_type(), x.device_id());
-    require_device("out", y.device_type(), y.device_id());
-    if (!is(x.dtype(), nb::dlpack::dtype_code::Bfloat, 16))
-      type_error(fmt::format("x: expected bfloat16, found {}", describe(x)));
-    if (!is(y.dtype(), nb::dlpack::dtype_code::Bfloat, 16))
-      type_error(fmt::format("out: expected bfloat16, found {}", describe(y)));
-    api::RoutingInput r;
-    if (ids_in) {
-      require_device("topk_ids", ids_in->device_type(), ids_in->device_id());
-      require_device("topk_weights", w_in->device_type(), w_in->device_id());
-      r.ids = ids_in->data();
-      r.id_bytes = ids_in->dtype().bits / 8;
-      r.weights = static_cast<const float*>(w_in->data());
-    }
-    const int* nt = nullptr;
-    if (num_tokens_dev) {
-      const In& c = *num_tokens_dev;
-      require_device("num_tokens", c.device_type(), c.device_id());
-      if (!is(c.dtype(), nb::dlpack::dtype_code::Int, 32) || c.size() != 1)
-        type_error(fmt::format("num_tokens: expected one int32 on the device, found {}", describe(c)));
-      nt = static_cast<const int*>(c.data());
-    }
-    if (!store_ready_fast()) require_ready("forward");
-    const auto* xp = static_cast<const num::bf16_t*>(x.data());
-    auto* yp = static_cast<num::bf16_t*>(y.data());
-    if (ids_in)
-      cuda_layer->forward(xp, yp, T, nt, reinterpret_cast<api::Stream>(stream), r);
-    else
-      cuda_layer->forward(xp, yp, T, nt, reinterpret_cast<api::Stream>(stream));
-    last_tokens = T;
-#else
-    throw std::logic_error("forward_cuda without CUDA");
-#endif
-  }
   // The eager torch path (the wrapper checked dtype, shape, device and contiguity from the
   // tensors' attributes: importing a torch tensor through DLPack costs microseconds).
   void forward_raw(uintptr_t x, uintptr_t y, int T, uintptr_t ids, int id_bytes, uintptr_t w, uintptr_t nt,
@@ -651,7 +610,7 @@ struct Layer {
       value_error(fmt::format("x: {} tokens, more than the layer's max_tokens {} (build the layer with a larger "
                               "max_tokens)",
                               T, max_tokens));
-    if (!cuda_layer || !store_ready_fast()) require_ready("forward");
+    if (!cuda_layer || !ready()) require_ready("forward");
     const auto* xp = reinterpret_cast<const num::bf16_t*>(x);
     auto* yp = reinterpret_cast<num::bf16_t*>(y);
     const int* ntp = reinterpret_cast<const int*>(nt);
@@ -669,7 +628,6 @@ struct Layer {
     throw std::logic_error("forward_raw without CUDA");
 #endif
   }
-  bool store_ready_fast() const { return !store || store->ready(layer); }
 
   void check() {
 #if MEGAMOE_HAVE_CUDA
@@ -890,7 +848,7 @@ NB_MODULE(_megamoe, m) {
           nb::rv_policy::take_ownership)
       .def("forward", &Layer::forward, nb::arg("x").noconvert(), nb::arg("out").noconvert(),
            nb::arg("topk_ids").noconvert().none(), nb::arg("topk_weights").noconvert().none(),
-           nb::arg("num_tokens_dev").noconvert().none(), nb::arg("num_tokens"), nb::arg("stream"))
+           nb::arg("num_tokens"))
       .def("forward_raw", &Layer::forward_raw, nb::arg("x"), nb::arg("y"), nb::arg("tokens"), nb::arg("ids"),
            nb::arg("id_bytes"), nb::arg("weights"), nb::arg("num_tokens"), nb::arg("stream"))
       .def("begin", &Layer::begin, nb::arg("mode"))

@@ -226,6 +226,15 @@ def _load_replay(path: str, K: int, E: int):
 # ---------------------------------------------------------------- the float32 reference
 
 
+def _swiglu(h: torch.Tensor, I: int, limit: float, wt: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up times the routing weight, float32, from h = [gate | up] [M, 2I]; with the
+    clamp (limit > 0): gate <= limit, |up| <= limit."""
+    g, u = h[:, :I], h[:, I:]
+    if limit:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return torch.nn.functional.silu(g) * u * wt[:, None]
+
+
 def reference(W: Weights, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """y in float32: dequantized weights, activations quantized as docs/numerics.md §4 (x and the
     SwiGLU output, per token per 128 columns), SwiGLU with the clamp, times the routing
@@ -237,11 +246,7 @@ def reference(W: Weights, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -
 
     def mlp(e, rows, wt):
         w13, s13, w2, s2, I = W.expert(e)
-        h = xf[rows] @ dequant(w13, s13).t()
-        g, u = h[:, :I], h[:, I:]
-        if L:
-            g, u = g.clamp(max=L), u.clamp(-L, L)
-        a = torch.nn.functional.silu(g) * u * wt[:, None]
+        a = _swiglu(xf[rows] @ dequant(w13, s13).t(), I, L, wt)
         return (fake_quant_1x128(a) @ dequant(w2, s2).t()).bfloat16().float()
 
     flat = ids.reshape(-1).long()
@@ -267,7 +272,6 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 class Impl:
     name = "?"
     how = ""
-    graphable = False
 
     def setup(self, W: Weights, device: torch.device, max_tokens: int) -> None:
         raise NotImplementedError
@@ -278,7 +282,6 @@ class Impl:
 
 class MegaMoE(Impl):
     name = "megamoe"
-    graphable = True
 
     def setup(self, W, device, max_tokens):
         t = dict(w13=W.w13, w13_scale=W.w13_scale, w2=W.w2, w2_scale=W.w2_scale, router=W.router, bias=W.bias)
@@ -318,7 +321,9 @@ class TorchMoE(Impl):
 
     name = "torch"
 
-    def setup(self, W, device, max_tokens):
+    def setup(self, W, device, max_tokens, shared_only=False):
+        """shared_only: only the shared expert will run (_mlp(-1, ...)): no BF16 copy of the
+        routed experts."""
         self.W = W
         self.cfg = W.cfg
         self.mode = "bf16"
@@ -330,7 +335,7 @@ class TorchMoE(Impl):
             except Exception as e:  # noqa: BLE001  (this torch / cuBLASLt lacks the block scales)
                 why = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
         if self.mode == "bf16":
-            E = self.cfg.experts
+            E = 0 if shared_only else self.cfg.experts
             self.bf16 = [tuple(dequant(*p, dtype=torch.bfloat16) for p in ((W.w13[e], W.w13_scale[e]),
                                                                               (W.w2[e], W.w2_scale[e])))
                          for e in range(E)]
@@ -356,8 +361,6 @@ class TorchMoE(Impl):
                 raise RuntimeError(f"block-scaled _scaled_mm disagrees with the dequantized product: rel L2 {err:.3g}")
 
     def _mlp(self, e, xq, xs, x_rows, wt):
-        cfg = self.cfg
-        L = cfg.swiglu_limit
         if self.mode == "fp8":
             w13, s13, w2, s2, I = self.W.expert(e)
             h = _scaled_mm_block(xq, xs, w13, s13).float()
@@ -365,10 +368,7 @@ class TorchMoE(Impl):
             w13b, w2b = self.bf16[e] if e >= 0 else self.bf16_shared
             I = w2b.shape[1]
             h = (x_rows @ w13b.t()).float()
-        g, u = h[:, :I], h[:, I:]
-        if L:
-            g, u = g.clamp(max=L), u.clamp(-L, L)
-        a = torch.nn.functional.silu(g) * u * wt[:, None]
+        a = _swiglu(h, I, self.cfg.swiglu_limit, wt)
         if self.mode == "fp8":
             aq, as_ = quant_1x128(a)
             return _scaled_mm_block(aq, as_, w2, s2)
@@ -405,28 +405,61 @@ class TorchMoE(Impl):
         return y.bfloat16()
 
 
-class VllmFusedExperts(Impl):
-    """vLLM's Triton fused MoE (fused_experts, block-FP8 w8a8); the shared expert is a
-    second call with one expert."""
+class _FusedPeer(Impl):
+    """A peer's fused MoE call over the stacked block-FP8 weights (load() gives the module and
+    the entry point); the shared expert is a second call with one expert. Subclasses: load(),
+    no_clamp (the refusal where the layer has a SwiGLU clamp), _setup (self.how) and _call."""
 
-    name = "vllm"
-    graphable = True
+    no_clamp = ""
+
+    @staticmethod
+    def load() -> Tuple[Any, Callable]:
+        raise NotImplementedError
 
     def setup(self, W, device, max_tokens):
-        def load():
-            import vllm
-            from vllm.model_executor.layers.fused_moe import fused_experts
-
-            return vllm, fused_experts
-
-        vllm, fused_experts = _import_peer(device, load)
+        mod, self.fn = _import_peer(device, self.load)
         if W.cfg.swiglu_limit:
-            raise Unavailable("fused_experts has no SwiGLU clamp (swiglu_limit)")
-        params = inspect.signature(fused_experts).parameters
+            raise Unavailable(self.no_clamp)
+        self.W = W
+        self.routed = (W.w13, W.w13_scale, W.w2, W.w2_scale)
         self.sh = None
         if W.shared is not None:
             s = W.shared
             self.sh = (s["w13"][None], s["w13_scale"][None], s["w2"][None], s["w2_scale"][None])
+        self._setup(mod)
+
+    def _setup(self, mod) -> None:
+        raise NotImplementedError
+
+    def _call(self, x, ids, w, shared: bool) -> torch.Tensor:
+        """The routed experts (self.routed), or with shared the shared expert (self.sh)."""
+        raise NotImplementedError
+
+    def __call__(self, x, ids, w):
+        y = self._call(x, ids, w, False)
+        if self.sh is not None:
+            T = x.shape[0]
+            ones = torch.ones(T, 1, dtype=torch.float32, device=x.device)
+            zeros = torch.zeros(T, 1, dtype=ids.dtype, device=x.device)
+            y = y + self._call(x, zeros, ones, True)
+        return y
+
+
+class VllmFusedExperts(_FusedPeer):
+    """vLLM's Triton fused MoE (fused_experts, block-FP8 w8a8)."""
+
+    name = "vllm"
+    no_clamp = "fused_experts has no SwiGLU clamp (swiglu_limit)"
+
+    @staticmethod
+    def load():
+        import vllm
+        from vllm.model_executor.layers.fused_moe import fused_experts
+
+        return vllm, fused_experts
+
+    def _setup(self, vllm):
+        params = inspect.signature(self.fn).parameters
         if "quant_config" in params:
             from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
 
@@ -435,21 +468,13 @@ class VllmFusedExperts(Impl):
         else:
             def kw(s13, s2):
                 return dict(use_fp8_w8a8=True, w1_scale=s13, w2_scale=s2, block_shape=[128, 128])
-        self.fe = fused_experts
-        self.kw = kw(W.w13_scale, W.w2_scale)
+        self.kw = kw(self.routed[1], self.routed[3])
         self.kw_sh = kw(self.sh[1], self.sh[3]) if self.sh else None
-        self.W = W
         self.how = f"vLLM {vllm.__version__} fused_experts (Triton), block FP8 w8a8"
 
-    def __call__(self, x, ids, w):
-        W = self.W
-        y = self.fe(x, W.w13, W.w2, w, ids, **self.kw)
-        if self.sh is not None:
-            T = x.shape[0]
-            ones = torch.ones(T, 1, dtype=torch.float32, device=x.device)
-            zeros = torch.zeros(T, 1, dtype=ids.dtype, device=x.device)
-            y = y + self.fe(x, self.sh[0], self.sh[2], ones, zeros, **self.kw_sh)
-        return y
+    def _call(self, x, ids, w, shared):
+        w13, _, w2, _ = self.sh if shared else self.routed
+        return self.fn(x, w13, w2, w, ids, **(self.kw_sh if shared else self.kw))
 
 
 class DeepGemmGrouped(Impl):
@@ -471,7 +496,7 @@ class DeepGemmGrouped(Impl):
             deep_gemm, "get_col_major_tma_aligned_tensor", None)
         self.W = W
         self.sh = TorchMoE()  # the shared expert (one dense MLP) through the plain path
-        self.sh.setup(W, device, max_tokens)
+        self.sh.setup(W, device, max_tokens, shared_only=True)
         self.how = f"DeepGEMM {getattr(deep_gemm, '__version__', '?')} grouped contiguous FP8 GEMMs + PyTorch glue"
 
     def _gemm(self, aq, as_, w, ws, m_idx, n):
@@ -505,12 +530,9 @@ class DeepGemmGrouped(Impl):
         m_idx[dst] = e_sorted.int()
         I = cfg.inter
         h = self._gemm(aq, as_, self.W.w13, self.W.w13_scale, m_idx, 2 * I).float()
-        g, u = h[:, :I], h[:, I:]
-        if cfg.swiglu_limit:
-            g, u = g.clamp(max=cfg.swiglu_limit), u.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
         wt = torch.zeros(M, device=x.device)
         wt[dst] = w.reshape(-1)[order]
-        bq, bs = quant_1x128(torch.nn.functional.silu(g) * u * wt[:, None])
+        bq, bs = quant_1x128(_swiglu(h, I, cfg.swiglu_limit, wt))
         o = self._gemm(bq, bs, self.W.w2, self.W.w2_scale, m_idx, cfg.hidden)
         y = torch.zeros(T, cfg.hidden, dtype=torch.float32, device=x.device).index_add_(0, tok, o[dst].float())
         if self.W.shared is not None:
@@ -518,45 +540,29 @@ class DeepGemmGrouped(Impl):
         return y.bfloat16()
 
 
-class FlashInferCutlass(Impl):
-    """FlashInfer's cutlass_fused_moe with DeepSeek FP8 block scales; the shared expert is
-    a second call with one expert. fc1 goes in as [gate ; up] (not run here yet: another
-    order would show as a large rel_l2_vs_ref in the results, never as a silent figure)."""
+class FlashInferCutlass(_FusedPeer):
+    """FlashInfer's cutlass_fused_moe with DeepSeek FP8 block scales. fc1 goes in as
+    [gate ; up] (not run here yet: another order would show as a large rel_l2_vs_ref in the
+    results, never as a silent figure)."""
 
     name = "flashinfer"
-    graphable = True
+    no_clamp = "the SwiGLU clamp is not wired here"
 
-    def setup(self, W, device, max_tokens):
-        def load():
-            import flashinfer
-            from flashinfer.fused_moe import cutlass_fused_moe
+    @staticmethod
+    def load():
+        import flashinfer
+        from flashinfer.fused_moe import cutlass_fused_moe
 
-            return flashinfer, cutlass_fused_moe
+        return flashinfer, cutlass_fused_moe
 
-        flashinfer, cutlass_fused_moe = _import_peer(device, load)
-        if W.cfg.swiglu_limit:
-            raise Unavailable("the SwiGLU clamp is not wired here")
-        self.fn, self.W = cutlass_fused_moe, W
-        self.w13, self.w13_scale = W.w13, W.w13_scale
-        self.sh = None
-        if W.shared is not None:
-            s = W.shared
-            self.sh = [s["w13"][None], s["w13_scale"][None], s["w2"][None], s["w2_scale"][None]]
+    def _setup(self, flashinfer):
         self.how = f"FlashInfer {getattr(flashinfer, '__version__', '?')} cutlass_fused_moe, DeepSeek FP8 block scales"
 
-    def _call(self, x, ids, w, w13, s13, w2, s2):
+    def _call(self, x, ids, w, shared):
+        w13, s13, w2, s2 = self.sh if shared else self.routed
         out = self.fn(x, ids.int(), w.float(), w13, w2, torch.bfloat16, quant_scales=[s13, s2],
                       use_deepseek_fp8_block_scale=True)
         return out[0] if isinstance(out, (list, tuple)) else out
-
-    def __call__(self, x, ids, w):
-        y = self._call(x, ids, w, self.w13, self.w13_scale, self.W.w2, self.W.w2_scale)
-        if self.sh is not None:
-            T = x.shape[0]
-            ones = torch.ones(T, 1, dtype=torch.float32, device=x.device)
-            zeros = torch.zeros(T, 1, dtype=torch.int32, device=x.device)
-            y = y + self._call(x, zeros, ones, *self.sh)
-        return y
 
 
 IMPLS: Dict[str, Callable[[], Impl]] = {
@@ -745,11 +751,9 @@ def run(args: argparse.Namespace, log=print) -> Dict[str, Any]:
                     g = row["impls"]["megamoe-graph"] = {}
                     try:
                         g.update(_time_graph(impl, x, ids, w, timer, ref))
-                        g["tflops"] = flops / (g["median_us"] * 1e-6) / 1e12
-                        g["tbps"] = nbytes / (g["median_us"] * 1e-6) / 1e12
-                        g["x_floor"] = g["median_us"] / row["floor_us"]
                     except Exception as e:  # noqa: BLE001
                         g["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            for r in row["impls"].values():
                 if "median_us" in r:
                     r["tflops"] = flops / (r["median_us"] * 1e-6) / 1e12
                     r["tbps"] = nbytes / (r["median_us"] * 1e-6) / 1e12
@@ -905,7 +909,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--plot", default=None, help="write the roofline PNG here (matplotlib)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
-    args.shared_experts = getattr(args, "shared_experts")
     args.argv = argv
     if args.device not in ("cuda", "cpu") and not args.device.startswith("cuda:"):
         ap.error(f"--device: expected cuda, cuda:N or cpu, found {args.device!r}")

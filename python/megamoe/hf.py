@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -124,7 +124,7 @@ def _stack(parts: List[_Weights], what: str) -> _Weights:
     return _Weights(w, s)
 
 
-def _cat_rows(a: _Weights, b: _Weights, I: int, what: str) -> _Weights:
+def _cat_rows(a: _Weights, b: _Weights, what: str) -> _Weights:
     """[gate ; up] along the rows; with scales, gate's block rows then up's (so I % 128 == 0
     keeps every block inside one half, else a block would straddle them)."""
     if (a.scale is None) != (b.scale is None):
@@ -174,7 +174,7 @@ def _experts(experts: torch.nn.Module, E: int, H: int) -> Tuple[_Weights, _Weigh
             downs.append(_linear(mlp.down_proj, f"experts.{e}.down_proj"))
         g, u, d = _stack(gates, "experts.*.gate_proj"), _stack(ups, "experts.*.up_proj"), _stack(downs, "experts.*.down_proj")
         I = g.w.shape[1]
-        return _cat_rows(g, u, I, "experts"), d, I
+        return _cat_rows(g, u, "experts"), d, I
     raise TypeError(
         f"block.experts: expected fused gate_up_proj/down_proj parameters or a ModuleList of MLPs, "
         f"found {type(experts).__name__}"
@@ -189,8 +189,9 @@ def _swiglu_limit(block: torch.nn.Module, cfg: Any) -> float:
     return 0.0
 
 
-def _block_layer_args(block: torch.nn.Module, family: str, cfg: Any) -> Tuple[MoEConfig, Dict[str, Any], bool]:
-    """(MoEConfig, from_stacked tensors, quantized?) of one transformers MoE block."""
+def _block_layer_args(block: torch.nn.Module, cfg: Any) -> Tuple[MoEConfig, Dict[str, Any], Set[str]]:
+    """(MoEConfig, from_stacked tensors, the dtype names of the weights quantized here (empty
+    where all were block FP8)) of one transformers MoE block."""
     gate = getattr(block, "gate", None)
     if gate is None or getattr(gate, "weight", None) is None:
         raise ValueError(f"{type(block).__name__}: expected a router at block.gate with a weight [E, H]")
@@ -217,15 +218,14 @@ def _block_layer_args(block: torch.nn.Module, family: str, cfg: Any) -> Tuple[Mo
                 f"found {Is}"
             )
         S = Is // I
-        sh13, sh2 = _cat_rows(sg, su, Is, "shared_experts"), sd
+        sh13, sh2 = _cat_rows(sg, su, "shared_experts"), sd
 
-    quantized = False
+    quantized: Set[str] = set()
 
     def fp8(p: _Weights) -> Tuple[torch.Tensor, torch.Tensor]:
-        nonlocal quantized
         if p.scale is not None:
             return p.w.contiguous(), p.scale.contiguous()
-        quantized = True
+        quantized.add(str(p.w.dtype).replace("torch.", ""))
         if p.w.dim() == 3:  # expert by expert: the quantizer's float32 copy stays one expert's size
             parts = [quantize_block_fp8(w) for w in p.w]
             return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
@@ -362,16 +362,14 @@ def patch_moe(
         return 0
     cfg = _text_config(model)
     built = []
-    quantized_dtypes = set()
+    quantized_dtypes: Set[str] = set()
     for name, block, fam in blocks:
         block_cfg = getattr(block, "config", None) or cfg
         try:
-            config, tensors, quantized = _block_layer_args(block, fam, block_cfg)
+            config, tensors, quantized = _block_layer_args(block, block_cfg)
         except (ValueError, TypeError) as e:
             raise type(e)(f"{name} ({type(block).__name__}): {e}") from e
-        if quantized:
-            quantized_dtypes.add(str(block.experts.gate_up_proj.dtype if hasattr(block.experts, "gate_up_proj")
-                                     else block.shared_experts.gate_proj.weight.dtype).replace("torch.", ""))
+        quantized_dtypes |= quantized
         dev = device if device is not None else tensors["w13"].device
         built.append((name, block, fam, config, tensors, dev))
 

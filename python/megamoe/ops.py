@@ -20,8 +20,7 @@ routing the router is not read: a zero router is made once per (E, H, device).
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 from ._layer import MoEConfig, MoELayer, _is_torch
 
@@ -43,7 +42,8 @@ def _device_of(t: Any) -> str:
     return "cpu"
 
 
-def _zeros(shape, dtype: str, like: Any) -> Any:
+def _zeros(shape, like: Any) -> Any:
+    """float32 zeros beside `like` (a torch tensor's device, or numpy)."""
     if _is_torch(like):
         import torch
 
@@ -86,30 +86,27 @@ def fused_moe(
         rkey = (config.experts, config.hidden, device)
         router = _zero_routers.get(rkey)
         if router is None:
-            router = _zeros((config.experts, config.hidden), "f32", x)
+            router = _zeros((config.experts, config.hidden), x)
             _zero_routers[rkey] = router
         if config.correction_bias and bias is None:
             bkey = (config.experts, device, "bias")
             bias = _zero_routers.get(bkey)
             if bias is None:
-                bias = _zeros((config.experts,), "f32", x)
+                bias = _zeros((config.experts,), x)
                 _zero_routers[bkey] = bias
-    tensors = (w13, w13_scale, w2, w2_scale, router, bias, shared_w13, shared_w13_scale, shared_w2, shared_w2_scale)
+    weights = dict(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale, router=router, bias=bias,
+                   shared_w13=shared_w13, shared_w13_scale=shared_w13_scale, shared_w2=shared_w2,
+                   shared_w2_scale=shared_w2_scale)
     key = (
-        tuple(_ptr(t) for t in tensors),
-        tuple(tuple(t.shape) if t is not None else None for t in tensors),
-        dataclasses.astuple(config),
+        tuple(_ptr(t) for t in weights.values()),
+        tuple(tuple(t.shape) if t is not None else None for t in weights.values()),
+        tuple(vars(config).values()),  # (the fields are scalars: dataclasses.astuple deep-copies, ~14 us)
         device,
         cap,
     )
     layer = _cache.get(key)
     if layer is None:
-        layer = MoELayer.from_stacked(
-            config,
-            w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale, router=router, bias=bias,
-            shared_w13=shared_w13, shared_w13_scale=shared_w13_scale, shared_w2=shared_w2,
-            shared_w2_scale=shared_w2_scale, device=device, max_tokens=cap, borrow=True,
-        )
+        layer = MoELayer.from_stacked(config, **weights, device=device, max_tokens=cap, borrow=True)
         _cache[key] = layer
     return layer(x, topk_ids, topk_weights, out=out)
 

@@ -528,7 +528,7 @@ nlohmann::json run_bench(const BenchOptions& opt, const std::function<void(const
           if (opt.energy_seconds > 0 && T > 0) {
             const bench::EnergyRun energy =
                 bench::measure_energy(std::cref(g_fwd), stream, opt.energy_seconds,
-                                      records.empty() ? 100.0 : records.front()["us"].get<double>(), true);
+                                      records.front()["us"].get<double>(), true);
             for (auto& c : records) {
               c["energy_mJ"] = energy.mJ_per_call;
               c["energy_power_W"] = energy.watts;

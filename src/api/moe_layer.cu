@@ -18,7 +18,6 @@ struct CudaMoeLayer::Impl {
   kernels::MoeWorkspaceLayout ws;
   void* owned_weights = nullptr;
   const void* weights = nullptr;  // the layout's base (a view's w13: device_weights())
-  MoeWeightsView view;            // what the plan reads
   void* workspace = nullptr;
   bool owns_workspace = false;  // false: MoeLayerOptions::workspace, the caller's
   int* own_count = nullptr;
@@ -48,6 +47,22 @@ struct CudaMoeLayer::Impl {
     }
     kernels::set_device_int(own_count, hint, s);  // a kernel node: capturable
     return own_count;
+  }
+
+  // x, y and the token count of a forward, checked (alignment, device memory, the hint).
+  kernels::DeviceTensors io_tensors(const num::bf16_t* x, num::bf16_t* y, int hint, const int* count,
+                                    cudaStream_t s) {
+    if (hint > 0) {
+      require_aligned(x, 16, "forward x");
+      require_aligned(y, 16, "forward y");
+    }
+    kernels::DeviceTensors t;
+    t.num_tokens = token_count("forward", x, hint, count, s);
+    if (hint > 0) io_check.require(y, device, "forward", "y", s);
+    t.x = x;
+    t.y = y;
+    t.workspace = workspace;
+    return t;
   }
 
   ~Impl() {
@@ -86,7 +101,6 @@ static std::unique_ptr<CudaMoeLayer::Impl> make_impl(const MoeShape& s, const Mo
 }
 
 static void finish_plan(CudaMoeLayer::Impl& impl, const MoeWeightsView& v) {
-  impl.view = v;
   kernels::FusedMoeConfig cfg;
   impl.plan = kernels::fused_moe_plan_create(impl.shape, v, impl.ws, impl.workspace, cfg);
   // NOTE: the workspace's poison and the plan's zeroed record (memsets), and the weights'
@@ -153,17 +167,7 @@ CudaMoeLayer::~CudaMoeLayer() = default;
 void CudaMoeLayer::forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint, const int* num_tokens_dev,
                            Stream stream) {
   auto s = static_cast<cudaStream_t>(stream);
-  if (tokens_hint > 0) {
-    require_aligned(x, 16, "forward x");
-    require_aligned(y, 16, "forward y");
-  }
-  kernels::DeviceTensors t;
-  t.num_tokens = impl_->token_count("forward", x, tokens_hint, num_tokens_dev, s);
-  if (tokens_hint > 0) impl_->io_check.require(y, impl_->device, "forward", "y", s);
-  t.x = x;
-  t.y = y;
-  t.workspace = impl_->workspace;
-  kernels::fused_moe_forward(impl_->plan, t, tokens_hint, s);
+  kernels::fused_moe_forward(impl_->plan, impl_->io_tensors(x, y, tokens_hint, num_tokens_dev, s), tokens_hint, s);
 }
 
 void CudaMoeLayer::forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint, const int* num_tokens_dev,
@@ -172,22 +176,13 @@ void CudaMoeLayer::forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint
   if (routing.id_bytes != 4 && routing.id_bytes != 8)
     throw std::invalid_argument(
         fmt::format("forward routing.id_bytes: expected 4 (int32) or 8 (int64), got {}", routing.id_bytes));
+  const kernels::DeviceTensors t = impl_->io_tensors(x, y, tokens_hint, num_tokens_dev, s);
   if (tokens_hint > 0) {
-    require_aligned(x, 16, "forward x");
-    require_aligned(y, 16, "forward y");
-  }
-  kernels::DeviceTensors t;
-  t.num_tokens = impl_->token_count("forward", x, tokens_hint, num_tokens_dev, s);
-  if (tokens_hint > 0) {
-    impl_->io_check.require(y, impl_->device, "forward", "y", s);
     impl_->io_check.require(routing.ids, impl_->device, "forward", "routing.ids", s);
     impl_->io_check.require(routing.weights, impl_->device, "forward", "routing.weights", s);
     require_aligned(routing.ids, size_t(routing.id_bytes), "forward routing.ids");
     require_aligned(routing.weights, 4, "forward routing.weights");
   }
-  t.x = x;
-  t.y = y;
-  t.workspace = impl_->workspace;
   kernels::ExternalRouting r;
   r.ids = routing.ids, r.id_bytes = routing.id_bytes, r.weights = routing.weights;
   kernels::fused_moe_forward(impl_->plan, t, tokens_hint, s, r);
@@ -206,12 +201,11 @@ void CudaMoeLayer::check() {
   // (the record lives on the layer's device, which token_count_take synchronizes)
   const DeviceGuard guard;
   MEGAMOE_CUDA_CHECK(cudaSetDevice(impl_->device));
-  const kernels::TokenCountStatus st = kernels::token_count_take(impl_->plan);
-  const kernels::RoutingIdStatus ids = kernels::routing_ids_take(impl_->plan);
-  if (st.bad_forwards && ids.bad_ids)
-    throw std::runtime_error("CudaMoeLayer: " + st.message() + "; " + ids.message());
-  if (st.bad_forwards) throw std::runtime_error("CudaMoeLayer: " + st.message());
-  if (ids.bad_ids) throw std::runtime_error("CudaMoeLayer: " + ids.message());
+  std::string error;
+  for (const std::string& m :
+       {kernels::token_count_take(impl_->plan).message(), kernels::routing_ids_take(impl_->plan).message()})
+    if (!m.empty()) error += (error.empty() ? "CudaMoeLayer: " : "; ") + m;
+  if (!error.empty()) throw std::runtime_error(error);
 }
 
 const int32_t* CudaMoeLayer::topk_ids() const { return kernels::routing_outputs(impl_->plan).ids; }

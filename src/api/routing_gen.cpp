@@ -69,6 +69,7 @@ GeneratedRouting zipf_routing(const MoeShape& shape, int T, double s, uint64_t s
   out.ids.resize(size_t(T) * K);
   out.weights.resize(size_t(T) * K);
   std::vector<char> taken(E, 0);
+  std::vector<double> v(K);  // a token's raw weights
   for (int t = 0; t < T; ++t) {
     int32_t* ids = out.ids.data() + size_t(t) * K;
     float* w = out.weights.data() + size_t(t) * K;
@@ -90,7 +91,6 @@ GeneratedRouting zipf_routing(const MoeShape& shape, int T, double s, uint64_t s
     for (int k = 0; k < K; ++k) taken[ids[k]] = 0;
     // Weights: positive, bounded away from 0 (as sigmoid scores of routed experts are).
     double sum = 0;
-    std::vector<double> v(K);
     for (int k = 0; k < K; ++k) sum += v[k] = 0.05 + 0.95 * rng.uniform();
     for (int k = 0; k < K; ++k)
       w[k] = float((shape.norm_topk_prob ? v[k] / sum : v[k]) * double(shape.routed_scaling));

@@ -82,6 +82,18 @@ double percentile(const std::vector<double>& sorted, double p) {
   return sorted[lo] * (1 - f) + sorted[hi] * f;
 }
 
+// The median, extremes and p10 / p90 of a set of samples (µs).
+Timing timing_of(std::vector<double> us) {
+  std::sort(us.begin(), us.end());
+  Timing t;
+  t.median_us = percentile(us, 0.5);
+  t.min_us = us.front();
+  t.max_us = us.back();
+  t.p10_us = percentile(us, 0.1);
+  t.p90_us = percentile(us, 0.9);
+  return t;
+}
+
 }  // namespace
 
 double measure_read_bandwidth(size_t bytes, int iters, cudaStream_t stream, bool flush_l2_each) {
@@ -190,14 +202,7 @@ Timing time_device(const std::function<void(cudaStream_t)>& fn, cudaStream_t str
     MEGAMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[i].start, ev[i].stop));
     us[i] = double(ms) * 1e3;
   }
-  std::sort(us.begin(), us.end());
-  Timing t;
-  t.median_us = percentile(us, 0.5);
-  t.min_us = us.front();
-  t.max_us = us.back();
-  t.p10_us = percentile(us, 0.1);
-  t.p90_us = percentile(us, 0.9);
-  return t;
+  return timing_of(std::move(us));
 }
 
 namespace {
@@ -473,13 +478,8 @@ RegimeTiming time_regime(const std::function<void(cudaStream_t)>& fn, cudaStream
     while (!pending.empty()) collect(pending.front()), pending.pop_front();
     if (sampler) sampler->stop(out);
   }
-  std::sort(us.begin(), us.end());
   out.calls = int(us.size());
-  out.t.median_us = percentile(us, 0.5);
-  out.t.min_us = us.front();
-  out.t.max_us = us.back();
-  out.t.p10_us = percentile(us, 0.1);
-  out.t.p90_us = percentile(us, 0.9);
+  out.t = timing_of(std::move(us));
   return out;
 }
 

@@ -3,12 +3,18 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
+#include <iterator>
 #include <stdexcept>
+#include <string_view>
 
 namespace megamoe::kernels {
 namespace {
+
+// MEGAMOE_ROUTE_TILE's values, in RouteTile's order.
+constexpr const char* kRouteTileNames[] = {"small", "wide", "medium", "large"};
 
 [[noreturn]] void bad_value(const char* name, const char* expected, const char* found) {
   throw std::invalid_argument(fmt::format("{}: expected {}, found \"{}\"", name, expected, found));
@@ -101,17 +107,9 @@ Overrides Overrides::parse(const std::function<const char*(const char*)>& get) {
   o.ep_wide_tiles = with_alias<bool>(get, "MEGAMOE_EP_WIDE_TILES", "MEGAMOE_EP_WIDE", parse_bool);
   o.ep_overlap = flag("MEGAMOE_EP_OVERLAP");
   if (const char* v = get("MEGAMOE_ROUTE_TILE")) {
-    const std::string s(v);
-    if (s == "small")
-      o.route_tile = RouteTile::kSmall;
-    else if (s == "wide")
-      o.route_tile = RouteTile::kWide;
-    else if (s == "medium")
-      o.route_tile = RouteTile::kMedium;
-    else if (s == "large")
-      o.route_tile = RouteTile::kLarge;
-    else
-      bad_value("MEGAMOE_ROUTE_TILE", "small, wide, medium or large", v);
+    const auto* at = std::find(std::begin(kRouteTileNames), std::end(kRouteTileNames), std::string_view(v));
+    if (at == std::end(kRouteTileNames)) bad_value("MEGAMOE_ROUTE_TILE", "small, wide, medium or large", v);
+    o.route_tile = RouteTile(at - std::begin(kRouteTileNames));
   }
 
   if (const char* v = get("MEGAMOE_DEBUG_STOP"))
@@ -171,8 +169,7 @@ std::string Overrides::describe() const {
   add_flag("MEGAMOE_EP_WIDE_TILES", ep_wide_tiles);
   add_flag("MEGAMOE_EP_OVERLAP", ep_overlap);
   if (route_tile) {
-    static const char* const kNames[] = {"small", "wide", "medium", "large"};
-    add("MEGAMOE_ROUTE_TILE", std::optional<const char*>(kNames[int(*route_tile)]));
+    add("MEGAMOE_ROUTE_TILE", std::optional<const char*>(kRouteTileNames[int(*route_tile)]));
   }
   add("MEGAMOE_DEBUG_STOP", debug_stop ? std::optional<int>(debug_stop) : std::nullopt);
   add("MEGAMOE_DEBUG_SKIP", debug_skip ? std::optional<int>(debug_skip) : std::nullopt);

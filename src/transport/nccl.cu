@@ -174,7 +174,6 @@ std::vector<std::string> python_package_libs() {
       for (size_t i = 0; i < g.gl_pathc; ++i) out.push_back(g.gl_pathv[i]);
     globfree(&g);
   }
-  out.push_back("/usr/lib/python3/dist-packages/nvidia/nccl/lib/libnccl.so.2");
   return out;
 }
 
@@ -238,17 +237,19 @@ std::string nccl_version_string(int code) {
 
 int nccl_headers_version() { return NCCL_VERSION_CODE; }
 
+std::string nccl_requirement() {
+  return std::to_string(kMajor) + "." + std::to_string(kMinor) + ".x >= " + nccl_version_string(NCCL_VERSION_CODE);
+}
+
 std::string NcclLibrary::why_none() const {
   std::string s = explicit_choice ? "the NCCL library MEGAMOE_NCCL_LIB names cannot serve the NCCL transport"
                                   : "no usable NCCL for the NCCL transport";
-  s += " (needs " + std::to_string(kMajor) + "." + std::to_string(kMinor) + ".x >= " +
-       nccl_version_string(NCCL_VERSION_CODE) + ", the headers' release); tried:";
+  s += " (needs " + nccl_requirement() + ", the headers' release); tried:";
   for (size_t i = 0; i < tried.size(); ++i)
     s += std::string(i ? ";" : "") + " [" + tried[i].origin + "] " + tried[i].path + ": " +
          (tried[i].refused.empty() ? "usable" : tried[i].refused);
   if (tried.empty()) s += " nothing";
-  s += ". Set MEGAMOE_NCCL_LIB=/path/to/libnccl.so.2 of NCCL " + std::to_string(kMajor) + "." +
-       std::to_string(kMinor) + ".x >= " + nccl_version_string(NCCL_VERSION_CODE) +
+  s += ". Set MEGAMOE_NCCL_LIB=/path/to/libnccl.so.2 of NCCL " + nccl_requirement() +
        " (pip's nvidia-nccl puts one in site-packages/nvidia/nccl/lib)";
   return s;
 }

@@ -62,10 +62,12 @@ struct CliResult {
   std::string output;  // stdout and stderr together
 };
 
-// Runs the megamoe binary with `args` (already shell-quoted).
-inline CliResult run_cli(const std::string& args) {
+// Runs the megamoe binary with `args` (already shell-quoted), with `env` (NAME=VALUE ...,
+// no quoting needed) added to its environment when given.
+inline CliResult run_cli(const std::string& args, const std::string& env = "") {
   CliResult r;
-  const std::string cmd = std::string(MEGAMOE_CLI_PATH) + " " + args + " 2>&1";
+  const std::string cmd =
+      (env.empty() ? "" : "env " + env + " ") + std::string(MEGAMOE_CLI_PATH) + " " + args + " 2>&1";
   FILE* p = ::popen(cmd.c_str(), "r");
   if (!p) return r;
   std::array<char, 4096> buf;

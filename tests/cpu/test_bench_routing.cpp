@@ -73,6 +73,21 @@ TEST(BenchRouting, ZipfIdsDistinctInRangeWeightsNormalized) {
   }
 }
 
+// Without norm_topk_prob each weight is its raw draw in [0.05, 1] times routed_scaling.
+TEST(BenchRouting, ZipfWeightsUnnormalized) {
+  MoeShape s = glm5_like();
+  s.norm_topk_prob = false;
+  const GeneratedRouting g = zipf_routing(s, 300, 1.0, 5);
+  double sum = 0;
+  for (float w : g.weights) {
+    ASSERT_GE(w, 0.05f * s.routed_scaling * (1 - 1e-6f)) << w;
+    ASSERT_LE(w, 1.0f * s.routed_scaling * (1 + 1e-6f)) << w;
+    sum += w;
+  }
+  // the mean of 0.05 + 0.95 U is 0.525: far from a per-token sum of routed_scaling
+  EXPECT_NEAR(sum / g.weights.size(), 0.525 * s.routed_scaling, 0.05 * s.routed_scaling);
+}
+
 TEST(BenchRouting, ZipfDeterministicInTheSeed) {
   const MoeShape s = glm5_like();
   const GeneratedRouting a = zipf_routing(s, 300, 1.0, 7), b = zipf_routing(s, 300, 1.0, 7);

@@ -4,8 +4,6 @@
 // backend is usable, and the NCCL the nccl transport will load, with the candidates refused.
 #include <gtest/gtest.h>
 
-#include <sys/wait.h>
-
 #include <cstdio>
 #include <string>
 
@@ -15,23 +13,6 @@ namespace megamoe {
 namespace {
 
 using test::run_cli;
-
-#if defined(MEGAMOE_HAVE_CUDA)
-// The binary with `args` and `assignment` (NAME=VALUE, no quoting needed) in its
-// environment only.
-test::CliResult run_cli_with(const std::string& args, const std::string& assignment) {
-  test::CliResult r;
-  const std::string cmd = "env " + assignment + " " + std::string(MEGAMOE_CLI_PATH) + " " + args + " 2>&1";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  const int st = ::pclose(p);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
-}
-#endif
 
 // The line of `out` that starts with `prefix` ("" where none does).
 std::string line_starting(const std::string& out, const std::string& prefix) {
@@ -74,7 +55,7 @@ TEST(CliDoctor, PrintsEveryLineAndExitsZero) {
 // serve is named with the reason (no search goes on past it).
 TEST(CliDoctor, NamedNcclLibraryIsTheOnlyCandidate) {
   {
-    const auto r = run_cli_with("doctor", "MEGAMOE_NCCL_LIB=/nonexistent/libnccl.so.2");
+    const auto r = run_cli("doctor", "MEGAMOE_NCCL_LIB=/nonexistent/libnccl.so.2");
     ASSERT_EQ(r.status, 0) << r.output;
     EXPECT_TRUE(line_starting(r.output, "NCCL: ").starts_with("NCCL: none usable")) << r.output;
     EXPECT_NE(line_starting(r.output, "  MEGAMOE_NCCL_LIB: /nonexistent/libnccl.so.2: refused: cannot load"), "")
@@ -82,7 +63,7 @@ TEST(CliDoctor, NamedNcclLibraryIsTheOnlyCandidate) {
     EXPECT_EQ(r.output.find("system loader"), std::string::npos) << r.output;
   }
   {  // a real shared library that is not NCCL
-    const auto r = run_cli_with("doctor", "MEGAMOE_NCCL_LIB=libm.so.6");
+    const auto r = run_cli("doctor", "MEGAMOE_NCCL_LIB=libm.so.6");
     ASSERT_EQ(r.status, 0) << r.output;
     const std::string c = line_starting(r.output, "  MEGAMOE_NCCL_LIB: libm.so.6");
     EXPECT_NE(c.find("refused: has no ncclGetVersion"), std::string::npos) << r.output;

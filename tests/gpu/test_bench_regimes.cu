@@ -11,6 +11,7 @@
 #include "../../src/kernels/cuda_check.h"
 #include "gpu_test_util.h"
 #include "megamoe/bench/baselines.h"
+#include "megamoe/model/shape.h"
 
 namespace megamoe::bench {
 namespace {
@@ -71,7 +72,9 @@ TEST(BenchRegimes, SustainedAndBurst) {
 TEST(BenchRegimes, DenseGemmPairRate) {
   REQUIRE_DEVICE();
   DenseFp8GemmPair d(4096, 6144, 2048);  // GLM-5's GEMM shapes
-  EXPECT_DOUBLE_EQ(d.flops(), 2.0 * 4096 * (2.0 * 2048 * 6144 + 2048.0 * 6144));
+  MoeShape glm5_gemms;  // the layer's FLOP count of 4096 rows through one such expert
+  glm5_gemms.hidden = 6144;
+  EXPECT_DOUBLE_EQ(d.flops(), 4096 * glm5_gemms.expert_flops(2048));
   RegimeOptions o;
   o.burst_calls = 7;
   o.burst_gap_ms = 10;

@@ -14,8 +14,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "tools"))
 import moe_float64 as f64  # noqa: E402
 
-import megamoe  # noqa: E402
-
 LAYER = 3  # the synthetic glm-5.3-flash checkpoint's MoE layer
 P = f"model.language_model.layers.{LAYER}.mlp."  # its tensors' prefix (multimodal GLM-5.3-Flash)
 

@@ -74,18 +74,22 @@ def test_against_float64(ckpt, layer):
     np.testing.assert_allclose(y, emulated, atol=0.05 * np.abs(emulated).max(), rtol=0.05)
 
 
-def test_external_routing_bit_for_bit(layer, x16):
+def test_external_routing_bit_for_bit(ckpt, layer, x16):
     y = layer(x16)
     ids, w = layer.topk_ids.copy(), layer.topk_weights.copy()
     for ids_in in (ids, ids.astype(np.int64)):
         y2 = layer(x16, ids_in, w)
         assert bits(y2) == bits(y)
         assert np.array_equal(layer.topk_ids, ids)
-    # other routing: other output, and exactly what the layer's routing of those ids gives
+    # other routing: the layer on those ids, against the float64 model on the same ids
     ids3 = (ids + 1) % 16
     y3 = layer(x16, topk_ids=ids3, topk_weights=w)
     assert bits(y3) != bits(y)
     assert np.array_equal(layer.topk_ids, ids3)
+    cfg = f64.LayerConfig(ckpt, LAYER)
+    ref_layer = f64.Layer(f64.Checkpoint(ckpt), cfg, LAYER)
+    emulated = f64.moe(cfg, ref_layer, x16.astype(np.float64), ids3, w, cfg.swiglu_limit, emulate=True)
+    assert f64.rel_l2(y3.astype(np.float64), emulated) < 0.02
 
 
 def test_num_tokens_cpu(layer, x16):

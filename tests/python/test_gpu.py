@@ -2,6 +2,8 @@
 byte-identical to `megamoe forward --backend cuda`, external routing bit for bit, CUDA
 graph replay at fewer tokens, torch.compile(fullgraph=True), reload under a captured
 graph, the functional op, shared workspace, the errors."""
+import os
+
 import numpy as np
 import pytest
 from conftest import f64, run
@@ -24,6 +26,19 @@ def gck(cli, tmp_path_factory):
 @pytest.fixture(scope="module")
 def glayer(gck):
     return megamoe.MoELayer.from_checkpoint(gck, LAYER, device="cuda", max_tokens=128)
+
+
+def gck_tensors(gck):
+    """The MoE layer's checkpoint tensors of `gck` as CUDA tensors, by name."""
+    p = f"model.language_model.layers.{LAYER}.mlp."
+    ck = f64.Checkpoint(gck)
+    out = {}
+    for n in ck.weight_map:
+        if n.startswith(p):
+            dt, a = ck._file(os.path.join(gck, ck.weight_map[n])).raw(n)
+            t = torch.from_numpy(np.array(a).view({1: np.uint8, 2: np.int16, 4: np.float32}[a.itemsize]))
+            out[n] = (t.view(torch.bfloat16) if dt == "BF16" else t).cuda()
+    return out
 
 
 def rand_x(T, H=512):
@@ -121,18 +136,9 @@ def test_reload_under_graph(gck, x_T=64):
         lay(x, out=y)
     addr, before = lay.weights_address, lay.weight_bytes()
     lay.zero_experts()
-    p = f"model.language_model.layers.{LAYER}.mlp."
-    ck = f64.Checkpoint(gck)
-    import os
-
-    names = [n for n in ck.weight_map if n.startswith(p)]
     with lay.reloading(mode="layerwise"):
-        for n in names:
-            dt, a = ck._file(os.path.join(gck, ck.weight_map[n])).raw(n)
-            t = torch.from_numpy(np.array(a).view({1: np.uint8, 2: np.int16, 4: np.float32}[a.itemsize]))
-            if dt == "BF16":
-                t = t.view(torch.bfloat16)
-            lay.load_weights(n, t.cuda())  # device tensors, as a trainer pushes them
+        for n, t in gck_tensors(gck).items():
+            lay.load_weights(n, t)  # device tensors, as a trainer pushes them
     assert lay.weights_address == addr and lay.weight_bytes() == before
     y.fill_(float("nan"))
     g.replay()
@@ -172,8 +178,6 @@ def test_compile_fullgraph(glayer):
 
 
 def test_functional_op_and_workspace(gck, glayer):
-    from megamoe._overhead import random_layer  # noqa: F401  (importable on the GPU machine)
-
     cfg = megamoe.MoEConfig(hidden=512, inter=256, experts=16, topk=4, shared_experts=1)
     gen = torch.Generator(device="cuda").manual_seed(3)
     w13, s13 = megamoe.quantize_block_fp8(torch.randn(16, 512, 512, device="cuda", generator=gen) * 0.05)
@@ -215,16 +219,7 @@ def test_overhead_runs(glayer):
 
 
 def test_constructors_identical_cuda(gck, glayer):
-    import os
-
-    p = f"model.language_model.layers.{LAYER}.mlp."
-    ck = f64.Checkpoint(gck)
-    tensors = {}
-    for n in ck.weight_map:
-        if n.startswith(p):
-            dt, a = ck._file(os.path.join(gck, ck.weight_map[n])).raw(n)
-            t = torch.from_numpy(np.array(a).view({1: np.uint8, 2: np.int16, 4: np.float32}[a.itemsize]))
-            tensors[n] = (t.view(torch.bfloat16) if dt == "BF16" else t).cuda()
+    tensors = gck_tensors(gck)
     by_name = megamoe.MoELayer.from_tensors(glayer.config, tensors, device="cuda", max_tokens=128)
     assert by_name.weight_bytes() == glayer.weight_bytes()
     x = rand_x(50)

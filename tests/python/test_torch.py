@@ -2,7 +2,7 @@
 the custom op megamoe::moe_forward and torch.compile(fullgraph=True) through it."""
 import numpy as np
 import pytest
-from conftest import LAYER, bf16, bits
+from conftest import LAYER, bits
 
 torch = pytest.importorskip("torch")
 import megamoe  # noqa: E402

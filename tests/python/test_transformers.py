@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import megamoe  # noqa: E402
-from megamoe import hf  # noqa: E402
+from megamoe import bench, hf  # noqa: E402
 
 # A block's output against the HF block on the same (BF16) input: FP8 activations.
 BLOCK_REL_L2 = 0.06
@@ -88,15 +88,9 @@ def build(family, seed=0):
     return model, len(blocks)
 
 
-def _deq(q, s):
-    n, k = q.shape[-2:]
-    full = s.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :n, :k]
-    return q.float() * full
-
-
 def _roundtrip(w):
     q, s = megamoe.quantize_block_fp8(w)
-    return _deq(q, s).to(w.dtype)
+    return bench.dequant(q, s).to(w.dtype)
 
 
 def fp8_roundtrip_(model):
@@ -104,8 +98,8 @@ def fp8_roundtrip_(model):
     with torch.no_grad():
         for _, b, _ in hf.find_moe_blocks(model):
             ex = b.experts
+            I = ex.down_proj.shape[-1]
             for p in (ex.gate_up_proj, ex.down_proj):
-                I = ex.down_proj.shape[-1]
                 for e in range(p.shape[0]):
                     if p is ex.gate_up_proj:  # gate and up quantized apart, as patch_moe does
                         p[e, :I] = _roundtrip(p[e, :I])

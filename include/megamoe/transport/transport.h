@@ -92,6 +92,8 @@ const NcclLibrary& find_nccl();
 // NCCL_VERSION_CODE of the headers this build compiled against, and a code as "2.28.9".
 int nccl_headers_version();
 std::string nccl_version_string(int code);
+// The releases the NCCL transport accepts, as "2.28.x >= 2.28.9" (nccl.cu says why).
+std::string nccl_requirement();
 
 // Symmetric buffers in NCCL windows (ncclMemAlloc + ncclCommWindowRegister, symmetric
 // registration); peer bases are the windows' LSA pointers, read once at setup. Sets
