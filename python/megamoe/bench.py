@@ -10,11 +10,13 @@ dropped): megamoe (its own layer, external routing; on CUDA also replayed from a
 graph), "torch" (always: a plain PyTorch block-FP8 MoE, tokens sorted by expert and one
 torch._scaled_mm per expert with 1x128 / 128x128 block scales where this torch and device
 take them, else the weights dequantized to BF16 and one matmul per expert), DeepGEMM's
-grouped contiguous FP8 GEMMs, vLLM's fused_experts (block FP8) and FlashInfer's
-cutlass_fused_moe (DeepSeek FP8 block scales) where importable. Every implementation runs
-the routed experts on the same ids and weights plus the shared expert, and its output is
-checked against a float32 reference that quantizes the activations as docs/numerics.md §4 says
-(relative L2 in the table).
+grouped contiguous FP8 GEMMs (glue in PyTorch; "deepgemm-gemms" times its two GEMMs
+alone), vLLM's fused_experts (block FP8) and FlashInfer's cutlass_fused_moe (DeepSeek FP8
+block scales) where importable. Every implementation runs the routed experts on the same ids
+and weights plus the shared expert, and its output is checked against a float32 reference
+that quantizes the activations as docs/numerics.md §4 says (relative L2 in the table) and,
+for the peers, against megamoe's output; a peer further than PEER_MAX_REL_L2 from the
+reference is reported as an error, not timed.
 
 Timing: CUDA events around each call, an L2 flush (a write of twice the L2) before each,
 medians and p10/p90 over --iters calls after --warmup; the CPU backend: wall clock. Floors:
@@ -269,14 +271,28 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 # ---------------------------------------------------------------- implementations
 
 
+#: A peer's layer output further than this (relative L2) from the float32 reference, or from
+#: megamoe's output where the reference is skipped, is wrong: its time is not reported. The
+#: FP8 paths that quantize as the reference does land near 1.5e-2; a wrong layout near 1.
+PEER_MAX_REL_L2 = 0.05
+
+
 class Impl:
     name = "?"
     how = ""
+    #: None: no bound (megamoe and torch are checked by the tests); a peer sets PEER_MAX_REL_L2.
+    max_rel_l2: Optional[float] = None
+    #: Parts of the layer timed on their own after a call ({part: what it runs}); reported as
+    #: "<name>-<part>" rows beside the whole layer. part(p) runs one on the last call's operands.
+    parts: Dict[str, str] = {}
 
     def setup(self, W: Weights, device: torch.device, max_tokens: int) -> None:
         raise NotImplementedError
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def part(self, p: str) -> None:
         raise NotImplementedError
 
 
@@ -321,9 +337,7 @@ class TorchMoE(Impl):
 
     name = "torch"
 
-    def setup(self, W, device, max_tokens, shared_only=False):
-        """shared_only: only the shared expert will run (_mlp(-1, ...)): no BF16 copy of the
-        routed experts."""
+    def setup(self, W, device, max_tokens):
         self.W = W
         self.cfg = W.cfg
         self.mode = "bf16"
@@ -335,10 +349,9 @@ class TorchMoE(Impl):
             except Exception as e:  # noqa: BLE001  (this torch / cuBLASLt lacks the block scales)
                 why = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
         if self.mode == "bf16":
-            E = 0 if shared_only else self.cfg.experts
             self.bf16 = [tuple(dequant(*p, dtype=torch.bfloat16) for p in ((W.w13[e], W.w13_scale[e]),
                                                                               (W.w2[e], W.w2_scale[e])))
-                         for e in range(E)]
+                         for e in range(self.cfg.experts)]
             if W.shared is not None:
                 s = W.shared
                 self.bf16_shared = (dequant(s["w13"], s["w13_scale"], torch.bfloat16),
@@ -411,6 +424,7 @@ class _FusedPeer(Impl):
     no_clamp (the refusal where the layer has a SwiGLU clamp), _setup (self.how) and _call."""
 
     no_clamp = ""
+    max_rel_l2 = PEER_MAX_REL_L2
 
     @staticmethod
     def load() -> Tuple[Any, Callable]:
@@ -478,72 +492,109 @@ class VllmFusedExperts(_FusedPeer):
 
 
 class DeepGemmGrouped(Impl):
-    """DeepGEMM's grouped contiguous FP8 GEMMs (rows sorted by expert, each expert's rows
-    padded to the kernel's alignment), SwiGLU and the quantizations in PyTorch."""
+    """A layer on DeepGEMM's grouped contiguous FP8 GEMM (m_grouped_fp8_gemm_nt_contiguous;
+    on SM90 its kernel sm90_fp8_gemm_1d2d: 1x128 activation scales, 128x128 weight scales,
+    BF16 out), both GEMMs of the routed experts and of the shared expert in one launch each:
+    the shared expert is group E, every token routed to it with weight 1.
+
+    DeepGEMM: GEMM1 and GEMM2. PyTorch glue: the sort of the (token, expert) pairs by expert
+    and the padding of each expert's rows to DeepGEMM's M alignment (one host sync: the
+    contiguous layout takes M from the host), the 1x128 quantizations of x and of the SwiGLU
+    output (float32, docs/numerics.md §4) with their scales made MN-major and TMA-aligned as
+    the kernel reads them, SwiGLU with the clamp times the routing weight (float32), and the
+    combine (index_add in float32 of each expert's BF16 output, as the reference sums).
+    The part "gemms" times the two GEMM launches alone on the last call's operands: what any
+    DeepGEMM-based layer spends at least."""
 
     name = "deepgemm"
+    max_rel_l2 = PEER_MAX_REL_L2
+    parts = {"gemms": "DeepGEMM's two grouped GEMM launches alone (operands of the layer call above)"}
 
     def setup(self, W, device, max_tokens):
-        deep_gemm = _import_peer(device, lambda: __import__("deep_gemm"))
-        self.fn = (getattr(deep_gemm, "m_grouped_fp8_gemm_nt_contiguous", None)
-                   or getattr(deep_gemm, "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous", None))
-        if self.fn is None:
-            raise Unavailable("no grouped contiguous FP8 GEMM in this deep_gemm")
-        get_align = (getattr(deep_gemm, "get_mk_alignment_for_contiguous_layout", None)
-                     or getattr(deep_gemm, "get_m_alignment_for_contiguous_layout", None))
-        self.align = int(get_align()) if get_align else 128
-        self.tma = getattr(deep_gemm, "get_mn_major_tma_aligned_tensor", None) or getattr(
-            deep_gemm, "get_col_major_tma_aligned_tensor", None)
+        dg = _import_peer(device, lambda: __import__("deep_gemm"))
+        version = getattr(dg, "__version__", "?")
+        need = ("m_grouped_fp8_gemm_nt_contiguous", "get_mk_alignment_for_contiguous_layout",
+                "get_mn_major_tma_aligned_tensor")
+        missing = [n for n in need if not hasattr(dg, n)]
+        if missing:
+            raise Unavailable(f"deep_gemm {version} lacks {', '.join(missing)} (the bench calls the 2.x API)")
+        cfg = W.cfg
+        if W.shared is not None and W.shared["w2"].shape[1] != cfg.inter:
+            raise Unavailable("the shared expert is wider than a routed one: it cannot be a group of the same GEMM")
+        self.gemm = dg.m_grouped_fp8_gemm_nt_contiguous
+        self.align = int(dg.get_mk_alignment_for_contiguous_layout())
+        self.mn_major = dg.get_mn_major_tma_aligned_tensor
         self.W = W
-        self.sh = TorchMoE()  # the shared expert (one dense MLP) through the plain path
-        self.sh.setup(W, device, max_tokens, shared_only=True)
-        self.how = f"DeepGEMM {getattr(deep_gemm, '__version__', '?')} grouped contiguous FP8 GEMMs + PyTorch glue"
-
-    def _gemm(self, aq, as_, w, ws, m_idx, n):
-        out = torch.empty(aq.shape[0], n, dtype=torch.bfloat16, device=aq.device)
-        try:
-            self.fn((aq, as_), (w, ws), out, m_idx)
-        except Exception:  # noqa: BLE001  (older releases want TMA-aligned, MN-major scales)
-            if self.tma is None:
-                raise
-            self.fn((aq, self.tma(as_)), (w, ws), out, m_idx)
-        return out
+        # DeepGEMM takes one [G, N, K] tensor a GEMM: the shared expert joins as group E (a copy).
+        routed = (W.w13, W.w13_scale, W.w2, W.w2_scale)
+        if W.shared is None:
+            self.w13, self.s13, self.w2, self.s2 = routed
+        else:
+            E = cfg.experts
+            stacked = []
+            for t, key in zip(routed, ("w13", "w13_scale", "w2", "w2_scale")):
+                out = torch.empty((E + 1,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+                out[:E].copy_(t)
+                out[E].copy_(W.shared[key])
+                stacked.append(out)
+            self.w13, self.s13, self.w2, self.s2 = stacked
+        self.last = None
+        self.how = (f"DeepGEMM {version} m_grouped_fp8_gemm_nt_contiguous for GEMM1 and GEMM2 (routed + shared "
+                    f"experts, rows padded to {self.align}); sort, quantization, SwiGLU and combine in PyTorch")
 
     def __call__(self, x, ids, w):
         cfg = self.W.cfg
         T, K = ids.shape
-        flat = ids.reshape(-1).long()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=cfg.experts)
+        H, I, dev = cfg.hidden, cfg.inter, x.device
+        groups = self.w13.shape[0]
+        e = ids.reshape(-1).long()
+        tok = torch.arange(T, device=dev).repeat_interleave(K)
+        wt = w.reshape(-1).float()
+        if groups > cfg.experts:  # the shared expert: group E, weight 1
+            e = torch.cat([e, torch.full((T,), cfg.experts, dtype=torch.long, device=dev)])
+            tok = torch.cat([tok, torch.arange(T, device=dev)])
+            wt = torch.cat([wt, torch.ones(T, device=dev)])
+        order = torch.argsort(e, stable=True)
+        e, tok, wt = e[order], tok[order], wt[order]
+        counts = torch.bincount(e, minlength=groups)
         padded = (counts + self.align - 1) // self.align * self.align
         M = int(padded.sum())  # the host sync
-        starts = torch.cumsum(padded, 0) - padded
-        cstarts = torch.cumsum(counts, 0) - counts
-        e_sorted = flat[order]
-        dst = starts[e_sorted] + (torch.arange(T * K, device=x.device) - cstarts[e_sorted])
-        tok = order // K
+        first = torch.cumsum(padded, 0) - padded  # each group's first padded row
+        dst = first[e] + torch.arange(e.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[e]
+        m_idx = torch.full((M,), -1, dtype=torch.int32, device=dev)  # -1: a padding row, skipped
+        m_idx[dst] = e.int()
+
         q, s = quant_1x128(x)
-        aq = torch.zeros(M, cfg.hidden, dtype=_FP8, device=x.device)
-        as_ = torch.ones(M, s.shape[1], dtype=torch.float32, device=x.device)
-        aq[dst], as_[dst] = q[tok], s[tok]
-        m_idx = torch.full((M,), -1, dtype=torch.int32, device=x.device)
-        m_idx[dst] = e_sorted.int()
-        I = cfg.inter
-        h = self._gemm(aq, as_, self.W.w13, self.W.w13_scale, m_idx, 2 * I).float()
-        wt = torch.zeros(M, device=x.device)
-        wt[dst] = w.reshape(-1)[order]
-        bq, bs = quant_1x128(_swiglu(h, I, cfg.swiglu_limit, wt))
-        o = self._gemm(bq, bs, self.W.w2, self.W.w2_scale, m_idx, cfg.hidden)
-        y = torch.zeros(T, cfg.hidden, dtype=torch.float32, device=x.device).index_add_(0, tok, o[dst].float())
-        if self.W.shared is not None:
-            y += self.sh._mlp(-1, q, s, x, torch.ones(T, device=x.device)).float()
+        aq = torch.zeros(M, H, dtype=torch.uint8, device=dev)  # FP8 rows moved as bytes
+        aq[dst] = q.view(torch.uint8)[tok]
+        as_ = torch.ones(M, s.shape[1], dtype=torch.float32, device=dev)
+        as_[dst] = s[tok]
+        a1 = (aq.view(_FP8), self.mn_major(as_))
+        h = torch.empty(M, 2 * I, dtype=torch.bfloat16, device=dev)
+        self.gemm(a1, (self.w13, self.s13), h, m_idx)
+
+        wrow = torch.zeros(M, device=dev)
+        wrow[dst] = wt
+        bq, bs = quant_1x128(_swiglu(h.float(), I, cfg.swiglu_limit, wrow))
+        a2 = (bq, self.mn_major(bs))
+        o = torch.empty(M, H, dtype=torch.bfloat16, device=dev)
+        self.gemm(a2, (self.w2, self.s2), o, m_idx)
+        self.last = (a1, h, a2, o, m_idx)
+        y = torch.zeros(T, H, dtype=torch.float32, device=dev).index_add_(0, tok, o[dst].float())
         return y.bfloat16()
+
+    def part(self, p):
+        a1, h, a2, o, m_idx = self.last
+        self.gemm(a1, (self.w13, self.s13), h, m_idx)
+        self.gemm(a2, (self.w2, self.s2), o, m_idx)
 
 
 class FlashInferCutlass(_FusedPeer):
-    """FlashInfer's cutlass_fused_moe with DeepSeek FP8 block scales. fc1 goes in as
-    [gate ; up] (not run here yet: another order would show as a large rel_l2_vs_ref in the
-    results, never as a silent figure)."""
+    """FlashInfer's cutlass_fused_moe with DeepSeek FP8 block scales (SM90 only). fc1 goes in
+    as [gate ; up]; this path has not run anywhere: another order shows as a wrong output
+    (an error, not a time). Its SM90 module is JIT-compiled from about 250 CUTLASS
+    translation units on first use, and the package imports apache-tvm-ffi and
+    nvidia-cutlass-dsl."""
 
     name = "flashinfer"
     no_clamp = "the SwiGLU clamp is not wired here"
@@ -710,6 +761,8 @@ def run(args: argparse.Namespace, log=print) -> Dict[str, Any]:
             impl.setup(W, device, max(tokens))
             live[name] = impl
             impls[name] = dict(available=True, how=impl.how)
+            for part, how in impl.parts.items():
+                impls[f"{name}-{part}"] = dict(available=True, how=how)
         except Unavailable as e:
             impls[name] = dict(available=False, reason=str(e))
         except Exception as e:  # noqa: BLE001  (a peer that fails to set up is reported, not fatal)
@@ -735,6 +788,7 @@ def run(args: argparse.Namespace, log=print) -> Dict[str, Any]:
             row: Dict[str, Any] = dict(routing=routing, tokens=T, experts_hit=hit, weight_bytes=nbytes, flops=flops,
                                        read_floor_us=read_us, tc_floor_us=tc_us, floor_us=max(read_us, tc_us),
                                        impls={})
+            y_megamoe = None
             for name, impl in list(live.items()):
                 r: Dict[str, Any] = {}
                 row["impls"][name] = r
@@ -742,9 +796,16 @@ def run(args: argparse.Namespace, log=print) -> Dict[str, Any]:
                     y = impl(x, ids, w)
                     if ref is not None:
                         r["rel_l2_vs_ref"] = rel_l2(y, ref)
+                    if name == "megamoe":
+                        y_megamoe = y.clone()  # the timed calls below reuse the layer's output
+                    elif y_megamoe is not None:
+                        r["rel_l2_vs_megamoe"] = rel_l2(y, y_megamoe)
+                    _check_peer(impl, r)
                     r.update(timer(lambda: impl(x, ids, w)))
                     if name == "megamoe" and device.type == "cuda":
                         impl.layer.check()  # a device-recorded id violation raises here
+                    for part in impl.parts:  # after the checked call, on its operands
+                        row["impls"][f"{name}-{part}"] = timer(lambda: impl.part(part))
                 except Exception as e:  # noqa: BLE001  (one failing case is reported; the others run)
                     r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 if name == "megamoe" and device.type == "cuda" and args.graph and "error" not in r:
@@ -779,6 +840,19 @@ def run(args: argparse.Namespace, log=print) -> Dict[str, Any]:
     return out
 
 
+def _check_peer(impl: Impl, r: Dict[str, Any]) -> None:
+    """Raises where a peer's output is off the reference (or megamoe's output where the
+    reference is skipped) by more than its bound: a wrong output gets no time. A peer with
+    neither to compare against is timed and marked unchecked."""
+    if impl.max_rel_l2 is None:
+        return
+    rel = r.get("rel_l2_vs_ref", r.get("rel_l2_vs_megamoe"))
+    if rel is None:
+        r["unchecked"] = True
+    elif not rel <= impl.max_rel_l2:  # NaN fails too
+        raise RuntimeError(f"wrong output: rel L2 {rel:.3g} > {impl.max_rel_l2} (not timed)")
+
+
 def _time_graph(impl: MegaMoE, x, ids, w, timer: Timer, ref) -> Dict[str, Any]:
     """The megamoe call captured once in a CUDA graph and replayed (no host work a call)."""
     r: Dict[str, Any] = {}
@@ -807,9 +881,10 @@ def _row_text(row: Dict[str, Any]) -> str:
              f" (read {_fmt_us(row['read_floor_us'])}, tc {_fmt_us(row['tc_floor_us'])})"]
     for name, r in row["impls"].items():
         if "median_us" in r:
-            rel = r.get("rel_l2_vs_ref")
+            rel, rel_m = r.get("rel_l2_vs_ref"), r.get("rel_l2_vs_megamoe")
             parts.append(f"{name} {_fmt_us(r['median_us'])} us ({r['x_floor']:.2f}x"
-                         + (f", rel {rel:.3f}" if rel is not None else "") + ")")
+                         + (f", rel {rel:.3f}" if rel is not None else "")
+                         + (f", vs megamoe {rel_m:.3f}" if rel_m is not None else "") + ")")
         else:
             parts.append(f"{name} ERROR {r.get('error', '?')}")
     return " | ".join(parts)
