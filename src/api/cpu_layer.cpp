@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
 #include <vector>
 
@@ -32,6 +33,8 @@ struct CpuMoeLayer::Impl {
   std::vector<int32_t> ids;
   std::vector<float> weights;
   int last_tokens = 0;
+  // Forwards of one layer from several threads run one at a time (they share ids / weights).
+  std::mutex mu;
 
   MoeWeightsView weights_view(const char* op) const {
     if (!store) return view;
@@ -64,6 +67,7 @@ struct CpuMoeLayer::Impl {
   }
 
   void run(const num::bf16_t* x, float* y, int T, const RoutingInput* routing) {
+    const std::lock_guard lock(mu);
     detail::require_token_count("forward", T, max_tokens);
     const MoeWeightsView v = weights_view("forward");
     if (T > 0 && (!x || !y)) throw std::invalid_argument(fmt::format("forward: null {}", !x ? "x" : "y"));

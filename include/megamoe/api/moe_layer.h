@@ -154,7 +154,8 @@ class CudaMoeLayer {
 // The host-memory MoE layer (CPU backend): CudaMoeLayer's constructors, forwards and
 // check() on host memory, synchronous (no stream, no device count). Borrowing a
 // WeightStore follows its reloads: each forward reads the store's bytes as they are then
-// and refuses (std::runtime_error) while the layer is not ready.
+// and refuses (std::runtime_error) while the layer is not ready. Forwards of one layer
+// from several threads run one at a time; the routing accessors describe the last one.
 class CpuMoeLayer {
  public:
   // Copies the host weights into memory the layer owns.
