@@ -439,60 +439,29 @@ struct Layer {
       }
     }
   }
-  // Copies the stacked tensors in through the store, tensor by checkpoint tensor (each
-  // expert's gate and up rows, down, and their scales are contiguous slices).
+  // Copies the stacked tensors in through the store, checkpoint tensor by checkpoint tensor:
+  // each slot of io::moe_layer_slots is a contiguous slice of its region's stacked tensor.
   void load_stacked(const Stacked& st, const std::string& mode) {
-    const MoeShape& s = shape;
-    const size_t H = size_t(s.hidden), I = size_t(s.inter), Is = size_t(s.shared_inter());
-    const size_t hb = size_t(MoeWeightLayout::hidden_blocks(s.hidden)),
-                 ib = size_t(MoeWeightLayout::inter_blocks(s.inter)),
-                 isb = size_t(MoeWeightLayout::inter_blocks(s.shared_inter()));
-    auto put = [&](const std::string& name, const In& src, size_t elem_offset, size_t elem_bytes,
-                   std::vector<int64_t> shp, io::Dtype dt) {
-      size_t n = 1;
-      for (int64_t v : shp) n *= size_t(v);
-      const auto* p = static_cast<const uint8_t*>(src.data()) + elem_offset * elem_bytes;
-      if (!store->update(desc.layer_prefix(layer) + name, dt, shp, p, n * elem_bytes))
-        throw std::logic_error("load_stacked: the store refused " + name);
-    };
+    const std::vector<api::StackedTensor> specs = api::stacked_tensors(shape);
+    const std::vector<io::TensorSlot> slots = io::moe_layer_slots(shape, desc.layer_prefix(layer));
+    std::vector<io::TensorView> views;
+    for (const io::TensorSlot& slot : slots) {
+      size_t i = 0;
+      while (i < specs.size() && specs[i].region != slot.region) ++i;
+      if (i == specs.size() || !st[i])
+        throw std::logic_error("load_stacked: no stacked tensor for " + slot.name);
+      io::TensorView v;
+      v.name = slot.name, v.dtype = slot.dtype, v.shape = slot.shape, v.bytes = slot.bytes();
+      v.data = static_cast<const uint8_t*>(st[i]->data()) + slot.offset;
+      views.push_back(v);
+    }
     begin(mode);
     try {
-      for (int e = 0; e < s.experts; ++e) {
-        const std::string x = fmt::format("experts.{}.", e);
-        const size_t w13 = size_t(e) * 2 * I * H, sc13 = size_t(e) * 2 * ib * hb;
-        put(x + "gate_proj.weight", *st[0], w13, 1, {int64_t(I), int64_t(H)}, io::Dtype::kF8_E4M3);
-        put(x + "up_proj.weight", *st[0], w13 + I * H, 1, {int64_t(I), int64_t(H)}, io::Dtype::kF8_E4M3);
-        put(x + "gate_proj.weight_scale_inv", *st[1], sc13, 4, {int64_t(ib), int64_t(hb)}, io::Dtype::kF32);
-        put(x + "up_proj.weight_scale_inv", *st[1], sc13 + ib * hb, 4, {int64_t(ib), int64_t(hb)},
-            io::Dtype::kF32);
-        put(x + "down_proj.weight", *st[2], size_t(e) * H * I, 1, {int64_t(H), int64_t(I)},
-            io::Dtype::kF8_E4M3);
-        put(x + "down_proj.weight_scale_inv", *st[3], size_t(e) * hb * ib, 4, {int64_t(hb), int64_t(ib)},
-            io::Dtype::kF32);
-      }
-      if (s.has_shared()) {
-        put("shared_experts.gate_proj.weight", *st[4], 0, 1, {int64_t(Is), int64_t(H)}, io::Dtype::kF8_E4M3);
-        put("shared_experts.up_proj.weight", *st[4], Is * H, 1, {int64_t(Is), int64_t(H)},
-            io::Dtype::kF8_E4M3);
-        put("shared_experts.gate_proj.weight_scale_inv", *st[5], 0, 4, {int64_t(isb), int64_t(hb)},
-            io::Dtype::kF32);
-        put("shared_experts.up_proj.weight_scale_inv", *st[5], isb * hb, 4, {int64_t(isb), int64_t(hb)},
-            io::Dtype::kF32);
-        put("shared_experts.down_proj.weight", *st[6], 0, 1, {int64_t(H), int64_t(Is)}, io::Dtype::kF8_E4M3);
-        put("shared_experts.down_proj.weight_scale_inv", *st[7], 0, 4, {int64_t(hb), int64_t(isb)},
-            io::Dtype::kF32);
-      }
-      const bool f32 = s.router_dtype == RouterDtype::kF32;
-      put("gate.weight", *st[8], 0, f32 ? 4 : 2, {int64_t(s.experts), int64_t(H)},
-          f32 ? io::Dtype::kF32 : io::Dtype::kBF16);
-      if (s.correction_bias)
-        put("gate.e_score_correction_bias", *st[9], 0, 4, {int64_t(s.experts)}, io::Dtype::kF32);
+      store->update(views);
     } catch (...) {
-      if (store->in_session()) {
-        try {
-          store->finish();
-        } catch (...) {
-        }
+      try {
+        store->finish();
+      } catch (...) {
       }
       throw;
     }

@@ -11,17 +11,18 @@ std::vector<StackedTensor> stacked_tensors(const MoeShape& s) {
   const int64_t hb = MoeWeightLayout::hidden_blocks(s.hidden), ib = MoeWeightLayout::inter_blocks(s.inter);
   const int64_t isb = MoeWeightLayout::inter_blocks(s.shared_inter());
   const char* no_shared = s.has_shared() ? nullptr : "the config has shared_experts=0";
+  using L = MoeWeightLayout;
   return {
-      {"w13", T::kE4M3, {E, 2 * I, H}},
-      {"w13_scale", T::kF32, {E, 2 * ib, hb}},
-      {"w2", T::kE4M3, {E, H, I}},
-      {"w2_scale", T::kF32, {E, hb, ib}},
-      {"shared_w13", T::kE4M3, {2 * Is, H}, no_shared},
-      {"shared_w13_scale", T::kF32, {2 * isb, hb}, no_shared},
-      {"shared_w2", T::kE4M3, {H, Is}, no_shared},
-      {"shared_w2_scale", T::kF32, {hb, isb}, no_shared},
-      {"router", T::kRouter, {E, H}},
-      {"bias", T::kF32, {E}, s.correction_bias ? nullptr : "the config has correction_bias=False"},
+      {"w13", T::kE4M3, {E, 2 * I, H}, nullptr, &L::w13},
+      {"w13_scale", T::kF32, {E, 2 * ib, hb}, nullptr, &L::w13_scale},
+      {"w2", T::kE4M3, {E, H, I}, nullptr, &L::w2},
+      {"w2_scale", T::kF32, {E, hb, ib}, nullptr, &L::w2_scale},
+      {"shared_w13", T::kE4M3, {2 * Is, H}, no_shared, &L::shared_w13},
+      {"shared_w13_scale", T::kF32, {2 * isb, hb}, no_shared, &L::shared_w13_scale},
+      {"shared_w2", T::kE4M3, {H, Is}, no_shared, &L::shared_w2},
+      {"shared_w2_scale", T::kF32, {hb, isb}, no_shared, &L::shared_w2_scale},
+      {"router", T::kRouter, {E, H}, nullptr, &L::router},
+      {"bias", T::kF32, {E}, s.correction_bias ? nullptr : "the config has correction_bias=False", &L::bias},
   };
 }
 

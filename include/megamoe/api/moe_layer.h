@@ -63,6 +63,10 @@ struct StackedTensor {
   Type type = Type::kE4M3;
   std::vector<int64_t> shape;            // e.g. w13: [E, 2I, H]; w13_scale: [E, 2 ceil(I/128), ceil(H/128)]
   const char* absent_because = nullptr;  // null: the shape has it; else why not
+  // Where it lies in the kernel layout (an alias: nvcc's host pass would print the
+  // member-pointer declaration with parentheses g++ warns about).
+  using LayoutRegion = Region MoeWeightLayout::*;
+  LayoutRegion region = nullptr;
 };
 constexpr int kStackedTensors = 10;
 std::vector<StackedTensor> stacked_tensors(const MoeShape& s);
