@@ -24,17 +24,13 @@
 #include <vector>
 
 #include "commands.h"
+#include "megamoe/api/moe_layer.h"
 #include "megamoe/io/checkpoint.h"
 #include "megamoe/io/safetensors.h"
 #include "megamoe/model/config.h"
 #include "megamoe/numerics/quant.h"
-#include "megamoe/reference/moe.h"
 #include "megamoe/weights/device_memory.h"
 #include "megamoe/weights/store.h"
-
-#if defined(MEGAMOE_HAVE_CUDA)
-#include "megamoe/api/moe_layer.h"
-#endif
 
 namespace fs = std::filesystem;
 
@@ -496,6 +492,14 @@ class Forwarder {
       auto& x = x_.emplace_back(size_t(T) * H);
       for (auto& v : x) v = num::bf16_encode(nd(rng));
     }
+    if (!cuda_) {
+      api::MoeLayerOptions o;
+      o.max_tokens = std::max(T, 1);
+      // (over the buffer, as the CUDA layers: the check also runs the zeroed experts,
+      // which a layer over the store would refuse as not ready)
+      for (int L : st.layers())
+        cpu_layers_.push_back(std::make_unique<api::CpuMoeLayer>(st.shape(L), st.host_view(L), o));
+    }
 #if defined(MEGAMOE_HAVE_CUDA)
     // NOTE: the layers borrow the store's buffers once, before any reload: a
     // reload that moved a buffer would leave them reading freed memory.
@@ -516,13 +520,10 @@ class Forwarder {
       const MoeShape& s = st_.shape(L);
       std::vector<uint8_t> y;
       if (!cuda_) {
-        // The CPU backend of api::forward, run on the store's live host
-        // buffer itself (no copy), so the check reads what a server would.
-        std::vector<int32_t> ids(size_t(T_) * s.topk);
-        std::vector<float> w(ids.size()), yf(size_t(T_) * s.hidden);
-        const MoeWeightsView v = st_.host_view(L);
-        ref::route(s, v, x_[i].data(), T_, ids.data(), w.data());
-        ref::moe_layer(s, v, x_[i].data(), T_, ids.data(), w.data(), ref::Mode::kKernelFaithful, yf.data());
+        // The CPU layer over the store's live host buffer itself (no copy), so the
+        // check reads what a server would.
+        std::vector<float> yf(size_t(T_) * s.hidden);
+        cpu_layers_[i]->forward(x_[i].data(), yf.data(), T_, nullptr);
         y.resize(yf.size() * 4);
         std::memcpy(y.data(), yf.data(), y.size());
       } else {
@@ -553,6 +554,7 @@ class Forwarder {
   bool cuda_;
   int T_;
   std::vector<std::vector<num::bf16_t>> x_;
+  std::vector<std::unique_ptr<api::CpuMoeLayer>> cpu_layers_;
 #if defined(MEGAMOE_HAVE_CUDA)
   std::vector<std::unique_ptr<api::CudaMoeLayer>> layers_;
 #endif

@@ -18,6 +18,7 @@ from . import _megamoe, ops
 from ._layer import (
     MoEConfig,
     MoELayer,
+    StackedWeights,
     Workspace,
     cuda_available,
     hf_config_info,
@@ -29,6 +30,7 @@ __version__: str = _megamoe.__version__
 __all__ = [
     "MoEConfig",
     "MoELayer",
+    "StackedWeights",
     "Workspace",
     "cuda_available",
     "hf_config_info",
@@ -42,10 +44,17 @@ try:  # the custom op and the functional entry point need torch
 except ImportError:  # pragma: no cover - exercised where torch is absent
     _torch = None
 if _torch is not None:
-    from . import _layer, torch_ops  # noqa: F401  (registers megamoe::moe_forward)
-
-    _layer._torch_ops = torch_ops
-
+    from . import torch_ops  # noqa: F401  (registers megamoe::moe_forward)
     from .hf import patch_moe  # transformers drop-in (imports transformers only when used)
 
     __all__ += ["torch_ops", "patch_moe"]
+
+
+def __getattr__(name: str):
+    if name in ("patch_moe", "torch_ops"):
+        raise ImportError(
+            f"megamoe.{name} needs torch, which is not installed in this Python "
+            f"(pip install torch; patch_moe also needs transformers)",
+            name=name,
+        )
+    raise AttributeError(f"module 'megamoe' has no attribute {name!r}")

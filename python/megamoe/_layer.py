@@ -13,7 +13,7 @@ import itertools
 import json
 import re
 import weakref
-from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -35,7 +35,6 @@ except ImportError:
     _NP_E4M3 = None
 
 _Base = _torch.nn.Module if _torch is not None else object
-_torch_ops = None  # megamoe.torch_ops, set by the package when torch imports
 
 
 def cuda_available() -> bool:
@@ -89,6 +88,12 @@ class MoEConfig:
     def validate(self) -> None:
         """Raises ValueError naming the first field out of its bounds."""
         self._shape()
+
+    @staticmethod
+    def presets() -> "dict[str, MoEConfig]":
+        """The model families' layer shapes by name ("glm-5.3-flash", "glm-5", "deepseek-v3",
+        "glm-4.7-flash"): the C++ presets the command's --preset takes."""
+        return {name: MoEConfig._from_shape(shape) for name, shape in _megamoe.presets()}
 
     @staticmethod
     def from_hf_config(cfg: Any) -> "MoEConfig":
@@ -172,15 +177,39 @@ def _on_device(kind: str, index: Optional[int]) -> Iterator[None]:
 _NAME_FULL = re.compile(r"^(?:.*\.)?layers\.(\d+)\.mlp\.(.+)$")
 
 
+# ---------------------------------------------------------------- stacked weights
+
+
+class StackedWeights(NamedTuple):
+    """The ten weight tensors of one layer in the kernel layout (weights/layout.h; the C++
+    MoeWeightsView and api::stacked_tensors, in their order): w13 E4M3 [E, 2I, H] (gate rows,
+    then up rows), w13_scale f32 [E, 2*ceil(I/128), ceil(H/128)], w2 E4M3 [E, H, I], w2_scale
+    f32 [E, ceil(H/128), ceil(I/128)], shared_* the same for the shared MLP without the E axis
+    (None when the config has no shared expert), router bf16/f32 [E, H], bias f32 [E] (None
+    without correction_bias)."""
+
+    w13: Any
+    w13_scale: Any
+    w2: Any
+    w2_scale: Any
+    shared_w13: Any = None
+    shared_w13_scale: Any = None
+    shared_w2: Any = None
+    shared_w2_scale: Any = None
+    router: Any = None
+    bias: Any = None
+
+
 # ---------------------------------------------------------------- workspace
 
 
 class Workspace:
     """Scratch memory several layers share (MoeLayerOptions::workspace): sized for the
     largest of `config_or_configs` at `max_tokens`. Layers that share it must run one
-    after another on one stream; their routing outputs are then the last forward's."""
+    after another on one stream; their routing outputs are then the last forward's.
+    device None: "cuda" when cuda_available(), else "cpu" (MoELayer's default too)."""
 
-    def __init__(self, config_or_configs: Union[MoEConfig, Sequence[MoEConfig]], max_tokens: int, device: Any = "cuda"):
+    def __init__(self, config_or_configs: Union[MoEConfig, Sequence[MoEConfig]], max_tokens: int, device: Any = None):
         configs = [config_or_configs] if isinstance(config_or_configs, MoEConfig) else list(config_or_configs)
         for c in configs:
             if not isinstance(c, MoEConfig):
@@ -236,9 +265,6 @@ class MoELayer(_Base):
         self._experts = int(_impl.shape.experts)
         self._hidden = int(_impl.shape.hidden)
         self._topk = int(_impl.shape.topk)
-        self._raw_stream = (
-            _torch._C._cuda_getCurrentRawStream if (_torch is not None and self._is_cuda) else None
-        )
         _registry[self._handle] = self
 
     # ---- constructors
@@ -328,19 +354,23 @@ class MoELayer(_Base):
         aligned; the layer keeps them alive; new weights are written into them)."""
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config: expected a MoEConfig, found {type(config).__name__}")
-        named = dict(
-            w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale, router=router, bias=bias,
-            shared_w13=shared_w13, shared_w13_scale=shared_w13_scale, shared_w2=shared_w2,
-            shared_w2_scale=shared_w2_scale,
+        weights = StackedWeights(
+            w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale, shared_w13=shared_w13,
+            shared_w13_scale=shared_w13_scale, shared_w2=shared_w2, shared_w2_scale=shared_w2_scale,
+            router=router, bias=bias,
         )
-        arrays = {k: (None if v is None else _as_array(v, k)) for k, v in named.items()}
+        return cls._from_stacked_weights(config, weights, device, max_tokens, workspace, borrow)
+
+    @classmethod
+    def _from_stacked_weights(cls, config, weights: StackedWeights, device, max_tokens, workspace, borrow):
+        arrays = [None if v is None else _as_array(v, k) for k, v in zip(StackedWeights._fields, weights)]
         kind, index = _parse_device(device)
         with _on_device(kind, index):
             impl = _megamoe._Layer.stacked(
                 config._shape(), kind, int(max_tokens), workspace._impl if workspace is not None else None,
-                bool(borrow), "layerwise", **arrays,
+                bool(borrow), "layerwise", arrays,
             )
-        keep = tuple(v for v in arrays.values() if v is not None) if borrow else ()
+        keep = tuple(v for v in arrays if v is not None) if borrow else ()
         return cls(impl, _keep=keep)
 
     # ---- properties
@@ -465,7 +495,8 @@ class MoELayer(_Base):
         if topk_ids is not None or topk_weights is not None:
             self._check_routing_cuda(topk_ids, topk_weights, T)
             ids, w, id_bytes = topk_ids.data_ptr(), topk_weights.data_ptr(), topk_ids.element_size()
-        self._impl.forward_raw(x.data_ptr(), out.data_ptr(), T, ids, id_bytes, w, nt, self._raw_stream(dev))
+        stream = _torch.cuda.current_stream(dev).cuda_stream
+        self._impl.forward_raw(x.data_ptr(), out.data_ptr(), T, ids, id_bytes, w, nt, stream)
         return out
 
     def _good(self, t, dtype) -> bool:
@@ -589,8 +620,10 @@ class MoELayer(_Base):
         working. mode "direct": written into the live weights; "layerwise": the layer is
         not usable until every one of its tensors has arrived. A weight and its
         weight_scale_inv may arrive in separate calls inside `with layer.reloading():`;
-        a call outside one is one load session and must bring both. Returns the names
-        written. Waits for the device's queued work first (CUDA)."""
+        a call outside one is one load session and must bring both. Every tensor of a
+        call is checked (name, dtype, shape, the scales' values) before any is written:
+        a call that raises leaves the weights as they were. Returns the names written.
+        Waits for the device's queued work first (CUDA)."""
         if isinstance(weights, str):
             if tensor is None:
                 raise ValueError(f"tensor: expected a tensor for name {weights!r}, found None")
@@ -604,10 +637,13 @@ class MoELayer(_Base):
             self._impl.begin(mode)
         names = []
         try:
+            batch = []
             for name, t in pairs:
                 name = str(name)
-                self._impl.update(self._relative(name), _as_array(t, f"tensor '{name}'"))
+                batch.append((self._relative(name), _as_array(t, f"tensor '{name}'")))
                 names.append(name)
+            # (validated as a whole before a byte is written: a refused call changes nothing)
+            self._impl.update(batch)
         except BaseException:
             if opened:
                 with contextlib.suppress(Exception):
@@ -683,16 +719,36 @@ def _quantize_block_fp8_torch(w):
         raise TypeError(f"w: expected bfloat16 or float32, found {w.dtype}")
     if w.dim() < 2:
         raise ValueError(f"w: expected [..., N, K], found {list(w.shape)}")
+    return _quantize_blocks(w, 128)
+
+
+def _quantize_blocks(w, block_rows: int, amax_floor: Optional[float] = None):
+    """The block-FP8 rule in torch: [..., N, K] -> (E4M3 [..., N, K], float32 scales
+    [..., ceil(N/block_rows), ceil(K/128)]), per block_rows x 128 block.
+    Weights (block_rows 128, amax_floor None; docs/numerics.md §2): scale = amax / 448 (1 for
+    an all-zero block), code = e4m3(w / scale); a non-finite value raises.
+    Activations (block_rows 1, amax_floor 1e-4; docs/numerics.md §4): scale = max(amax,
+    1e-4) / 448, code = e4m3(a * (1 / scale)), as the kernel computes it."""
     w = w.detach().float()
     *batch, n, k = w.shape
-    nb, kb = -(-n // 128), -(-k // 128)
-    p = _torch.zeros(*batch, nb * 128, kb * 128, dtype=_torch.float32, device=w.device)
+    nb, kb = -(-n // block_rows), -(-k // 128)
+    p = _torch.zeros(*batch, nb * block_rows, kb * 128, dtype=_torch.float32, device=w.device)
     p[..., :n, :k] = w
-    blocks = p.reshape(*batch, nb, 128, kb, 128)
+    blocks = p.reshape(*batch, nb, block_rows, kb, 128)
     amax = blocks.abs().amax(dim=(-3, -1))
-    if not bool(_torch.isfinite(amax).all()):
-        raise ValueError("w: expected finite values, found a NaN or an infinity")
-    scale = _torch.where(amax > 0, amax / 448.0, _torch.ones_like(amax))
-    q = (blocks / scale[..., :, None, :, None]).clamp_(-448.0, 448.0)
-    q = q.reshape(*batch, nb * 128, kb * 128)[..., :n, :k].contiguous().to(_torch.float8_e4m3fn)
-    return q, scale.contiguous()
+    if amax_floor is None:
+        if not bool(_torch.isfinite(amax).all()):
+            raise ValueError("w: expected finite values, found a NaN or an infinity")
+        scale = _torch.where(amax > 0, amax / 448.0, _torch.ones_like(amax))
+        q = blocks / scale[..., :, None, :, None]
+    else:
+        scale = amax.clamp_min(amax_floor) / 448.0
+        q = blocks * (1.0 / scale)[..., :, None, :, None]
+    q = q.clamp_(-448.0, 448.0).reshape(*batch, nb * block_rows, kb * 128)[..., :n, :k].contiguous()
+    return q.to(_torch.float8_e4m3fn), scale.contiguous()
+
+
+if _torch is not None:
+    # The custom ops (megamoe::moe_forward) that forward() dispatches to under torch.compile;
+    # imported last, as they use this module's names.
+    from . import torch_ops as _torch_ops

@@ -6,12 +6,18 @@
 //   - its weights in a WeightStore of that one layer (host memory for the CPU backend,
 //     device memory for CUDA), loaded from a checkpoint or by tensor name, reloaded in
 //     place (addresses never move), or borrowed: a caller's stacked tensors read in place;
-//   - CPU: the kernel-faithful reference (ref::route + ref::moe_layer), the bytes of
+//   - CPU: an api::CpuMoeLayer over the store (or the borrowed view), the bytes of
 //     `megamoe forward --backend cpu`;
 //   - CUDA: an api::CudaMoeLayer over the store (or the borrowed view), enqueued on the
 //     caller's stream (an integer cudaStream_t), capturable.
-// Every bad input throws ValueError / TypeError naming the argument, the expected and the
-// found value. The Python wrapper adds only what needs Python (torch, names, dataclasses).
+// This file is glue: DLPack arrays in and out (their dtype, shape, device and layout
+// checked here, as only this file sees them), the stream, and the translation of C++
+// errors (std::invalid_argument -> ValueError, std::runtime_error -> RuntimeError). What a
+// forward or a reload accepts is decided by the C++ API (api/moe_layer.h, weights/store.h)
+// with its messages. The Python wrapper adds only what needs Python (torch, names,
+// dataclasses).
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -21,8 +27,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include <fmt/format.h>
-
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -39,7 +44,6 @@
 #include "megamoe/model/config.h"
 #include "megamoe/model/shape.h"
 #include "megamoe/numerics/fp8.h"
-#include "megamoe/reference/moe.h"
 #include "megamoe/weights/device_memory.h"
 #include "megamoe/weights/layout.h"
 #include "megamoe/weights/store.h"
@@ -111,6 +115,8 @@ bool is_fp8(nb::dlpack::dtype d) {
 
 template <class A>
 bool contiguous(const A& a) {
+  for (size_t i = 0; i < a.ndim(); ++i)
+    if (a.shape(i) == 0) return true;  // (an empty tensor: any strides describe it)
   int64_t expect = 1;
   for (size_t i = a.ndim(); i-- > 0;) {
     if (a.shape(i) != 1 && a.stride(i) != expect) return false;
@@ -227,10 +233,8 @@ struct Layer {
   std::unique_ptr<WeightStore> store;  // null when borrowed
   MoeWeightsView borrowed{};           // the caller's tensors (borrow); kept alive by the wrapper
   std::shared_ptr<Workspace> workspace;
-  // CPU: routing of the last forward.
-  std::vector<int32_t> ids;
-  std::vector<float> weights;
   int last_tokens = 0;
+  std::unique_ptr<api::CpuMoeLayer> cpu_layer;
 #if MEGAMOE_HAVE_CUDA
   std::unique_ptr<api::CudaMoeLayer> cuda_layer;
 #endif
@@ -276,6 +280,7 @@ struct Layer {
     store = std::make_unique<WeightStore>(ckpt ? WeightStore::for_checkpoint(*ckpt, desc, so)
                                                : WeightStore(desc, so));
     shape = store->shape(L);
+    if (!cuda) attach();  // (the CPU layer follows the store: it refuses forwards until ready)
   }
 
   api::MoeLayerOptions layer_options() const {
@@ -285,8 +290,15 @@ struct Layer {
     return o;
   }
 
-  // After the first complete load: the CUDA layer over the store's buffer.
+  // The layer object over the store's buffer (CUDA: after the first complete load) or the
+  // borrowed view.
   void attach() {
+    if (!cuda && !cpu_layer) {
+      if (store)
+        cpu_layer = std::make_unique<api::CpuMoeLayer>(*store, layer, layer_options());
+      else
+        cpu_layer = std::make_unique<api::CpuMoeLayer>(shape, borrowed, layer_options());
+    }
 #if MEGAMOE_HAVE_CUDA
     if (cuda && !cuda_layer) {
       if (store)
@@ -298,15 +310,6 @@ struct Layer {
   }
 
   bool ready() const { return !store || store->ready(layer); }
-  void require_ready(const char* what) const {
-    if (!ready())
-      throw std::runtime_error(fmt::format(
-          "{}: the layer's weights are incomplete (never loaded, or a reload left a weight without its "
-          "scale / a layerwise reload without all tensors); load them with load_weights",
-          what));
-  }
-
-  MoeWeightsView host_view() const { return store ? store->host_view(layer) : borrowed; }
 
   // ---- loading
   void sync_device() const {
@@ -333,25 +336,41 @@ struct Layer {
     store->begin(m);
   }
   bool in_session() const { return store && store->in_session(); }
-  // `name` relative to the layer's mlp ("experts.3.gate_proj.weight").
-  void update(const std::string& name, const In& t) {
+  // `name` relative to the layer's mlp ("experts.3.gate_proj.weight"). All the tensors of
+  // one call are validated by the store before any is written (WeightStore::update of a
+  // span), so a refused call leaves the weights as they were.
+  void update(const std::vector<std::pair<std::string, In>>& tensors) {
     require_store("load_weights");
-    const std::string arg = "tensor '" + name + "'";
-    if (!contiguous(t)) value_error(fmt::format("{}: expected a contiguous tensor, found a strided view ({})", arg, describe(t)));
-    const bool on_device = t.device_type() == kDLCUDA || t.device_type() == kDLCUDAManaged;
-    if (on_device && !cuda)
-      value_error(fmt::format("{}: expected a cpu tensor for a cpu layer, found {}", arg, describe(t)));
-    if (!on_device && t.device_type() != kDLCPU && t.device_type() != kDLCUDAHost)
-      value_error(fmt::format("{}: expected a cpu or cuda tensor, found {}", arg, describe(t)));
-    const io::Dtype dt = io_dtype(arg.c_str(), t.dtype());
-    std::vector<int64_t> shp(t.ndim());
-    for (size_t i = 0; i < t.ndim(); ++i) shp[i] = int64_t(t.shape(i));
-    const size_t bytes = t.nbytes();
-    if (!store->update(desc.layer_prefix(layer) + name, dt, shp, t.data(), bytes))
-      value_error(fmt::format(
-          "{}: not a tensor of this MoE layer (expected experts.{{e}}.{{gate,up,down}}_proj.weight / "
-          ".weight_scale_inv with e in [0, {}), shared_experts.*, gate.weight, gate.e_score_correction_bias)",
-          arg, shape.experts));
+    std::vector<std::string> names;
+    std::vector<std::vector<int64_t>> shapes;
+    std::vector<io::TensorView> views;
+    names.reserve(tensors.size()), shapes.reserve(tensors.size()), views.reserve(tensors.size());
+    for (const auto& [name, t] : tensors) {
+      const std::string arg = "tensor '" + name + "'";
+      if (!contiguous(t))
+        value_error(
+            fmt::format("{}: expected a contiguous tensor, found a strided view ({})", arg, describe(t)));
+      const bool on_device = t.device_type() == kDLCUDA || t.device_type() == kDLCUDAManaged;
+      if (on_device && !cuda)
+        value_error(fmt::format("{}: expected a cpu tensor for a cpu layer, found {}", arg, describe(t)));
+      if (!on_device && t.device_type() != kDLCPU && t.device_type() != kDLCUDAHost)
+        value_error(fmt::format("{}: expected a cpu or cuda tensor, found {}", arg, describe(t)));
+      io::TensorView v;
+      v.dtype = io_dtype(arg.c_str(), t.dtype());
+      names.push_back(desc.layer_prefix(layer) + name);
+      shapes.emplace_back(t.ndim());
+      for (size_t i = 0; i < t.ndim(); ++i) shapes.back()[i] = int64_t(t.shape(i));
+      v.name = names.back(), v.shape = shapes.back();
+      v.data = static_cast<const uint8_t*>(t.data()), v.bytes = t.nbytes();
+      if (!store->validate(v.name, v.dtype, v.shape, v.data, v.bytes))
+        value_error(fmt::format(
+            "{}: not a tensor of this MoE layer (expected experts.{{e}}.{{gate,up,down}}_proj.weight / "
+            ".weight_scale_inv with e in [0, {}), shared_experts.*, gate.weight, "
+            "gate.e_score_correction_bias)",
+            arg, shape.experts));
+      views.push_back(v);
+    }
+    store->update(views);
   }
   void finish() {
     require_store("load_weights");
@@ -376,25 +395,39 @@ struct Layer {
     return uintptr_t(borrowed.w13);
   }
 
-  // ---- stacked tensors (the kernel layout, weights/layout.h)
-  struct Stacked {
-    std::optional<In> w13, w13_scale, w2, w2_scale, router, bias, sw13, sw13_scale, sw2, sw2_scale;
-  };
+  // ---- stacked tensors (the kernel layout: api::stacked_tensors' order and shapes)
+  using Stacked = std::vector<std::optional<In>>;
   void check_stacked(const Stacked& st, bool borrow) {
-    const MoeShape& s = shape;
-    const int64_t E = s.experts, H = s.hidden, I = s.inter, Is = s.shared_inter();
-    const int64_t hb = MoeWeightLayout::hidden_blocks(s.hidden), ib = MoeWeightLayout::inter_blocks(s.inter);
-    const int64_t isb = MoeWeightLayout::inter_blocks(s.shared_inter());
-    auto need = [&](const char* arg, const std::optional<In>& t, std::initializer_list<int64_t> shp, int kind) {
+    using T = api::StackedTensor::Type;
+    const std::vector<api::StackedTensor> specs = api::stacked_tensors(shape);
+    if (st.size() != specs.size())
+      throw std::logic_error(fmt::format("stacked: {} tensors, expected {}", st.size(), specs.size()));
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const api::StackedTensor& spec = specs[i];
+      const char* arg = spec.name;
+      const std::optional<In>& t = st[i];
+      if (spec.absent_because) {
+        if (t)
+          value_error(
+              fmt::format("{}: expected None ({}), found {}", arg, spec.absent_because, describe(*t)));
+        continue;
+      }
       if (!t) value_error(fmt::format("{}: required, found None", arg));
-      // kind 0: fp8, 1: f32, 2: router (bf16 or f32)
       const auto d = t->dtype();
-      if (kind == 0 && !is_fp8(d))
+      if (spec.type == T::kE4M3 && !is_fp8(d))
         type_error(fmt::format("{}: expected float8_e4m3fn (or uint8 E4M3 codes), found {}", arg, describe(*t)));
-      if (kind == 1 && !is_f32(d)) type_error(fmt::format("{}: expected float32, found {}", arg, describe(*t)));
-      if (kind == 2 && !is_bf16(d) && !is_f32(d))
+      if (spec.type == T::kF32 && !is_f32(d))
+        type_error(fmt::format("{}: expected float32, found {}", arg, describe(*t)));
+      if (spec.type == T::kRouter && !is_bf16(d) && !is_f32(d))
         type_error(fmt::format("{}: expected bfloat16 or float32, found {}", arg, describe(*t)));
-      require_shape(arg, *t, shp);
+      bool ok = t->ndim() == spec.shape.size();
+      for (size_t k = 0; ok && k < spec.shape.size(); ++k) ok = int64_t(t->shape(k)) == spec.shape[k];
+      if (!ok)
+        value_error(
+            fmt::format("{}: expected shape [{}], found {}", arg, fmt::join(spec.shape, ", "), describe(*t)));
+      if (!contiguous(*t))
+        value_error(fmt::format("{}: expected a contiguous (row-major) tensor, found strides of a view ({})",
+                                arg, describe(*t)));
       if (borrow) {
         const int want = cuda ? kDLCUDA : kDLCPU;
         if (t->device_type() != want || (cuda && t->device_id() != device))
@@ -404,99 +437,40 @@ struct Layer {
           value_error(fmt::format("{}: borrow=True needs a 16-byte aligned tensor, found address {:#x}", arg,
                                   uintptr_t(t->data())));
       }
-    };
-    auto absent = [&](const char* arg, const std::optional<In>& t, const char* why) {
-      if (t) value_error(fmt::format("{}: expected None ({}), found {}", arg, why, describe(*t)));
-    };
-    need("w13", st.w13, {E, 2 * I, H}, 0);
-    need("w13_scale", st.w13_scale, {E, 2 * ib, hb}, 1);
-    need("w2", st.w2, {E, H, I}, 0);
-    need("w2_scale", st.w2_scale, {E, hb, ib}, 1);
-    need("router", st.router, {E, H}, 2);
-    if (s.correction_bias)
-      need("bias", st.bias, {E}, 1);
-    else
-      absent("bias", st.bias, "the config has correction_bias=False");
-    if (s.has_shared()) {
-      need("shared_w13", st.sw13, {2 * Is, H}, 0);
-      need("shared_w13_scale", st.sw13_scale, {2 * isb, hb}, 1);
-      need("shared_w2", st.sw2, {H, Is}, 0);
-      need("shared_w2_scale", st.sw2_scale, {hb, isb}, 1);
-    } else {
-      absent("shared_w13", st.sw13, "the config has shared_experts=0");
-      absent("shared_w13_scale", st.sw13_scale, "the config has shared_experts=0");
-      absent("shared_w2", st.sw2, "the config has shared_experts=0");
-      absent("shared_w2_scale", st.sw2_scale, "the config has shared_experts=0");
     }
   }
-  // Copies the stacked tensors in through the store, tensor by checkpoint tensor (each
-  // expert's gate and up rows, down, and their scales are contiguous slices).
+  // Copies the stacked tensors in through the store, checkpoint tensor by checkpoint tensor:
+  // each slot of io::moe_layer_slots is a contiguous slice of its region's stacked tensor.
   void load_stacked(const Stacked& st, const std::string& mode) {
-    const MoeShape& s = shape;
-    const size_t H = size_t(s.hidden), I = size_t(s.inter), Is = size_t(s.shared_inter());
-    const size_t hb = size_t(MoeWeightLayout::hidden_blocks(s.hidden)),
-                 ib = size_t(MoeWeightLayout::inter_blocks(s.inter)),
-                 isb = size_t(MoeWeightLayout::inter_blocks(s.shared_inter()));
-    auto put = [&](const std::string& name, const In& src, size_t elem_offset, size_t elem_bytes,
-                   std::vector<int64_t> shp, io::Dtype dt) {
-      size_t n = 1;
-      for (int64_t v : shp) n *= size_t(v);
-      const auto* p = static_cast<const uint8_t*>(src.data()) + elem_offset * elem_bytes;
-      if (!store->update(desc.layer_prefix(layer) + name, dt, shp, p, n * elem_bytes))
-        throw std::logic_error("load_stacked: the store refused " + name);
-    };
+    const std::vector<api::StackedTensor> specs = api::stacked_tensors(shape);
+    const std::vector<io::TensorSlot> slots = io::moe_layer_slots(shape, desc.layer_prefix(layer));
+    std::vector<io::TensorView> views;
+    for (const io::TensorSlot& slot : slots) {
+      size_t i = 0;
+      while (i < specs.size() && specs[i].region != slot.region) ++i;
+      if (i == specs.size() || !st[i])
+        throw std::logic_error("load_stacked: no stacked tensor for " + slot.name);
+      io::TensorView v;
+      v.name = slot.name, v.dtype = slot.dtype, v.shape = slot.shape, v.bytes = slot.bytes();
+      v.data = static_cast<const uint8_t*>(st[i]->data()) + slot.offset;
+      views.push_back(v);
+    }
     begin(mode);
     try {
-      for (int e = 0; e < s.experts; ++e) {
-        const std::string x = fmt::format("experts.{}.", e);
-        const size_t w13 = size_t(e) * 2 * I * H, sc13 = size_t(e) * 2 * ib * hb;
-        put(x + "gate_proj.weight", *st.w13, w13, 1, {int64_t(I), int64_t(H)}, io::Dtype::kF8_E4M3);
-        put(x + "up_proj.weight", *st.w13, w13 + I * H, 1, {int64_t(I), int64_t(H)}, io::Dtype::kF8_E4M3);
-        put(x + "gate_proj.weight_scale_inv", *st.w13_scale, sc13, 4, {int64_t(ib), int64_t(hb)}, io::Dtype::kF32);
-        put(x + "up_proj.weight_scale_inv", *st.w13_scale, sc13 + ib * hb, 4, {int64_t(ib), int64_t(hb)},
-            io::Dtype::kF32);
-        put(x + "down_proj.weight", *st.w2, size_t(e) * H * I, 1, {int64_t(H), int64_t(I)}, io::Dtype::kF8_E4M3);
-        put(x + "down_proj.weight_scale_inv", *st.w2_scale, size_t(e) * hb * ib, 4, {int64_t(hb), int64_t(ib)},
-            io::Dtype::kF32);
-      }
-      if (s.has_shared()) {
-        put("shared_experts.gate_proj.weight", *st.sw13, 0, 1, {int64_t(Is), int64_t(H)}, io::Dtype::kF8_E4M3);
-        put("shared_experts.up_proj.weight", *st.sw13, Is * H, 1, {int64_t(Is), int64_t(H)}, io::Dtype::kF8_E4M3);
-        put("shared_experts.gate_proj.weight_scale_inv", *st.sw13_scale, 0, 4, {int64_t(isb), int64_t(hb)},
-            io::Dtype::kF32);
-        put("shared_experts.up_proj.weight_scale_inv", *st.sw13_scale, isb * hb, 4, {int64_t(isb), int64_t(hb)},
-            io::Dtype::kF32);
-        put("shared_experts.down_proj.weight", *st.sw2, 0, 1, {int64_t(H), int64_t(Is)}, io::Dtype::kF8_E4M3);
-        put("shared_experts.down_proj.weight_scale_inv", *st.sw2_scale, 0, 4, {int64_t(hb), int64_t(isb)},
-            io::Dtype::kF32);
-      }
-      const bool f32 = s.router_dtype == RouterDtype::kF32;
-      put("gate.weight", *st.router, 0, f32 ? 4 : 2, {int64_t(s.experts), int64_t(H)},
-          f32 ? io::Dtype::kF32 : io::Dtype::kBF16);
-      if (s.correction_bias) put("gate.e_score_correction_bias", *st.bias, 0, 4, {int64_t(s.experts)}, io::Dtype::kF32);
+      store->update(views);
     } catch (...) {
-      if (store->in_session()) {
-        try {
-          store->finish();
-        } catch (...) {
-        }
+      try {
+        store->finish();
+      } catch (...) {
       }
       throw;
     }
     finish();
   }
   void set_borrowed(const Stacked& st) {
-    auto p = [](const std::optional<In>& t) { return t ? static_cast<const void*>(t->data()) : nullptr; };
-    borrowed.w13 = static_cast<const uint8_t*>(p(st.w13));
-    borrowed.w13_scale = static_cast<const float*>(p(st.w13_scale));
-    borrowed.w2 = static_cast<const uint8_t*>(p(st.w2));
-    borrowed.w2_scale = static_cast<const float*>(p(st.w2_scale));
-    borrowed.shared_w13 = static_cast<const uint8_t*>(p(st.sw13));
-    borrowed.shared_w13_scale = static_cast<const float*>(p(st.sw13_scale));
-    borrowed.shared_w2 = static_cast<const uint8_t*>(p(st.sw2));
-    borrowed.shared_w2_scale = static_cast<const float*>(p(st.sw2_scale));
-    borrowed.router = p(st.router);
-    borrowed.bias = static_cast<const float*>(p(st.bias));
+    std::array<const void*, api::kStackedTensors> p{};
+    for (size_t i = 0; i < p.size(); ++i) p[i] = st[i] ? st[i]->data() : nullptr;
+    borrowed = api::stacked_view(p);
     attach();
   }
 
@@ -510,10 +484,8 @@ struct Layer {
     if (x.ndim() != 2 || int64_t(x.shape(1)) != H)
       value_error(fmt::format("x: expected shape [T, {}], found {}", H, describe(x)));
     const int64_t T = int64_t(x.shape(0));
-    if (T > max_tokens)
-      value_error(fmt::format("x: {} tokens, more than the layer's max_tokens {} (build the layer with a larger "
-                              "max_tokens)",
-                              T, max_tokens));
+    if (T > std::numeric_limits<int>::max())
+      value_error(fmt::format("x: {} tokens, more than one forward takes", T));
     require_shape("x", x, {T, H});
     require_shape("out", y, {T, H});
     if (ids_in.has_value() != w_in.has_value())
@@ -526,78 +498,54 @@ struct Layer {
       if (!is(d, nb::dlpack::dtype_code::Int, 32) && !is(d, nb::dlpack::dtype_code::Int, 64))
         type_error(fmt::format("topk_ids: expected int32 or int64, found {}", describe(*ids_in)));
       if (!is_f32(w_in->dtype())) type_error(fmt::format("topk_weights: expected float32, found {}", describe(*w_in)));
+      require_device("topk_ids", ids_in->device_type(), ids_in->device_id());
+      require_device("topk_weights", w_in->device_type(), w_in->device_id());
     }
-    forward_cpu(x, y, ids_in, w_in, num_tokens, int(T));
-  }
-
-  void require_device(const char* arg, int type, int id) const {
-    if (cuda) {
-      if (type != kDLCUDA || id != device)
-        value_error(fmt::format("{}: expected a tensor on cuda:{} (the layer's device; never copied), found {}", arg,
-                                device, device_text(type, id)));
-    } else if (type != kDLCPU) {
-      value_error(fmt::format("{}: expected a cpu tensor (a cpu layer), found {}", arg, device_text(type, id)));
-    }
-  }
-
-  void forward_cpu(const In& x, Out& y, const std::optional<In>& ids_in, const std::optional<In>& w_in,
-                   int64_t num_tokens, int T) {
-    require_ready("forward");
     require_device("x", x.device_type(), x.device_id());
     require_device("out", y.device_type(), y.device_id());
     if (num_tokens > T)
       value_error(fmt::format("num_tokens: expected a count in [0, {}] (x's rows), found {}", T, num_tokens));
-    const int n = num_tokens < 0 ? T : int(num_tokens);
+    const int n = num_tokens < 0 ? int(T) : int(num_tokens);
     const bool x_f32 = is_f32(x.dtype()), y_f32 = is_f32(y.dtype());
     if (!x_f32 && !is_bf16(x.dtype()))
       type_error(fmt::format("x: expected bfloat16 or float32 (cpu), found {}", describe(x)));
     if (!y_f32 && !is_bf16(y.dtype()))
       type_error(fmt::format("out: expected bfloat16 or float32 (cpu), found {}", describe(y)));
-    const size_t H = size_t(shape.hidden), K = size_t(shape.topk);
     std::vector<num::bf16_t> xb;
-    const num::bf16_t* xp = static_cast<const num::bf16_t*>(x.data());
+    const auto* xp = static_cast<const num::bf16_t*>(x.data());
     if (x_f32) {
       // float32 x is rounded to BF16 (the layer's input type), as the engines' cast does.
-      xb.resize(size_t(n) * H);
+      xb.resize(size_t(n) * size_t(H));
       const float* xf = static_cast<const float*>(x.data());
       for (size_t i = 0; i < xb.size(); ++i) xb[i] = num::bf16_encode(xf[i]);
       xp = xb.data();
     }
-    std::vector<int32_t> ids(size_t(n) * K);
-    std::vector<float> wts(size_t(n) * K);
-    if (ids_in) {
-      require_device("topk_ids", ids_in->device_type(), ids_in->device_id());
-      require_device("topk_weights", w_in->device_type(), w_in->device_id());
-      const bool i64 = ids_in->dtype().bits == 64;
-      for (size_t i = 0; i < ids.size(); ++i) {
-        const int64_t v = i64 ? static_cast<const int64_t*>(ids_in->data())[i]
-                              : static_cast<const int32_t*>(ids_in->data())[i];
-        if (v < 0 || v >= shape.experts)
-          value_error(fmt::format("topk_ids: expected expert ids in [0, {}), found {} at [{}, {}]", shape.experts, v,
-                                  i / K, i % K));
-        ids[i] = int32_t(v);
-      }
-      std::memcpy(wts.data(), w_in->data(), wts.size() * 4);
-      for (size_t i = 0; i < wts.size(); ++i)
-        if (!std::isfinite(wts[i]))
-          value_error(fmt::format("topk_weights: expected finite weights, found {} at [{}, {}]", wts[i], i / K, i % K));
-    }
-    std::vector<float> yf(size_t(n) * H);
+    api::RoutingInput r;
+    if (ids_in)
+      r.ids = ids_in->data(), r.id_bytes = int(ids_in->dtype().bits / 8),
+      r.weights = static_cast<const float*>(w_in->data());
     {
       nb::gil_scoped_release release;
-      const MoeWeightsView v = host_view();
-      if (!ids_in) ref::route(shape, v, xp, n, ids.data(), wts.data());
-      ref::moe_layer(shape, v, xp, n, ids.data(), wts.data(), ref::Mode::kKernelFaithful, yf.data());
+      if (y_f32)
+        cpu_layer->forward(xp, static_cast<float*>(y.data()), n, ids_in ? &r : nullptr);
+      else if (ids_in)
+        cpu_layer->forward(xp, static_cast<num::bf16_t*>(y.data()), n, r);
+      else
+        cpu_layer->forward(xp, static_cast<num::bf16_t*>(y.data()), n);
     }
-    if (y_f32) {
-      std::memcpy(y.data(), yf.data(), yf.size() * 4);  // every value is a BF16 (kernel-faithful)
-    } else {
-      auto* yo = static_cast<num::bf16_t*>(y.data());
-      for (size_t i = 0; i < yf.size(); ++i) yo[i] = num::bf16_encode(yf[i]);
-    }
-    this->ids = std::move(ids);
-    weights = std::move(wts);
     last_tokens = n;
+  }
+
+  void require_device(const char* arg, int type, int id) const {
+    if (cuda) {
+      if (type != kDLCUDA || id != device)
+        value_error(
+            fmt::format("{}: expected a tensor on cuda:{} (the layer's device; never copied), found {}", arg,
+                        device, device_text(type, id)));
+    } else if (type != kDLCPU) {
+      value_error(
+          fmt::format("{}: expected a cpu tensor (a cpu layer), found {}", arg, device_text(type, id)));
+    }
   }
 
   // The eager torch path (the wrapper checked dtype, shape, device and contiguity from the
@@ -606,11 +554,7 @@ struct Layer {
                    uintptr_t stream) {
 #if MEGAMOE_HAVE_CUDA
     if (!cuda) throw std::logic_error("forward_raw: a cpu layer");
-    if (T < 0 || T > max_tokens)
-      value_error(fmt::format("x: {} tokens, more than the layer's max_tokens {} (build the layer with a larger "
-                              "max_tokens)",
-                              T, max_tokens));
-    if (!cuda_layer || !ready()) require_ready("forward");
+    if (store) api::require_ready(*store, layer, "forward");
     const auto* xp = reinterpret_cast<const num::bf16_t*>(x);
     auto* yp = reinterpret_cast<num::bf16_t*>(y);
     const int* ntp = reinterpret_cast<const int*>(nt);
@@ -630,6 +574,7 @@ struct Layer {
   }
 
   void check() {
+    if (cpu_layer) cpu_layer->check();
 #if MEGAMOE_HAVE_CUDA
     if (cuda_layer) cuda_layer->check();
 #endif
@@ -638,14 +583,15 @@ struct Layer {
   // Routing of the last forward: CPU, numpy copies; CUDA, views of the layer's device
   // buffers (valid until the next forward).
   nb::object topk(bool want_ids) {
-    const size_t shp[2] = {size_t(last_tokens), size_t(shape.topk)};
+    const size_t shp[2] = {size_t(cuda ? last_tokens : cpu_layer->last_tokens()), size_t(shape.topk)};
     if (!cuda) {
       if (want_ids) {
-        auto* v = new std::vector<int32_t>(ids);
+        auto* v = new std::vector<int32_t>(cpu_layer->topk_ids(), cpu_layer->topk_ids() + shp[0] * shp[1]);
         nb::capsule own(v, [](void* p) noexcept { delete static_cast<std::vector<int32_t>*>(p); });
         return nb::cast(nb::ndarray<nb::numpy, int32_t>(v->data(), 2, shp, own));
       }
-      auto* v = new std::vector<float>(weights);
+      auto* v =
+          new std::vector<float>(cpu_layer->topk_weights(), cpu_layer->topk_weights() + shp[0] * shp[1]);
       nb::capsule own(v, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
       return nb::cast(nb::ndarray<nb::numpy, float>(v->data(), 2, shp, own));
     }
@@ -773,6 +719,13 @@ NB_MODULE(_megamoe, m) {
       .def("validate", [](const MoeShape& s) { s.validate(); })
       .def("describe", &MoeShape::describe);
 
+  // The model families' shapes (model/shape.h presets()): [(name, shape)].
+  m.def("presets", [] {
+    std::vector<std::pair<std::string, MoeShape>> out;
+    for (const Preset& p : presets()) out.emplace_back(p.name, p.shape);
+    return out;
+  });
+
   // config.json text -> (shape, moe layers, mtp layers, family, model_type)
   m.def("parse_config", [](const std::string& text, const std::string& label) {
     const ModelDesc d = parse_config(text, label);
@@ -807,30 +760,28 @@ NB_MODULE(_megamoe, m) {
             l->attach();
             return l.release();
           },
-          nb::arg("path"), nb::arg("layer"), nb::arg("device"), nb::arg("max_tokens"), nb::arg("workspace").none(),
-          nb::rv_policy::take_ownership)
+          nb::arg("path"), nb::arg("layer"), nb::arg("device"), nb::arg("max_tokens"),
+          nb::arg("workspace").none(), nb::rv_policy::take_ownership)
       .def_static(
           "empty",
-          [](const MoeShape& s, int layer, const std::string& dev, int max_tokens, std::shared_ptr<Workspace> ws) {
+          [](const MoeShape& s, int layer, const std::string& dev, int max_tokens,
+             std::shared_ptr<Workspace> ws) {
             auto l = std::make_unique<Layer>(s, dev, max_tokens, std::move(ws));
             l->make_store(synthetic_desc(l->shape, layer), layer, nullptr);
             l->check_workspace();
             return l.release();
           },
-          nb::arg("shape"), nb::arg("layer"), nb::arg("device"), nb::arg("max_tokens"), nb::arg("workspace").none(),
-          nb::rv_policy::take_ownership)
+          nb::arg("shape"), nb::arg("layer"), nb::arg("device"), nb::arg("max_tokens"),
+          nb::arg("workspace").none(), nb::rv_policy::take_ownership)
       .def_static(
           "stacked",
-          [](const MoeShape& s, const std::string& dev, int max_tokens, std::shared_ptr<Workspace> ws, bool borrow,
-             const std::string& mode, std::optional<In> w13, std::optional<In> w13_scale, std::optional<In> w2,
-             std::optional<In> w2_scale, std::optional<In> router, std::optional<In> bias, std::optional<In> sw13,
-             std::optional<In> sw13_scale, std::optional<In> sw2, std::optional<In> sw2_scale) {
+          [](const MoeShape& s, const std::string& dev, int max_tokens, std::shared_ptr<Workspace> ws,
+             bool borrow, const std::string& mode, const Layer::Stacked& st) {
             MoeShape shape = s;
+            const std::optional<In>& router = st.size() > 8 ? st[8] : std::nullopt;
             if (router && is_f32(router->dtype())) shape.router_dtype = RouterDtype::kF32;
-            if (router && is_bf16(router->dtype()))
-              shape.router_dtype = RouterDtype::kBF16;
+            if (router && is_bf16(router->dtype())) shape.router_dtype = RouterDtype::kBF16;
             auto l = std::make_unique<Layer>(shape, dev, max_tokens, std::move(ws));
-            Layer::Stacked st{w13, w13_scale, w2, w2_scale, router, bias, sw13, sw13_scale, sw2, sw2_scale};
             l->check_workspace();
             l->check_stacked(st, borrow);
             if (borrow) {
@@ -841,18 +792,15 @@ NB_MODULE(_megamoe, m) {
             }
             return l.release();
           },
-          nb::arg("shape"), nb::arg("device"), nb::arg("max_tokens"), nb::arg("workspace").none(), nb::arg("borrow"),
-          nb::arg("mode"), nb::arg("w13").none(), nb::arg("w13_scale").none(), nb::arg("w2").none(),
-          nb::arg("w2_scale").none(), nb::arg("router").none(), nb::arg("bias").none(), nb::arg("shared_w13").none(),
-          nb::arg("shared_w13_scale").none(), nb::arg("shared_w2").none(), nb::arg("shared_w2_scale").none(),
-          nb::rv_policy::take_ownership)
+          nb::arg("shape"), nb::arg("device"), nb::arg("max_tokens"), nb::arg("workspace").none(),
+          nb::arg("borrow"), nb::arg("mode"), nb::arg("tensors"), nb::rv_policy::take_ownership)
       .def("forward", &Layer::forward, nb::arg("x").noconvert(), nb::arg("out").noconvert(),
            nb::arg("topk_ids").noconvert().none(), nb::arg("topk_weights").noconvert().none(),
            nb::arg("num_tokens"))
       .def("forward_raw", &Layer::forward_raw, nb::arg("x"), nb::arg("y"), nb::arg("tokens"), nb::arg("ids"),
            nb::arg("id_bytes"), nb::arg("weights"), nb::arg("num_tokens"), nb::arg("stream"))
       .def("begin", &Layer::begin, nb::arg("mode"))
-      .def("update", &Layer::update, nb::arg("name"), nb::arg("tensor").noconvert())
+      .def("update", &Layer::update, nb::arg("tensors"))
       .def("finish", &Layer::finish)
       .def("in_session", &Layer::in_session)
       .def("zero_experts", &Layer::zero_experts)

@@ -27,6 +27,7 @@ measured here; on the CPU a float32 matmul rate).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import inspect
 import json
@@ -42,19 +43,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 import megamoe
+from megamoe._layer import _quantize_blocks
 
 _FP8 = torch.float8_e4m3fn
 
-#: The C++ presets (src/model/shape.cpp, presets()): H, I, E, K, S and the routing knobs the
-#: layer's config needs (the bench's routing is external: n_group and the router only shape
-#: the config). "tiny" is for the CPU backend.
+#: The layer shapes the bench takes: the C++ presets (MoEConfig.presets(), the command's
+#: --preset) and "tiny", a bench-only shape for the CPU backend. (The bench's routing is
+#: external: n_group and the router only shape the config.)
 PRESETS: Dict[str, Dict[str, Any]] = {
-    "glm-5.3-flash": dict(hidden=4096, inter=2048, experts=288, topk=8, shared_experts=1, routed_scaling=2.5,
-                          swiglu_limit=10.0),
-    "glm-5": dict(hidden=6144, inter=2048, experts=256, topk=8, shared_experts=1, routed_scaling=2.5),
-    "deepseek-v3": dict(hidden=7168, inter=2048, experts=256, topk=8, shared_experts=1, n_group=8, topk_group=4,
-                        routed_scaling=2.5),
-    "glm-4.7-flash": dict(hidden=2048, inter=1536, experts=64, topk=4, shared_experts=1, routed_scaling=1.8),
+    **{name: dataclasses.asdict(cfg) for name, cfg in megamoe.MoEConfig.presets().items()},
     "tiny": dict(hidden=256, inter=256, experts=8, topk=2, shared_experts=1, routed_scaling=2.5),
 }
 
@@ -133,15 +130,7 @@ def dequant(w: torch.Tensor, s: torch.Tensor, dtype=torch.float32) -> torch.Tens
 def quant_1x128(a: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per row, per 128 columns: s = max(amax, 1e-4) / 448, q = e4m3(a * (1/s)) (docs/numerics.md §4).
     Returns (q [M, K] E4M3, s [M, ceil(K/128)] float32)."""
-    m, k = a.shape
-    kb = _ceil(k, 128)
-    p = a.float()
-    if k % 128:
-        p = torch.nn.functional.pad(p, (0, kb * 128 - k))
-    blocks = p.view(m, kb, 128)
-    s = blocks.abs().amax(-1).clamp_min(1e-4) / 448.0
-    q = (blocks * (1.0 / s)[..., None]).clamp_(-448, 448).to(_FP8).view(m, kb * 128)[:, :k]
-    return q, s
+    return _quantize_blocks(a, 1, amax_floor=1e-4)
 
 
 def fake_quant_1x128(a: torch.Tensor) -> torch.Tensor:
@@ -734,7 +723,7 @@ def run(args: argparse.Namespace, log=print) -> Dict[str, Any]:
         v = getattr(args, k)
         if v is not None:
             shape[k] = v
-    cfg = megamoe.MoEConfig(**shape, router_dtype="f32")
+    cfg = megamoe.MoEConfig(**{**shape, "router_dtype": "f32"})
     cfg.validate()
     tokens = args.tokens or ([1, 8, 64, 256, 1024, 4096] if device.type == "cuda" else [4])
     if any(t < 1 for t in tokens):

@@ -17,15 +17,47 @@ with a set of weight tensors builds a borrowed layer, later calls with the same 
 (same data pointers, shapes, config) reuse it, so a call costs no setup. A layer holds
 its workspace for max(4096, T) tokens, rounded up to a power of two. With external
 routing the router is not read: a zero router is made once per (E, H, device).
+
+The cache does not keep the weight tensors alive: when one of a layer's tensors is freed
+(an engine that reloads into new tensors drops the old ones), its layer and workspace go
+with it. At most MAX_CACHED layers are kept besides (the least recently used goes first).
 """
 from __future__ import annotations
 
+import collections
+import weakref
 from typing import Any, Dict, Tuple
 
-from ._layer import MoEConfig, MoELayer, _is_torch
+from ._layer import MoEConfig, MoELayer, StackedWeights, _is_torch
 
-_cache: Dict[Tuple, MoELayer] = {}
+MAX_CACHED = 64
+_cache: "collections.OrderedDict[Tuple, MoELayer]" = collections.OrderedDict()
 _zero_routers: Dict[Tuple, Any] = {}
+
+
+_finalizers: Dict[Tuple, list] = {}  # per cached key, the finalizers watching its tensors
+
+
+def _drop(key: Tuple) -> None:
+    del _cache[key]
+    for f in _finalizers.pop(key, ()):
+        f.detach()
+
+
+def _evict(key: Tuple, layer_ref: "weakref.ref[MoELayer]") -> None:
+    # (a tensor of the layer was freed; the key may since name a newer layer at the same
+    # addresses, which stays)
+    layer = _cache.get(key)
+    if layer is not None and layer is layer_ref():
+        _drop(key)
+
+
+def _remember(key: Tuple, layer: MoELayer, tensors) -> None:
+    _cache[key] = layer
+    ref = weakref.ref(layer)
+    _finalizers[key] = [weakref.finalize(t, _evict, key, ref) for t in tensors if t is not None]
+    while len(_cache) > MAX_CACHED:
+        _drop(next(iter(_cache)))
 
 
 def _ptr(t: Any) -> int:
@@ -94,24 +126,30 @@ def fused_moe(
             if bias is None:
                 bias = _zeros((config.experts,), x)
                 _zero_routers[bkey] = bias
-    weights = dict(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale, router=router, bias=bias,
-                   shared_w13=shared_w13, shared_w13_scale=shared_w13_scale, shared_w2=shared_w2,
-                   shared_w2_scale=shared_w2_scale)
+    weights = StackedWeights(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale, shared_w13=shared_w13,
+                             shared_w13_scale=shared_w13_scale, shared_w2=shared_w2,
+                             shared_w2_scale=shared_w2_scale, router=router, bias=bias)
     key = (
-        tuple(_ptr(t) for t in weights.values()),
-        tuple(tuple(t.shape) if t is not None else None for t in weights.values()),
+        tuple(_ptr(t) for t in weights),
+        tuple(tuple(t.shape) if t is not None else None for t in weights),
         tuple(vars(config).values()),  # (the fields are scalars: dataclasses.astuple deep-copies, ~14 us)
         device,
         cap,
     )
     layer = _cache.get(key)
     if layer is None:
-        layer = MoELayer.from_stacked(config, **weights, device=device, max_tokens=cap, borrow=True)
-        _cache[key] = layer
+        layer = MoELayer._from_stacked_weights(config, weights, device, cap, None, True)
+        # The caller owns the tensors and the call reads them now: the cached layer holds
+        # none of them, so freeing one frees the layer (_remember's finalizers).
+        layer._keep = ()
+        _remember(key, layer, weights)
+    else:
+        _cache.move_to_end(key)
     return layer(x, topk_ids, topk_weights, out=out)
 
 
 def clear_cache() -> None:
     """Drops the cached borrowed layers (and the references they hold to the weights)."""
-    _cache.clear()
+    for key in list(_cache):
+        _drop(key)
     _zero_routers.clear()

@@ -3,10 +3,12 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <stdexcept>
 
 #include "cuda_backend.h"
+#include "megamoe/api/moe_layer.h"
 #include "megamoe/reference/moe.h"
 
 namespace megamoe::api {
@@ -60,9 +62,12 @@ ForwardOutput forward(Backend b, const HostMoeWeights& w, const num::bf16_t* x, 
   std::vector<float> y(size_t(T) * s.hidden);
   const auto t0 = std::chrono::steady_clock::now();
   if (ranks == 1) {
-    ref::route(s, w.view(), x, T, out.ids.data(), out.weights.data());
-    ref::moe_layer(s, w.view(), x, T, out.ids.data(), out.weights.data(), ref::Mode::kKernelFaithful,
-                   y.data());
+    MoeLayerOptions opt;
+    opt.max_tokens = std::max(T, 1);
+    CpuMoeLayer layer(s, w.view(), opt);  // (borrows w for this one forward)
+    layer.forward(x, y.data(), T, nullptr);
+    std::copy_n(layer.topk_ids(), out.ids.size(), out.ids.begin());
+    std::copy_n(layer.topk_weights(), out.weights.size(), out.weights.begin());
   } else {
     // Split the tokens evenly over the ranks (the first ranks take the remainder).
     std::vector<ref::RankBatch> batches(ranks);

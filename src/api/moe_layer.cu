@@ -7,6 +7,7 @@
 #include "../kernels/cuda_check.h"
 #include "../kernels/heuristics.h"
 #include "checks.h"
+#include "layer_checks.h"
 #include "megamoe/api/moe_layer.h"
 #include "megamoe/kernels/fused_moe.h"
 
@@ -37,9 +38,7 @@ struct CudaMoeLayer::Impl {
       throw std::invalid_argument(
           fmt::format("{}: the current device is {}, but the layer lives on device {} (make it current)", op,
                       current, device));
-    if (hint < 0 || hint > ws.max_tokens)
-      throw std::invalid_argument(
-          fmt::format("{}: {} tokens exceed the layer's max_tokens = {}", op, hint, ws.max_tokens));
+    detail::require_token_count(op, hint, ws.max_tokens);
     if (hint > 0) io_check.require(x, device, op, "x", s);
     if (count) {
       io_check.require(count, device, op, "num_tokens_dev", s);
@@ -75,8 +74,7 @@ struct CudaMoeLayer::Impl {
 
 static std::unique_ptr<CudaMoeLayer::Impl> make_impl(const MoeShape& s, const MoeLayerOptions& opt) {
   validate_shape(s);
-  if (opt.max_tokens <= 0)
-    throw std::invalid_argument(fmt::format("max_tokens = {} must be > 0", opt.max_tokens));
+  detail::require_max_tokens(opt.max_tokens);
   auto impl = std::make_unique<CudaMoeLayer::Impl>();
   impl->shape = s;
   impl->wlayout = MoeWeightLayout::compute(s);
@@ -125,39 +123,15 @@ CudaMoeLayer::CudaMoeLayer(const MoeShape& shape, const void* device_base, const
   finish_plan(*impl_, MoeWeightsView::at(impl_->weights, impl_->wlayout, impl_->shape));
 }
 
-// Every region of the shape's layout present (device memory of the current device; the
-// weights and the router 16-byte aligned: TMA and the router's 16-byte copies; the scales
-// and the bias read as floats, 4-byte aligned), every absent one null.
-static void check_weights_view(const MoeShape& s, const MoeWeightLayout& l, const MoeWeightsView& v) {
-  auto region = [&](const void* p, const Region& r, const char* name, size_t align) {
-    const std::string what = fmt::format("CudaMoeLayer weights view: {}", name);
-    if (r.bytes == 0) {
-      if (p)
-        throw std::invalid_argument(
-            fmt::format("{}: the shape has no such region ({}), but pointer {} is given (expected null)",
-                        what, s.describe(), p));
-      return;
-    }
-    if (!p) throw std::invalid_argument(fmt::format("{}: null pointer ({} bytes expected)", what, r.bytes));
-    require_device_memory(p, what.c_str());
-    require_aligned(p, align, what.c_str());
-  };
-  region(v.w13, l.w13, "w13", 16);
-  region(v.w13_scale, l.w13_scale, "w13_scale", 4);
-  region(v.w2, l.w2, "w2", 16);
-  region(v.w2_scale, l.w2_scale, "w2_scale", 4);
-  region(v.shared_w13, l.shared_w13, "shared_w13", 16);
-  region(v.shared_w13_scale, l.shared_w13_scale, "shared_w13_scale", 4);
-  region(v.shared_w2, l.shared_w2, "shared_w2", 16);
-  region(v.shared_w2_scale, l.shared_w2_scale, "shared_w2_scale", 4);
-  region(v.router, l.router, "router", 16);
-  region(v.bias, l.bias, "bias", 4);
-}
-
 CudaMoeLayer::CudaMoeLayer(const MoeShape& shape, const MoeWeightsView& device_weights,
                            const MoeLayerOptions& opt)
     : impl_(make_impl(shape, opt)) {
-  check_weights_view(impl_->shape, impl_->wlayout, device_weights);
+  // (device memory of the current device, aligned as each region is read)
+  detail::check_weights_view("CudaMoeLayer weights view", impl_->shape, device_weights,
+                             [](const void* p, const std::string& what, size_t align) {
+                               require_device_memory(p, what.c_str());
+                               require_aligned(p, align, what.c_str());
+                             });
   impl_->weights = device_weights.w13;
   finish_plan(*impl_, device_weights);
 }
@@ -173,9 +147,7 @@ void CudaMoeLayer::forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint
 void CudaMoeLayer::forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint, const int* num_tokens_dev,
                            Stream stream, const RoutingInput& routing) {
   auto s = static_cast<cudaStream_t>(stream);
-  if (routing.id_bytes != 4 && routing.id_bytes != 8)
-    throw std::invalid_argument(
-        fmt::format("forward routing.id_bytes: expected 4 (int32) or 8 (int64), got {}", routing.id_bytes));
+  detail::require_id_bytes(routing.id_bytes);
   const kernels::DeviceTensors t = impl_->io_tensors(x, y, tokens_hint, num_tokens_dev, s);
   if (tokens_hint > 0) {
     impl_->io_check.require(routing.ids, impl_->device, "forward", "routing.ids", s);
@@ -215,7 +187,7 @@ int CudaMoeLayer::max_tokens() const { return impl_->ws.max_tokens; }
 const void* CudaMoeLayer::device_weights() const { return impl_->weights; }
 size_t CudaMoeLayer::workspace_bytes() const { return impl_->ws.total_bytes; }
 size_t CudaMoeLayer::workspace_bytes_for(const MoeShape& s, int max_tokens) {
-  if (max_tokens <= 0) throw std::invalid_argument(fmt::format("max_tokens = {} must be > 0", max_tokens));
+  detail::require_max_tokens(max_tokens);
   return kernels::MoeWorkspaceLayout::compute(s, max_tokens).total_bytes;
 }
 std::string CudaMoeLayer::config_for(int tokens) const {

@@ -192,6 +192,9 @@ struct WeightStore::Impl {
   }
 
   bool device() const { return opt.memory == StoreMemory::kDevice; }
+  std::optional<std::pair<uint32_t, uint32_t>> validate(std::string_view name, io::Dtype dtype,
+                                                        std::span<const int64_t> shape, const void* data,
+                                                        size_t bytes, bool& from_device) const;
   bool mxfp8() const { return opt.kernel_format == KernelFormat::kMxfp8Blackwell; }
 
   void init(const ModelDesc& desc, const std::vector<MoeShape>& shapes) {
@@ -508,39 +511,69 @@ bool WeightStore::in_session() const {
   return impl_->session;
 }
 
-bool WeightStore::update(std::string_view name, io::Dtype dtype, std::span<const int64_t> shape,
-                         const void* data, size_t bytes) {
-  Impl& m = *impl_;
-  std::lock_guard g(m.mu);
-  if (!m.session)
+// Everything update() refuses, checked without writing: the name, dtype, shape and size
+// against the layout and the values of a scale, router or bias tensor. `staged` receives a
+// device tensor's checked values (read back once); returns the slot, nullopt for a name
+// the store does not hold.
+std::optional<std::pair<uint32_t, uint32_t>> WeightStore::Impl::validate(std::string_view name,
+                                                                         io::Dtype dtype,
+                                                                         std::span<const int64_t> shape,
+                                                                         const void* data, size_t bytes,
+                                                                         bool& from_device) const {
+  if (!session)
     throw std::logic_error(fmt::format("WeightStore::update('{}'): no session (call begin())", name));
-  const auto target = m.resolve(name);
-  if (!target) return false;
-  Layer& l = m.layers[target->first];
-  const io::TensorSlot& s = l.slots[target->second];
-  m.check(l, s, name, dtype, shape, bytes, data != nullptr);
+  const auto target = resolve(name);
+  if (!target) return std::nullopt;
+  const Layer& l = layers[target->first];
+  check(l, l.slots[target->second], name, dtype, shape, bytes, data != nullptr);
   // A device store also takes device memory (a trainer's tensors): copied device to
   // device; the few values check_values reads come back to the host first.
   const dev::PointerInfo mem = dev::pointer_info(data);
-  const bool from_device = m.device() && (mem.device || mem.managed);
-  if (mem.device && !m.device())
+  from_device = device() && (mem.device || mem.managed);
+  if (mem.device && !device())
     throw std::invalid_argument(fmt::format(
         "WeightStore::update('{}'): the data is in device memory, but this store is in host memory "
         "(copy it to the host, or use a device store)",
         name));
-  std::vector<uint8_t> staged;
-  const void* values = data;
-  if (from_device && Impl::has_checked_values(l, target->second)) {
-    staged.resize(bytes);
+  if (from_device && has_checked_values(l, target->second)) {
+    std::vector<uint8_t> staged(bytes);
     dev::copy_to_host(staged.data(), data, bytes);
-    values = staged.data();
+    check_values(l, target->second, name, staged.data());
+  } else {
+    check_values(l, target->second, name, data);
   }
-  m.check_values(l, target->second, name, values);
+  return target;
+}
+
+bool WeightStore::validate(std::string_view name, io::Dtype dtype, std::span<const int64_t> shape,
+                           const void* data, size_t bytes) const {
+  std::lock_guard g(impl_->mu);
+  bool from_device = false;
+  return impl_->validate(name, dtype, shape, data, bytes, from_device).has_value();
+}
+
+bool WeightStore::update(std::string_view name, io::Dtype dtype, std::span<const int64_t> shape,
+                         const void* data, size_t bytes) {
+  Impl& m = *impl_;
+  std::lock_guard g(m.mu);
+  bool from_device = false;
+  const auto target = m.validate(name, dtype, shape, data, bytes, from_device);
+  if (!target) return false;
+  Layer& l = m.layers[target->first];
+  const io::TensorSlot& s = l.slots[target->second];
   m.touch(l);
   m.write(l.base + s.at(l.layout), data, bytes, from_device);
   ++m.report.tensors, m.report.bytes += bytes;
   m.arrived(l, target->second);
   return true;
+}
+
+bool WeightStore::update(std::span<const io::TensorView> tensors) {
+  for (const io::TensorView& v : tensors)  // (all of them checked before a byte is written)
+    validate(v.name, v.dtype, v.shape, v.data, v.bytes);
+  bool any = false;
+  for (const io::TensorView& v : tensors) any = update(v) || any;
+  return any;
 }
 
 FinishReport WeightStore::finish() {

@@ -274,3 +274,108 @@ def test_quantize_block_fp8():
     big = np.abs(w) > 2.0 ** -6 * np.repeat(np.repeat(s, 128, axis=1), 128, axis=2)[:, :200, :300]
     assert np.all(np.abs(deq - w)[big] <= np.abs(w)[big] * 2.0 ** -4 + 1e-12)
     expect_error(TypeError, ["w", "float32", "int64"], megamoe.quantize_block_fp8, np.zeros((4, 4), np.int64))
+
+
+def test_empty_batch(layer):
+    x = bf16(np.zeros((0, 256)))
+    y = layer(x)
+    assert y.shape == (0, 256) and y.dtype == x.dtype
+    assert layer.topk_ids.shape == (0, 4)
+    y = layer(np.zeros((0, 256), np.float32), np.zeros((0, 4), np.int32), np.zeros((0, 4), np.float32))
+    assert y.shape == (0, 256)
+
+
+def test_nonfinite_token_changes_only_its_row(layer, x16):
+    clean = layer(x16)
+    x = x16.copy()
+    x[3, 7] = np.nan
+    x[9, 0] = np.inf
+    x[17, 100] = -np.inf
+    dirty = layer(x)
+    for t in range(x.shape[0]):
+        same = bits(dirty[t]) == bits(clean[t])
+        assert same != (t in (3, 9, 17)), f"token {t}"
+    assert np.all((layer.topk_ids >= 0) & (layer.topk_ids < 16))
+
+
+def test_refused_load_writes_nothing(ckpt, ckpt_tensors, x16):
+    lay = megamoe.MoELayer.from_checkpoint(ckpt, LAYER, device="cpu", max_tokens=32)
+    before, y = lay.weight_bytes(), lay(x16)
+    p = P + "experts.2.gate_proj."
+    w, s = ckpt_tensors[p + "weight"][1], ckpt_tensors[p + "weight_scale_inv"][1]
+    new_w = w ^ np.uint8(1)  # other finite E4M3 codes
+    for bad in (s.copy(), s[:1].copy(), s.astype(np.float64)):
+        if bad.dtype == np.float32 and bad.shape == s.shape:
+            bad[0, 1] = np.nan
+        for mode in ("direct", "layerwise"):
+            with pytest.raises((ValueError, TypeError), match="weight_scale_inv"):
+                lay.load_weights({p + "weight": new_w, p + "weight_scale_inv": bad}, mode=mode)
+            assert lay.weight_bytes() == before, f"{bad.dtype} {bad.shape} {mode}"
+            assert bits(lay(x16)) == bits(y)
+    # A session that closes with a weight without its scale: it raises, the new weight stays
+    # in place, and the layer refuses forwards until the missing half comes.
+    with pytest.raises(ValueError, match="arrived without its block scale"):
+        lay.load_weights(p + "weight", new_w)
+    with pytest.raises(RuntimeError, match="incomplete"):
+        lay(x16)
+    # (the scale alone does not complete it: a pair is written together, in one session)
+    with pytest.raises(ValueError, match="arrived without its weight"):
+        lay.load_weights(p + "weight_scale_inv", s)
+    with pytest.raises(RuntimeError, match="incomplete"):
+        lay(x16)
+    # the recovery, and the documented form: the weight with its scale in one call
+    lay.load_weights({p + "weight": new_w, p + "weight_scale_inv": s})
+    assert bits(lay(x16)) != bits(y)
+    lay.load_weights({p + "weight": w, p + "weight_scale_inv": s})
+    assert lay.weight_bytes() == before and bits(lay(x16)) == bits(y)
+
+
+def test_fused_moe_cache_is_bounded(ckpt_tensors, layer, x16):
+    """1,000 reloads into new tensors: each old set's layer goes with its tensors."""
+    import gc
+
+    st = stacked(ckpt_tensors, layer.config)
+    y = layer(x16)
+    ids, w = layer.topk_ids, layer.topk_weights
+    megamoe.ops.clear_cache()
+    live = len(megamoe._layer._registry)
+    sizes = []
+    for i in range(1000):
+        fresh = {k: v.copy() for k, v in st.items()}  # new tensors, new addresses
+        out = megamoe.ops.fused_moe(x16[:2], ids[:2], w[:2], fresh["w13"], fresh["w13_scale"], fresh["w2"],
+                                    fresh["w2_scale"], config=layer.config, shared_w13=fresh["shared_w13"],
+                                    shared_w13_scale=fresh["shared_w13_scale"], shared_w2=fresh["shared_w2"],
+                                    shared_w2_scale=fresh["shared_w2_scale"])
+        if i % 250 == 0:
+            assert bits(out) == bits(y[:2])
+        del fresh
+        sizes.append(len(megamoe.ops._cache))
+    gc.collect()
+    assert max(sizes) <= 1, max(sizes)
+    assert len(megamoe._layer._registry) <= live + 1
+    # the bound holds without frees too: the same tensors kept alive
+    kept = [{k: v.copy() for k, v in st.items()} for _ in range(megamoe.ops.MAX_CACHED + 8)]
+    for f in kept:
+        megamoe.ops.fused_moe(x16[:1], ids[:1], w[:1], f["w13"], f["w13_scale"], f["w2"], f["w2_scale"],
+                              config=layer.config, shared_w13=f["shared_w13"],
+                              shared_w13_scale=f["shared_w13_scale"], shared_w2=f["shared_w2"],
+                              shared_w2_scale=f["shared_w2_scale"])
+    assert len(megamoe.ops._cache) == megamoe.ops.MAX_CACHED
+    megamoe.ops.clear_cache()
+    assert not megamoe.ops._cache and not megamoe.ops._finalizers
+
+
+def test_workspace_device_default_matches_layer(layer):
+    ws = megamoe.Workspace([layer.config], max_tokens=8)
+    assert ws.device == ("cuda" if megamoe.cuda_available() else "cpu")
+
+
+@pytest.mark.skipif(megamoe._layer._torch is not None, reason="torch is installed")
+def test_torch_only_names_without_torch():
+    for name in ("patch_moe", "torch_ops"):
+        with pytest.raises(ImportError, match="needs torch"):
+            getattr(megamoe, name)
+    with pytest.raises(ImportError, match="needs torch"):
+        exec("from megamoe import patch_moe", {})
+    with pytest.raises(AttributeError):
+        megamoe.no_such_name

@@ -1,12 +1,25 @@
-// The device-resident MoE layer (CUDA backend): owns or borrows the weights in
-// the kernel layout (weights/layout.h: one buffer, or separate regions), owns a workspace sized once for
-// max_tokens, validates everything a caller hands it, and enqueues a forward
-// that is CUDA-graph capturable (no allocation, no host synchronization; the
-// token count may live in device memory).
+// The MoE layer objects, one per backend, built and called alike:
+//   CudaMoeLayer (CUDA backend): owns or borrows the weights in the kernel layout
+//     (weights/layout.h: one buffer, or separate regions) in device memory, owns a workspace
+//     sized once for max_tokens, validates everything a caller hands it, and enqueues a
+//     forward that is CUDA-graph capturable (no allocation, no host synchronization; the
+//     token count may live in device memory).
+//   CpuMoeLayer (CPU backend): the same weights in host memory, the kernel-faithful
+//     reference (reference/moe.h) as its forward: the bytes the CUDA layer computes.
+// What a forward takes and refuses is decided here once, for both, and for the tools and
+// the Python binding above them:
+//   - T in [0, max_tokens]; T = 0 is an empty batch (nothing read, nothing written);
+//   - non-finite activations are not an error (scanning x would cost a pass over it): a
+//     token holding NaN or inf changes only its own output row (and its own routing);
+//   - external routing: ids in [0, E) (CPU: checked, an error; CUDA: recorded, check()),
+//     weights used as given.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "megamoe/model/shape.h"
 #include "megamoe/numerics/fp8.h"
@@ -40,6 +53,30 @@ struct RoutingInput {
   int id_bytes = 4;
   const float* weights = nullptr;  // float32, used as given (no renormalization, no scaling)
 };
+
+// The ten weight tensors of a layer as an engine stacks them (MoeWeightsView's members, in
+// its order, named as they are): element type and shape of each in the kernel layout
+// (weights/layout.h), and whether the shape has it at all.
+struct StackedTensor {
+  enum class Type { kE4M3, kF32, kRouter };  // kRouter: bf16 or f32 (MoeShape::router_dtype)
+  const char* name = "";                     // "w13", "w13_scale", ..., "router", "bias"
+  Type type = Type::kE4M3;
+  std::vector<int64_t> shape;            // e.g. w13: [E, 2I, H]; w13_scale: [E, 2 ceil(I/128), ceil(H/128)]
+  const char* absent_because = nullptr;  // null: the shape has it; else why not
+  // Where it lies in the kernel layout (an alias: nvcc's host pass would print the
+  // member-pointer declaration with parentheses g++ warns about).
+  using LayoutRegion = Region MoeWeightLayout::*;
+  LayoutRegion region = nullptr;
+};
+constexpr int kStackedTensors = 10;
+std::vector<StackedTensor> stacked_tensors(const MoeShape& s);
+// The view of ten pointers given in stacked_tensors' order.
+MoeWeightsView stacked_view(const std::array<const void*, kStackedTensors>& p);
+
+// Throws std::runtime_error naming `op` when layer `layer` of `store` is not ready (never
+// loaded, or a reload left a weight without its scale or a layerwise reload without all of
+// its tensors): a layer object over the store refuses to run on such weights.
+void require_ready(const WeightStore& store, int layer, const char* op);
 
 class CudaMoeLayer {
  public:
@@ -113,6 +150,59 @@ class CudaMoeLayer {
   std::string config_for(int tokens) const;  // tile configuration, for reports
 
   struct Impl;  // implementation detail (src/api/moe_layer.cu)
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// The host-memory MoE layer (CPU backend): CudaMoeLayer's constructors, forwards and
+// check() on host memory, synchronous (no stream, no device count). Borrowing a
+// WeightStore follows its reloads: each forward reads the store's bytes as they are then
+// and refuses (std::runtime_error) while the layer is not ready. Forwards of one layer
+// from several threads run one at a time; the routing accessors describe the last one.
+class CpuMoeLayer {
+ public:
+  // Copies the host weights into memory the layer owns.
+  CpuMoeLayer(const HostMoeWeights& w, const MoeLayerOptions& opt);
+  // Borrows host weights laid out by MoeWeightLayout::compute(shape) at `host_base`.
+  CpuMoeLayer(const MoeShape& shape, const void* host_base, const MoeLayerOptions& opt);
+  // Borrows host weights as separate regions (the caller keeps them alive and may rewrite
+  // them between forwards). Throws std::invalid_argument naming a region that is null, or
+  // given where the shape has none.
+  CpuMoeLayer(const MoeShape& shape, const MoeWeightsView& host_weights, const MoeLayerOptions& opt);
+  // Borrows layer `layer` of a WeightStore in host memory (it may be not yet loaded: the
+  // forwards refuse until it is ready).
+  CpuMoeLayer(const WeightStore& store, int layer, const MoeLayerOptions& opt);
+  ~CpuMoeLayer();
+  CpuMoeLayer(const CpuMoeLayer&) = delete;
+  CpuMoeLayer& operator=(const CpuMoeLayer&) = delete;
+
+  // x: bf16 [T][H], y: bf16 [T][H], host memory; T in [0, max_tokens] (0: nothing is read
+  // or written). Throws std::invalid_argument for T outside that range or null x / y.
+  void forward(const num::bf16_t* x, num::bf16_t* y, int tokens);
+  // forward on the caller's routing, host memory [T][K]: the rows the layer's own forward
+  // computes for the same ids and weights. Throws std::invalid_argument for null ids or
+  // weights (T > 0), id_bytes not 4 or 8, an id outside [0, E) or a weight that is not
+  // finite (naming the first: "topk_ids: expected expert ids in [0, 16), found 16 at [2, 1]").
+  void forward(const num::bf16_t* x, num::bf16_t* y, int tokens, const RoutingInput& routing);
+  // y as float32 [T][H] (every value is exactly a BF16); routing null: the layer's own.
+  void forward(const num::bf16_t* x, float* y, int tokens, const RoutingInput* routing);
+
+  // Nothing is recorded for later: the CPU forward throws at the call (CudaMoeLayer::check's
+  // counterpart, so callers treat both alike).
+  void check();
+
+  // Routing of the last forward ([last_tokens()][K], host memory; valid until the next forward).
+  const int32_t* topk_ids() const;
+  const float* topk_weights() const;
+  int last_tokens() const;
+
+  const MoeShape& shape() const;
+  int max_tokens() const;
+  // The weights the forwards read (throws while a borrowed store's layer is not ready).
+  MoeWeightsView host_weights() const;
+
+  struct Impl;  // implementation detail (src/api/cpu_layer.cpp)
 
  private:
   std::unique_ptr<Impl> impl_;

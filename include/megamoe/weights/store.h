@@ -148,6 +148,15 @@ class WeightStore {
   bool update(std::string_view name, io::Dtype dtype, std::span<const int64_t> shape, const void* data,
               size_t bytes);
   bool update(const io::TensorView& v) { return update(v.name, v.dtype, v.shape, v.data, v.bytes); }
+  // Checks what update() checks (the name, dtype, shape, size and the values of a scale,
+  // router or bias tensor) without writing: throws as update() would; false for a name the
+  // store does not hold.
+  bool validate(std::string_view name, io::Dtype dtype, std::span<const int64_t> shape, const void* data,
+                size_t bytes) const;
+  // Several tensors as one step: every one validated before any is written, so a refused
+  // call (a bad scale beside its weight) leaves the store's bytes as they were. Returns
+  // whether any landed (names the store does not hold are passed over, as update()'s).
+  bool update(std::span<const io::TensorView> tensors);
   // Closes the session. Throws io::NotFoundError listing every incomplete pair
   // ("... arrived without its block scale '...'") and every missing tensor of a
   // layer that is not complete; the session is closed either way.
