@@ -30,9 +30,14 @@ if command -v nvcc >/dev/null; then
   cmake -S . -B build-prof -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_PROFILE=ON -DMEGAMOE_TESTS=OFF >/dev/null
   cmake --build build-prof --target CMakeFiles/megamoe.dir/src/kernels/fused_moe.cu.o
 fi
+# Every Python package comes from PyPI into the private virtual environment build/venv
+# (scripts/python_env.sh; never the system's python3); tests/tools/test_python_env.sh
+# checks that against an interpreter marked externally managed.
+source scripts/python_env.sh
+py_require numpy
+if [ -x tests/tools/test_python_env.sh ]; then tests/tools/test_python_env.sh; fi
 if [ -x tests/tools/test_forward_float64.sh ]; then
-  python3 -c "import numpy" 2>/dev/null || python3 -m pip install -q numpy
-  tests/tools/test_forward_float64.sh "$PWD/build/megamoe"
+  PYTHON="$PY" tests/tools/test_forward_float64.sh "$PWD/build/megamoe"
 fi
 # The Python package (docs/python.md): `pip install .` of the CPU extension into
 # build/python-pkg (its CMake build cached in build/python/), then pytest tests/python
