@@ -2,7 +2,8 @@
 # The torch / transformers tests of the Python package: the custom op and torch.compile
 # (tests/python/test_torch.py), megamoe.patch_moe on small models of
 # the four families (tests/python/test_transformers.py) and `python -m megamoe.bench` on the
-# CPU backend (tests/python/test_bench.py). Installs torch, transformers and matplotlib from
+# CPU backend (tests/python/test_bench.py), and the docs' code blocks again, now with torch
+# (tests/python/test_doc_examples.py). Installs torch, transformers and matplotlib from
 # PyPI where missing: PyPI's torch wheel is the CUDA build (about 3.1 GB of downloads, 5.7 GB
 # installed, ~6 minutes on a 2-core machine), the CPU tests take ~2 minutes more. They go
 # into the private virtual environment build/venv (scripts/python_env.sh), once.
@@ -21,4 +22,5 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 py_require torch transformers matplotlib pytest ml_dtypes:ml-dtypes
 PYTHONPATH="$PWD/build/python-pkg" MEGAMOE_CLI="$PWD/build/megamoe" "$PY" -m pytest -q -p no:cacheprovider \
-  tests/python/test_torch.py tests/python/test_transformers.py tests/python/test_bench.py
+  tests/python/test_torch.py tests/python/test_transformers.py tests/python/test_bench.py \
+  tests/python/test_doc_examples.py
