@@ -25,8 +25,12 @@ sys_dir=$WORK/sys
 mkdir -p "$sys_dir/bin" "$sys_dir/lib/python$ver"
 cp "$(readlink -f "$exe")" "$sys_dir/bin/python$ver"
 ln -s "python$ver" "$sys_dir/bin/python3"
-for e in "$stdlib"/*; do ln -s "$e" "$sys_dir/lib/python$ver/"; done
+for e in "$stdlib"/*; do
+  # (a real marker is not linked: the test's own is written here, never through a link)
+  [ "$(basename "$e")" = EXTERNALLY-MANAGED ] || ln -s "$e" "$sys_dir/lib/python$ver/"
+done
 for e in "$base_prefix"/lib/*; do [ -e "$sys_dir/lib/$(basename "$e")" ] || ln -s "$e" "$sys_dir/lib/"; done
+for e in "$base_prefix"/*; do [ -e "$sys_dir/$(basename "$e")" ] || ln -s "$e" "$sys_dir/"; done  # include/, share/
 printf '[externally-managed]\nError=megamoe test: this python3 is externally managed\n' \
   >"$sys_dir/lib/python$ver/EXTERNALLY-MANAGED"
 sys_py=$sys_dir/bin/python3
