@@ -27,6 +27,7 @@ fuzz() {
   local srcs=("$@") bin="$out/fuzz_$name" log="$out/fuzz_$name.log" corpus="$out/corpus_$name"
   mkdir -p "$corpus"
   if [[ ! -x "$bin" || -n "$(find "${srcs[@]}" include -newer "$bin" 2>/dev/null | head -1)" ]]; then
+    echo "fuzz: building $bin (about a minute on 2 cores)"
     # NOTE: -fno-sanitize-recover makes a UBSan report a crash, not a log line.
     "$CXX" -std=c++20 -O1 -g -fno-omit-frame-pointer \
       -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \

@@ -7,7 +7,12 @@
 # binary (build/megamoe_gpu_tests) run on a machine with an H100/H200.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Each step says what it runs and about how long it takes on a 2-core machine (the whole run:
+# ~15 minutes with the packages cached, ~25 the first time).
+step() { echo "== test.sh: $*"; }
+step "build (scripts/setup.sh)"
 scripts/setup.sh
+step "the CPU tests (ctest, about a minute)"
 (cd build && ctest --output-on-failure -j"$(nproc)")
 # The GPU test binary starts, and without a GPU skips every test (they run on the device
 # machine: scripts/device_run.sh); on a machine with one, this runs them.
@@ -15,6 +20,7 @@ if [ -x build/megamoe_gpu_tests ]; then build/megamoe_gpu_tests --gtest_brief=1 
 # The library as a user gets it: installed, found by find_package(megamoe) from a project
 # of its own (examples/), and that project's program run on a small synthetic checkpoint
 # (the CPU backend here; the CUDA one on a GPU: scripts/device_run.sh BIN example).
+step "the installed library from a project of its own (examples/, about a minute)"
 rm -rf build/install-test build/examples
 cmake --install build --prefix "$PWD/build/install-test" >/dev/null
 cmake -S examples -B build/examples -G Ninja -DCMAKE_BUILD_TYPE=Release \
@@ -27,20 +33,32 @@ build/examples/embed_layer build/examples/ckpt 24
 # compiling: only that object, where nvcc is installed.
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH=/usr/local/cuda/bin:$PATH; fi
 if command -v nvcc >/dev/null; then
+  step "the kernel's profile build compiles (one object, about 2 minutes)"
   cmake -S . -B build-prof -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_PROFILE=ON -DMEGAMOE_TESTS=OFF >/dev/null
   cmake --build build-prof --target CMakeFiles/megamoe.dir/src/kernels/fused_moe.cu.o
 fi
+# Every Python package comes from PyPI into the private virtual environment build/venv
+# (scripts/python_env.sh; never the system's python3); tests/tools/test_python_env.sh
+# checks that against an interpreter marked externally managed.
+step "the Python environment (build/venv) and the float64 forward check (under a minute)"
+source scripts/python_env.sh
+py_require numpy
+if [ -x tests/tools/test_python_env.sh ]; then tests/tools/test_python_env.sh; fi
 if [ -x tests/tools/test_forward_float64.sh ]; then
-  python3 -c "import numpy" 2>/dev/null || python3 -m pip install -q numpy
-  tests/tools/test_forward_float64.sh "$PWD/build/megamoe"
+  PYTHON="$PY" tests/tools/test_forward_float64.sh "$PWD/build/megamoe"
 fi
 # The Python package (docs/python.md): `pip install .` of the CPU extension into
 # build/python-pkg (its CMake build cached in build/python/), then pytest tests/python
 # against build/megamoe; torch and GPU tests skip where torch or a GPU is absent.
+step "the Python package and the docs' code blocks (scripts/test_python.sh, 2-3 minutes)"
 if [ -x scripts/test_python.sh ]; then scripts/test_python.sh; fi
 # The tests that need torch and transformers (the custom op and torch.compile, the
 # transformers drop-in, python -m megamoe.bench): installs them from PyPI where missing
 # (~6 minutes on a fresh 2-core machine), then runs them on the CPU backend.
+step "torch and transformers (scripts/test_python_hf.sh: ~6 minutes of downloads the first time, then ~3)"
 if [ -x scripts/test_python_hf.sh ]; then scripts/test_python_hf.sh; fi
+step "ASan + UBSan (scripts/sanitize.sh, about 4 minutes)"
 if [ -x scripts/sanitize.sh ]; then scripts/sanitize.sh; fi
+step "fuzzing the two parsers (scripts/fuzz.sh, 2 minutes)"
 if [ -x scripts/fuzz.sh ]; then scripts/fuzz.sh; fi
+step "OK"

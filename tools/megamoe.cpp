@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -355,8 +356,13 @@ std::string nccl_line() {
 }
 #endif
 
+// "megamoe 0.1.0 (commit abc1234)": the release (CMake's project version) and the build's commit.
+std::string version_line() {
+  return fmt::format("megamoe {} (commit {})", MEGAMOE_VERSION, MEGAMOE_GIT_COMMIT);
+}
+
 std::string version_text() {
-  std::string s = std::string("megamoe ") + MEGAMOE_GIT_COMMIT;
+  std::string s = version_line();
 #if defined(MEGAMOE_HAVE_CUDA)
   s += "\n" + runtime_line() + "\n" + driver_line() + "\n" + nccl_line();
 #else
@@ -366,7 +372,7 @@ std::string version_text() {
 }
 
 int run_doctor() {
-  fmt::print("megamoe {}\n", MEGAMOE_GIT_COMMIT);
+  fmt::print("{}\n", version_line());
   std::string why;
   const bool cuda_ok = api::cuda_available(&why);
 #if defined(MEGAMOE_HAVE_CUDA)
@@ -411,14 +417,81 @@ int run_doctor() {
   return 0;
 }
 
+// Edit distance (insertions, deletions, substitutions), for "did you mean".
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// " (did you mean X?)" for the closest of `names` to `given`, where one is close enough to
+// be a typo of it; "" otherwise.
+std::string did_you_mean(const std::string& given, const std::vector<std::string>& names) {
+  std::string best;
+  size_t best_d = std::numeric_limits<size_t>::max();
+  for (const auto& n : names)
+    if (const size_t d = edit_distance(given, n); d < best_d) best_d = d, best = n;
+  const size_t limit = std::max<size_t>(2, given.size() / 3);
+  return best_d <= limit ? " (did you mean " + best + "?)" : "";
+}
+
+// Checks the subcommand and the long options' names before CLI11 parses: CLI11 reports a
+// missing required option or subcommand before an unknown one, so a typo would be named as
+// "--checkpoint is required" or "A subcommand is required" instead of the typo itself.
+// Returns the error ("" when the names are fine; values and requirements are CLI11's).
+std::string check_names(const CLI::App& app, int argc, char** argv) {
+  std::vector<std::string> subs;
+  for (const CLI::App* s : app.get_subcommands([](const CLI::App*) { return true; }))
+    subs.push_back(s->get_name());
+  const std::string sub_list = fmt::format("{}", fmt::join(subs, ", "));
+  int i = 1;
+  for (; i < argc; ++i) {  // the top level: --help and --version, then the subcommand
+    const std::string a = argv[i];
+    if (a == "-h" || a == "--help" || a == "--version") return "";  // CLI11 answers these
+    if (a.starts_with("-"))
+      return fmt::format("unknown option {} before the subcommand; the subcommands are: {}", a, sub_list);
+    break;
+  }
+  if (i == argc) return "a subcommand is required, one of: " + sub_list;
+  const std::string name = argv[i];
+  const CLI::App* sub = nullptr;
+  for (const CLI::App* s : app.get_subcommands([](const CLI::App*) { return true; }))
+    if (s->check_name(name)) sub = s;
+  if (!sub)
+    return fmt::format("unknown subcommand '{}'{}; the subcommands are: {}", name, did_you_mean(name, subs),
+                       sub_list);
+  std::vector<std::string> longs;
+  for (const CLI::Option* o : sub->get_options())
+    for (const auto& l : o->get_lnames()) longs.push_back("--" + l);
+  for (++i; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--") break;  // what follows is values only
+    if (!a.starts_with("--") || a.size() == 2) continue;
+    const std::string opt = a.substr(0, a.find('='));
+    if (!sub->get_option_no_throw(opt))
+      return fmt::format("unknown option {} for `megamoe {}`{}", opt, name, did_you_mean(opt, longs));
+  }
+  return "";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{
       "megamoe: FP8 Mixture-of-Experts layers (DeepSeek-V3 / GLM-5 family) on Hopper GPUs and the CPU"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", version_text,
-                       "The build's commit, then the CUDA runtime, driver and NCCL it will use");
+  app.set_version_flag(
+      "--version", version_text,
+      "The release and the build's commit, then the CUDA runtime, driver and NCCL it will use");
 
   DemoArgs demo;
   auto* c_demo =
@@ -540,6 +613,10 @@ int main(int argc, char** argv) {
 
   // (CLI11_PARSE would exit with its own codes, 100+, and no "megamoe: error:" prefix: a bad
   // flag is an error like any other here, exit 1)
+  if (const std::string bad = check_names(app, argc, argv); !bad.empty()) {
+    fmt::print(stderr, "megamoe: error: {}\nRun with --help for more information.\n", bad);
+    return 1;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

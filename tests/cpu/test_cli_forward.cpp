@@ -182,18 +182,22 @@ TEST(CliDemo, CudaWithoutDeviceFailsFirst) {
   }
 }
 
-TEST(Cli, VersionNamesTheBuild) {
-  // The commit the binary was built from (cmake/git_commit.cmake), as megamoe bench's JSON
-  // records it: seven hex digits (and "+uncommitted" for a dirty tree), or "unknown" outside git.
+TEST(Cli, VersionNamesTheReleaseAndTheBuild) {
+  // "megamoe 0.1.0 (commit abc1234)": CMake's project version, then the commit the binary was
+  // built from (cmake/git_commit.cmake), as megamoe bench's JSON records it: seven hex digits
+  // (and "+uncommitted" for a dirty tree), or "unknown" outside git.
   const auto r = run_cli("--version");
   EXPECT_EQ(r.status, 0) << r.output;
   // (no std::regex: GCC 12 warns inside it under the sanitizers' build)
   std::string id = r.output.substr(0, r.output.find('\n') + 1);  // (the runtime's lines follow)
-  const bool framed = id.starts_with("megamoe ") && id.ends_with("\n");
-  if (framed) id = id.substr(8, id.size() - 9);
+  const std::string head = std::string("megamoe ") + MEGAMOE_VERSION + " (commit ";
+  const bool framed = id.starts_with(head) && id.ends_with(")\n");
+  if (framed) id = id.substr(head.size(), id.size() - head.size() - 2);
   if (id.ends_with("+uncommitted")) id.resize(id.size() - 12);
   const bool hex7 = id.size() == 7 && id.find_first_not_of("0123456789abcdef") == std::string::npos;
   EXPECT_TRUE(framed && (hex7 || id == "unknown")) << r.output;
+  EXPECT_EQ(std::string(MEGAMOE_VERSION).find_first_not_of("0123456789."), std::string::npos)
+      << MEGAMOE_VERSION;
 }
 
 TEST(Cli, NegativeSeedIsAnError) {

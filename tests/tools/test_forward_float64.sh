@@ -7,16 +7,19 @@
 # tensor bytes as --ranks 1 (docs/numerics.md §7, §8).
 #
 # Usage: tests/tools/test_forward_float64.sh path/to/megamoe
-# Dependencies: python3 with numpy (the only Python package used; CI installs
-# it with pip). Runs in a few seconds on 2 cores. Exits non-zero on any failure.
+# Dependencies: a Python with numpy (the only Python package used): $PYTHON, else the
+# repository's build/venv where scripts/test.sh made it (it installs numpy there), else
+# python3. Runs in a few seconds on 2 cores. Exits non-zero on any failure.
 set -euo pipefail
 
 CLI=${1:?usage: $0 path/to/megamoe}
 [[ -x "$CLI" ]] || { echo "test_forward_float64: $CLI is not executable" >&2; exit 2; }
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 F64="$HERE/moe_float64.py"
-PY=${PYTHON:-python3}
-"$PY" -c "import numpy" || { echo "test_forward_float64: needs numpy (pip install numpy)" >&2; exit 2; }
+VENV_PY="$HERE/../../build/venv/bin/python"
+if [[ -n "${PYTHON:-}" ]]; then PY=$PYTHON; elif [[ -x "$VENV_PY" ]]; then PY=$VENV_PY; else PY=python3; fi
+"$PY" -c "import numpy" ||
+  { echo "test_forward_float64: $PY has no numpy (scripts/test.sh installs it into build/venv)" >&2; exit 2; }
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/megamoe_f64.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
