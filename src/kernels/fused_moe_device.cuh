@@ -37,6 +37,23 @@ struct EpArgs {
 constexpr int kSmUnitSlots = 256;
 constexpr uint8_t kNoSmUnit = 255;
 
+// The kernel's measurement switches (docs/tuning.md; the Overrides of the same names, read when
+// a layer is made): for timing the kernel's parts and probing its schedule. DebugArgs{} (these
+// defaults) is the release kernel; stop and skip make the outputs wrong.
+struct DebugArgs {
+  int stop = 0;  // MEGAMOE_DEBUG_STOP: 0 = full kernel; 1/2/3 stop after tables / phase 0 / the mainloop
+  int skip = 0;  // MEGAMOE_DEBUG_SKIP: kSkipMma | kSkipLoads | kSkipFold | kSkipDeps (below)
+  int round_robin = 0;  // MEGAMOE_ROUND_ROBIN=1: plain round-robin instead of TileSchedule's balance
+  // MEGAMOE_EARLY_WEIGHTS (1): weight loads go out before the tile's tokens are ready; 0: they
+  // wait with them.
+  int early_weights = 1;
+  int unit_stride = 1;  // MEGAMOE_UNIT_STRIDE: CTA b takes unit b * stride mod G (coprime to G; 0: %smid)
+  // MEGAMOE_UNIT_TURN (even; 0 = off): with sm_units the units turn by this many a forward
+  // (unit + turn * epoch mod G, epoch = the routing's forward count), as a plain launch's
+  // starting SM moves from launch to launch.
+  int unit_turn = 0;
+};
+
 struct KernelArgs {
   int H, I, Is, E, K;  // E: the experts this kernel computes (E/R under expert parallelism)
   // Output blocks of a routed GEMM1 (I / 128), the shared one's (Is / 128) and a GEMM2 (H / 128):
@@ -45,18 +62,9 @@ struct KernelArgs {
   int has_shared;
   int rows_cap, inter_pitch;
   float swiglu_limit;
-  int debug_stop;  // MEGAMOE_DEBUG_STOP: 0 = full kernel; 1/2/3 stop after tables / phase 0 / the mainloop
-  // Measurement switches (wrong outputs when set; for timing the parts of the kernel):
-  int debug_skip;      // MEGAMOE_DEBUG_SKIP: kSkipMma | kSkipLoads | kSkipFold (below)
-  int round_robin;     // MEGAMOE_ROUND_ROBIN=1: plain round-robin instead of TileSchedule's balance
-  int early_weights;   // MEGAMOE_EARLY_WEIGHTS (default 1): weight loads go out before the tile's tokens are ready; 0: they wait with them
-  int tail_pool;       // FusedMoeConfig::tail_pool (per forward): GEMM2 tiles left to claims at the end
-  int unit_stride;     // MEGAMOE_UNIT_STRIDE: CTA b takes unit b * stride mod G (coprime to G; 1; 0: %smid)
-  int sm_units;        // FusedMoeConfig::sm_units (per forward): the unit of the CTA's SM, sm_unit
-  // MEGAMOE_UNIT_TURN (even; 0 = off): with sm_units the units turn by this many a forward
-  // (unit + turn * epoch mod G, epoch = the routing's forward count), as a plain launch's
-  // starting SM moves from launch to launch. A measurement switch.
-  int unit_turn;
+  DebugArgs debug;   // measurement only: DebugArgs{} in every release forward
+  int tail_pool;     // FusedMoeConfig::tail_pool (per forward): GEMM2 tiles left to claims at the end
+  int sm_units;      // FusedMoeConfig::sm_units (per forward): the unit of the CTA's SM, sm_unit
   uint64_t* epoch;   // [0] bumped by route_logits once a forward (MoeWorkspaceLayout::ep_state)
   int half_tiles;    // FusedMoeConfig::half_tiles (per forward)
   int pair_weights;  // FusedMoeConfig::pair_weights (per forward; pair tiles only)
@@ -87,7 +95,7 @@ struct KernelArgs {
   uint8_t sm_unit[kSmUnitSlots];
 };
 
-// The K loops' skip bits (KernelArgs::debug_skip, MEGAMOE_DEBUG_SKIP; wrong outputs, for
+// The K loops' skip bits (DebugArgs::skip, MEGAMOE_DEBUG_SKIP; wrong outputs, for
 // timing the parts of the kernel) -- except kSkipMma, which is also how a half tile's idle
 // warpgroup runs its K loop (the consumers' wg_idle): stages handed back, nothing computed.
 constexpr int kSkipMma = 1;    // no wgmma and no fold

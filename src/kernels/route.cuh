@@ -34,7 +34,7 @@ struct RouteArgs {
   int zero_words = 0;
   int max_tokens = 0;
   // The forward count, bumped once per forward (expert parallelism's epoch, ep_layout.h;
-  // KernelArgs::unit_turn).
+  // DebugArgs::unit_turn).
   uint64_t* epoch = nullptr;
 };
 
