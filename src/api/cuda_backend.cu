@@ -9,9 +9,12 @@
 #include "device_run.h"
 #include "megamoe/api/ep_layer.h"
 #include "megamoe/api/moe_layer.h"
+#include "megamoe/kernels/fused_moe.h"
 #include "megamoe/weights/device_memory.h"
 
 namespace megamoe::api::detail {
+
+const kernels::Overrides& switches() { return kernels::overrides(); }
 
 bool cuda_device_ok(std::string* why) {
   if (!dev::device_memory_available(why)) return false;
@@ -85,3 +88,13 @@ ForwardOutput cuda_forward(const HostMoeWeights& w, const num::bf16_t* x, int T,
 }
 
 }  // namespace megamoe::api::detail
+
+namespace megamoe::kernels {
+
+// (the deprecated overload: the API edge's switches)
+FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, const MoeWorkspaceLayout& ws,
+                                    void* workspace, const FusedMoeConfig& cfg, const EpRank* ep) {
+  return fused_moe_plan_create(s, w, ws, workspace, cfg, api::detail::switches(), ep);
+}
+
+}  // namespace megamoe::kernels

@@ -11,10 +11,12 @@
 #include <memory>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "config.h"
 #include "cuda_check.h"
 #include "fused_moe_kernel.cuh"
 #include "heuristics.h"
@@ -218,7 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm_probe_kernel(uint32_t* sm) {
 // order (any other run's is the same order turned) where both runs pass sm_unit_table's
 // checks (tile_schedule.h). Anything else (another stream's kernels moving the CTAs, SM ids
 // past the table, another pairing) leaves it off: false (MEGAMOE_PRINT_CONFIG=1 says why).
-bool probe_sm_units_now(int grid, uint8_t (&table)[kSmUnitSlots]) {
+bool probe_sm_units_now(int grid, uint8_t (&table)[kSmUnitSlots], bool print_config) {
   if (!sm_unit_grid_ok(grid, kNoSmUnit)) return false;
   const int smem = smem_bytes(128, true);
   // (a plan may be made while another thread captures a graph: this thread's calls below stay
@@ -248,7 +250,7 @@ bool probe_sm_units_now(int grid, uint8_t (&table)[kSmUnitSlots]) {
     const uint32_t* r = sm.data() + size_t(run) * grid;
     const int bad = sm_unit_table(r, grid, table, kSmUnitSlots, kNoSmUnit);
     if (bad >= 0) {
-      if (overrides().print_config)
+      if (print_config)
         std::fprintf(stderr,
                      "megamoe: no unit table: probe run %d put blockIdx %d on SM %u (an SM twice, past the "
                      "table or off its pair's TPC)\n",
@@ -263,7 +265,7 @@ bool probe_sm_units_now(int grid, uint8_t (&table)[kSmUnitSlots]) {
 // card, not of the plan: a model's layers each make a plan); a probe that found no table is
 // tried again by the next plan (the GPU may have been busy).
 // (grid: the card's SMs, the only grid the plan probes for)
-bool probe_sm_units(int grid, uint8_t (&table)[kSmUnitSlots]) {
+bool probe_sm_units(int grid, uint8_t (&table)[kSmUnitSlots], bool print_config) {
   struct Found {
     uint8_t table[kSmUnitSlots];
   };
@@ -275,7 +277,7 @@ bool probe_sm_units(int grid, uint8_t (&table)[kSmUnitSlots]) {
   auto it = found.find(dev);
   if (it == found.end()) {
     Found f;
-    if (!probe_sm_units_now(grid, f.table)) {
+    if (!probe_sm_units_now(grid, f.table, print_config)) {
       std::fill(std::begin(table), std::end(table), kNoSmUnit);
       return false;
     }
@@ -292,15 +294,8 @@ struct FusedMoePlan {
   MoeWorkspaceLayout ws;
   MoeWeightsView w;
   void* workspace = nullptr;
-  int num_sms = 0;
-  double read_gbps_per_sm = 0;  // the card's (device_read_gbps_per_sm; the tile rule's input)
-  bool pairs_ok[kNumBlockNs] =
-      {};                    // the shape and grid allow clusters at a block_n (pair_tiles, decode_pairs)
-  bool wide_ok = false;      // the shape allows wide tiles (FusedMoeConfig::wide_tiles)
-  bool sm_units_ok = false;  // the unit table holds (probe_sm_units; FusedMoeConfig::sm_units)
-  int sm_units_max_tokens = kSmUnitsMaxTokens;  // (Overrides::sm_units_max_tokens: a measurement switch)
-  std::optional<int> tail_pool;                 // Overrides::tail_pool (unset: tail_pool_for)
-  int smem_per_sm = 0;                          // shared memory of an SM (one fused CTA an SM: sm_units)
+  ConfigInputs inputs;  // every decision's inputs but the token count (resolve_config)
+  int num_sms = 0;      // the persistent grid (resolve_grid)
   TensorMaps maps[kNumBlockNs];
   KernelArgs args{};
 };
@@ -412,30 +407,28 @@ void set_smem_attrs() {
   set_smem_attr<128>();
 }
 
-// Which clusters the shape, the grid and the card allow (FusedMoePlan::wide_ok, pairs_ok).
-// Pair tiles need every GEMM's output blocks in pairs (I / 128, Is / 128 and H / 128 even),
-// one device, an even grid, and the grid's clusters resident at once (the kernel's grid
-// barrier waits for every CTA). Wide tiles pair GEMM2's output blocks only (H / 128 even).
-void find_cluster_support(FusedMoePlan& plan, const MoeShape& s, const EpRank* ep, const Overrides& ov) {
+// Whether the card holds the grid's clusters of two CTAs at once (CardInfo::clusters_resident;
+// the kernel's grid barrier waits for every CTA), asked of each cluster kernel the shape could
+// take (resolve_config's rule for pair tiles and decode pairs).
+bool clusters_resident(int grid, const MoeShape& s, const EpRank* ep) {
   const bool even_h = (s.hidden / 128) % 2 == 0;
   const bool even_blocks = even_h && (s.inter / 128) % 2 == 0 && (s.shared_inter() / 128) % 2 == 0;
-  // Expert parallelism: wide tiles where kEpWideTiles says so.
-  plan.wide_ok = even_h && (!ep || ov.ep_wide_tiles.value_or(kEpWideTiles));
-  // Decode pairs (BN <= kDecodePairsMaxBlockN) pair GEMM2's output blocks only (H / 128 even).
   auto resident = [&](int bn, auto kernel) {
-    FusedLaunch l(plan.num_sms, smem_bytes(bn), true, false, nullptr);
+    FusedLaunch l(grid, smem_bytes(bn), true, false, nullptr);
     int clusters = 0;
     MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &l.cfg));
-    return 2 * clusters >= plan.num_sms;
+    return 2 * clusters >= grid;
   };
-  if (!ep && plan.num_sms % 2 == 0) {
-    if (even_blocks) plan.pairs_ok[block_n_index(128)] = resident(128, fused_moe_kernel<128, false, true>);
+  bool ok = true;
+  if (!ep && grid % 2 == 0) {
+    if (even_blocks) ok = ok && resident(128, fused_moe_kernel<128, false, true>);
     if (even_h) {
-      plan.pairs_ok[block_n_index(8)] = resident(8, fused_moe_kernel<8, false, true>);
-      plan.pairs_ok[block_n_index(16)] = resident(16, fused_moe_kernel<16, false, true>);
+      ok = ok && resident(8, fused_moe_kernel<8, false, true>);
+      ok = ok && resident(16, fused_moe_kernel<16, false, true>);
     }
   }
   static_assert(kDecodePairsMaxBlockN == 16, "the decode pair kernels: block_n 8 and 16");
+  return ok;
 }
 
 // The kernel's shape arguments.
@@ -446,41 +439,6 @@ void set_shape_args(KernelArgs& a, const MoeShape& s, const MoeWorkspaceLayout& 
   a.has_shared = s.has_shared() ? 1 : 0;
   a.rows_cap = ws.rows_cap, a.inter_pitch = ws.inter_pitch;
   a.swiglu_limit = s.swiglu_limit;
-}
-
-// The measurement switches (DebugArgs; the debug ones make the outputs wrong, docs/tuning.md)
-// and the schedule's units by SM (FusedMoeConfig::sm_units): probed only where the grid covers
-// the card, so every SM holds one CTA.
-void set_units_and_debug(FusedMoePlan& plan, int card_sms, const Overrides& ov) {
-  KernelArgs& a = plan.args;
-  a.debug.stop = ov.debug_stop;
-  a.debug.skip = ov.debug_skip;
-  a.debug.round_robin = ov.round_robin.value_or(false) ? 1 : 0;
-  a.debug.early_weights = ov.early_weights.value_or(true) ? 1 : 0;
-  a.debug.unit_stride = 1;
-  if (ov.unit_stride) {
-    a.debug.unit_stride = *ov.unit_stride;
-    MEGAMOE_CHECK(a.debug.unit_stride == 0 || std::gcd(a.debug.unit_stride, plan.num_sms) == 1,
-                  "MEGAMOE_UNIT_STRIDE=" + std::to_string(a.debug.unit_stride) +
-                      ": expected 0 or a stride coprime to " + "the grid's " + std::to_string(plan.num_sms) +
-                      " CTAs");
-  } else if (ov.sm_units.value_or(kSmUnits) && plan.num_sms == card_sms) {
-    plan.sm_units_ok = probe_sm_units(plan.num_sms, a.sm_unit);
-    a.debug.unit_turn = ov.unit_turn.value_or(0);
-    plan.sm_units_max_tokens = ov.sm_units_max_tokens.value_or(kSmUnitsMaxTokens);
-  }
-}
-
-// Expert parallelism: the overlapped pull keeps its tables beside the schedule's
-// (EpPullTables): where they do not fit, the pull runs before the tiles.
-void set_ep_overlap(KernelArgs& a, const MoeShape& s, const MoeWorkspaceLayout& ws, const Overrides& ov) {
-  const bool fits = s.experts + int(ws.local_experts) + a.has_shared <= kMaxExpertsTotal;
-  const bool overlap = ov.ep_overlap.value_or(kEpOverlap && fits);
-  MEGAMOE_CHECK(!overlap || fits, "MEGAMOE_EP_OVERLAP=1: " + std::to_string(s.experts) + " routing + " +
-                                      std::to_string(int(ws.local_experts) + a.has_shared) +
-                                      " local experts exceed the " + std::to_string(kMaxExpertsTotal) +
-                                      " table entries of the overlapped pull");
-  a.ep_overlap = overlap ? 1 : 0;
 }
 
 // The kernel's workspace and weight-scale pointers.
@@ -523,10 +481,23 @@ void init_state_and_ep(KernelArgs& a, const MoeShape& s, const MoeWorkspaceLayou
   }
 }
 
+// The card's figures (CardInfo) but what the plan finds by running kernels on it.
+CardInfo read_card() {
+  int dev = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  CardInfo c;
+  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&c.sms, cudaDevAttrMultiProcessorCount, dev));
+  MEGAMOE_CUDA_CHECK(
+      cudaDeviceGetAttribute(&c.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  c.read_gbps_per_sm = device_read_gbps_per_sm(dev);
+  return c;
+}
+
 }  // namespace
 
 FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, const MoeWorkspaceLayout& ws,
-                                    void* workspace, const FusedMoeConfig& cfg, const EpRank* ep) {
+                                    void* workspace, const FusedMoeConfig& cfg, const Overrides& switches,
+                                    const EpRank* ep) {
   check_plan_inputs(s, ws, ep);
   auto plan = std::make_unique<FusedMoePlan>();
   plan->shape = s;
@@ -534,19 +505,13 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
   plan->w = w;  // (under expert parallelism the rank's experts, and every expert's router)
   plan->workspace = workspace;
   auto* base = static_cast<uint8_t*>(workspace);
-  // The card, and the persistent grid: every SM, or fewer (cfg.num_sms, MEGAMOE_NUM_SMS: does
-  // the time scale with SMs?).
-  int dev = 0;
-  MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
-  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&plan->num_sms, cudaDevAttrMultiProcessorCount, dev));
-  MEGAMOE_CUDA_CHECK(
-      cudaDeviceGetAttribute(&plan->smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
-  const int card_sms = plan->num_sms;
-  plan->read_gbps_per_sm = device_read_gbps_per_sm(dev);
-  if (cfg.num_sms > 0) plan->num_sms = std::min(plan->num_sms, cfg.num_sms);
-  // The switches of the plan, read when the layer is made (docs/tuning.md).
-  const Overrides& ov = overrides();
-  if (ov.num_sms) plan->num_sms = std::min(*ov.num_sms, plan->num_sms);
+  ConfigInputs& in = plan->inputs;
+  in.shape = s;
+  in.ep_ranks = ws.ep_ranks;
+  in.grid_cap = cfg.num_sms;
+  in.card = read_card();
+  in.switches = switches;
+  plan->num_sms = resolve_grid(in);
 
   make_tensor_maps(s, w, ws, base, plan->maps);
   // The router kernels address x and the router weight with 32-bit element offsets.
@@ -556,12 +521,14 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
                     " exceeds the routing's 32-bit offsets (at most 2^31 - 1): use a smaller max_tokens");
   route_prepare();
   set_smem_attrs();
-  find_cluster_support(*plan, s, ep, ov);
+  in.card.clusters_resident = clusters_resident(plan->num_sms, s, ep);
   KernelArgs& a = plan->args;
   set_shape_args(a, s, ws);
-  set_units_and_debug(*plan, card_sms, ov);
-  if (ep) set_ep_overlap(a, s, ws, ov);
-  plan->tail_pool = ov.tail_pool;
+  a.debug = resolve_debug(in);
+  // The schedule's units by SM: the card's order, probed where the configuration may use it.
+  in.card.sm_unit_table =
+      sm_units_wanted(in) && probe_sm_units(plan->num_sms, a.sm_unit, switches.print_config);
+  a.ep_overlap = resolve_config(in, 0).ep_overlap ? 1 : 0;
   set_buffer_args(a, w, ws, base);
   init_state_and_ep(a, s, ws, base, ep);
   return plan.release();
@@ -699,26 +666,11 @@ RoutingOutputs routing_outputs(const FusedMoePlan* p) {
 }
 
 FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens) {
-  // Expert parallelism: a local expert receives from every rank, as many rows as one
-  // device holding all experts would see for R times the tokens.
-  const int R = std::max(1, p->args.ep.ranks);
-  FusedMoeConfig cfg = choose_config(p->shape, int(std::min<int64_t>(int64_t(tokens) * R, 1 << 30)),
-                                     p->num_sms, p->args.E, p->read_gbps_per_sm);
-  cfg.router_ksplit = kRouterSlices;
-  cfg.wide_tiles = cfg.wide_tiles && cfg.block_n == 128 && p->wide_ok;
-  // (wide tiles take the pair tiles' place: one CTA computes both tiles of a token pair)
-  const bool pairs_ok = p->pairs_ok[block_n_index(cfg.block_n)];
-  cfg.pair_tiles = cfg.pair_tiles && cfg.block_n == 128 && pairs_ok && !cfg.wide_tiles;
-  cfg.pair_weights = cfg.pair_weights && cfg.pair_tiles;
-  cfg.decode_pairs = cfg.decode_pairs && cfg.block_n <= kDecodePairsMaxBlockN && pairs_ok;
-  cfg.stages = stages_for(cfg.block_n, cfg.wide_tiles);
-  cfg.ep_overlap = p->args.ep_overlap != 0;
-  // (clusters keep blockIdx: the hardware places a pair; two CTAs on one SM would take one unit)
-  cfg.sm_units = p->sm_units_ok && !cfg.pair_tiles && !cfg.decode_pairs &&
-                 int64_t(tokens) * R <= p->sm_units_max_tokens &&
-                 2 * smem_bytes(cfg.block_n, cfg.wide_tiles) > p->smem_per_sm;
-  cfg.tail_pool = p->tail_pool.value_or(tail_pool_for(cfg.wide_tiles));
-  return cfg;
+  return resolve_config(p->inputs, tokens);
+}
+
+FusedMoeConfig fused_moe_config(const FusedMoePlan* p, int tokens, const Overrides& switches) {
+  return resolve_config(with_forward_switches(p->inputs, switches), tokens);
 }
 
 namespace {
@@ -726,7 +678,7 @@ namespace {
 // The routing's two kernels (programmatic: route_topk as a programmatic dependent, the
 // forward's FusedMoeConfig::programmatic_launch).
 void launch_routing(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint, bool programmatic,
-                    cudaStream_t stream) {
+                    std::optional<RouteTile> route_tile, cudaStream_t stream) {
   auto* base = static_cast<uint8_t*>(p->workspace);
   RouteArgs r;
   r.zero = reinterpret_cast<int*>(base + p->ws.counters.offset);
@@ -745,7 +697,7 @@ void launch_routing(const FusedMoePlan* p, const DeviceTensors& t, int host_toke
       reinterpret_cast<int*>(base + p->ws.counters.offset) + MoeWorkspaceLayout::kCounterExperts;
   r.max_tokens = p->ws.max_tokens;
   r.epoch = p->args.epoch;  // one epoch per forward (ep_state[0])
-  launch_route(p->shape, r, host_tokens_hint, p->num_sms, programmatic, stream);
+  launch_route(p->shape, r, host_tokens_hint, p->num_sms, programmatic, route_tile, stream);
 }
 
 // route_external in place of the routing's two kernels: the same words written.
@@ -777,21 +729,22 @@ void launch_external_routing(const FusedMoePlan* p, const DeviceTensors& t, int 
 
 // The routing (the layer's router, or the caller's: `routing` non-null), then the fused kernel.
 void forward_impl(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint, cudaStream_t stream,
-                  const ExternalRouting* routing) {
+                  const ExternalRouting* routing, const Overrides& switches) {
   MEGAMOE_CHECK(host_tokens_hint >= 0 && host_tokens_hint <= p->ws.max_tokens,
                 "token count " + std::to_string(host_tokens_hint) + " exceeds the workspace's max_tokens " +
                     std::to_string(p->ws.max_tokens));
-  const FusedMoeConfig cfg = fused_moe_config(p, host_tokens_hint);
+  const ConfigInputs in = with_forward_switches(p->inputs, switches);
+  const FusedMoeConfig cfg = resolve_config(in, host_tokens_hint);
   if (routing)
     launch_external_routing(p, t, host_tokens_hint, *routing, stream);
   else
-    launch_routing(p, t, host_tokens_hint, cfg.programmatic_launch, stream);
-  maybe_print_config(p->shape, host_tokens_hint, cfg);
+    launch_routing(p, t, host_tokens_hint, cfg.programmatic_launch, in.switches.route_tile, stream);
+  maybe_print_config(in, host_tokens_hint, cfg);
   KernelArgs a = p->args;
   a.half_tiles = cfg.half_tiles;
   a.sm_units = cfg.sm_units;
   a.tail_pool = cfg.tail_pool;
-  a.pair_weights = cfg.pair_tiles && cfg.pair_weights && cfg.block_n == 128;
+  a.pair_weights = cfg.pair_weights;  // (pair tiles only: resolve_config)
   a.num_tokens = t.num_tokens;
   a.tokens_cap = host_tokens_hint;
   a.x = t.x;
@@ -809,18 +762,35 @@ void forward_impl(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens
 
 }  // namespace
 
+void route_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint, cudaStream_t stream,
+                   const Overrides& switches) {
+  const ConfigInputs in = with_forward_switches(p->inputs, switches);
+  launch_routing(p, t, host_tokens_hint, resolve_config(in, host_tokens_hint).programmatic_launch,
+                 in.switches.route_tile, stream);
+}
+
 void route_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint, cudaStream_t stream) {
-  launch_routing(p, t, host_tokens_hint, fused_moe_config(p, host_tokens_hint).programmatic_launch, stream);
+  route_forward(p, t, host_tokens_hint, stream, p->inputs.switches);
+}
+
+void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint,
+                       cudaStream_t stream, const Overrides& switches) {
+  forward_impl(p, t, host_tokens_hint, stream, nullptr, switches);
 }
 
 void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint,
                        cudaStream_t stream) {
-  forward_impl(p, t, host_tokens_hint, stream, nullptr);
+  forward_impl(p, t, host_tokens_hint, stream, nullptr, p->inputs.switches);
+}
+
+void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint,
+                       cudaStream_t stream, const ExternalRouting& routing, const Overrides& switches) {
+  forward_impl(p, t, host_tokens_hint, stream, &routing, switches);
 }
 
 void fused_moe_forward(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint,
                        cudaStream_t stream, const ExternalRouting& routing) {
-  forward_impl(p, t, host_tokens_hint, stream, &routing);
+  forward_impl(p, t, host_tokens_hint, stream, &routing, p->inputs.switches);
 }
 
 }  // namespace megamoe::kernels

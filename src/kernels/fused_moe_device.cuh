@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "config.h"
 #include "heuristics.h"
 #include "megamoe/kernels/fused_moe.h"
 #include "megamoe/kernels/tile_schedule.h"
@@ -36,23 +37,6 @@ struct EpArgs {
 // SM ids the unit table covers (KernelArgs::sm_unit; a grid of at most kNoSmUnit CTAs).
 constexpr int kSmUnitSlots = 256;
 constexpr uint8_t kNoSmUnit = 255;
-
-// The kernel's measurement switches (docs/tuning.md; the Overrides of the same names, read when
-// a layer is made): for timing the kernel's parts and probing its schedule. DebugArgs{} (these
-// defaults) is the release kernel; stop and skip make the outputs wrong.
-struct DebugArgs {
-  int stop = 0;  // MEGAMOE_DEBUG_STOP: 0 = full kernel; 1/2/3 stop after tables / phase 0 / the mainloop
-  int skip = 0;  // MEGAMOE_DEBUG_SKIP: kSkipMma | kSkipLoads | kSkipFold | kSkipDeps (below)
-  int round_robin = 0;  // MEGAMOE_ROUND_ROBIN=1: plain round-robin instead of TileSchedule's balance
-  // MEGAMOE_EARLY_WEIGHTS (1): weight loads go out before the tile's tokens are ready; 0: they
-  // wait with them.
-  int early_weights = 1;
-  int unit_stride = 1;  // MEGAMOE_UNIT_STRIDE: CTA b takes unit b * stride mod G (coprime to G; 0: %smid)
-  // MEGAMOE_UNIT_TURN (even; 0 = off): with sm_units the units turn by this many a forward
-  // (unit + turn * epoch mod G, epoch = the routing's forward count), as a plain launch's
-  // starting SM moves from launch to launch.
-  int unit_turn = 0;
-};
 
 struct KernelArgs {
   int H, I, Is, E, K;  // E: the experts this kernel computes (E/R under expert parallelism)

@@ -7,7 +7,7 @@
 
 #include <string>
 
-#include "megamoe/kernels/fused_moe.h"
+#include "megamoe/kernels/config.h"
 #include "megamoe/kernels/overrides.h"
 
 namespace megamoe::kernels {
@@ -155,6 +155,13 @@ constexpr int kProgrammaticLaunchMaxTokens = 64;
 constexpr bool kSmUnits = true;
 constexpr int kSmUnitsMaxTokens = 4096;
 
+// The router's K is cut into this many slices, summed in order kSlicesPerGroup at a time
+// into kRouterGroups partial logits (route.cu's NOTE). Fixed per shape, never chosen
+// from the token count.
+constexpr int kRouterSlices = 16;
+constexpr int kSlicesPerGroup = 4;
+constexpr int kRouterGroups = kRouterSlices / kSlicesPerGroup;
+
 // Router GEMM tile by token hint (route.cu; every tile computes the same bits): up to
 // kRouteSmallTokens 16x16 tiles (decode: many blocks stream the router weight at once), up to
 // kRouteWideTokens the 64x32 tile with its group's four K slices side by side (16 warps), up
@@ -231,21 +238,8 @@ static_assert(stages_for(8) == kMaxStages && stages_for(48) == kMaxStages && sta
               "decode stages");
 #endif
 
-// The tile configuration of a forward (docs/kernel.md, "How a configuration is chosen"):
-// the token block (wgmma N) is the smallest of kBlockNs that holds the average rows per routed
-// expert plus its spread, so decode tiles waste few columns and nearly every expert takes one
-// block, up to the 64- and 128-token edges above; Overrides fields replace single choices.
-// `tokens`: as many as one device holding all experts would see (an
-// expert-parallel rank's count times R); `local_experts`: the experts this device computes
-// (s.experts on one device, E / R on a rank); `read_gbps_per_sm`: the card's peak DRAM
-// bandwidth per SM (FusedMoeConfig::read_gbps_per_sm; device_read_gbps_per_sm).
-FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms, int local_experts,
-                             double read_gbps_per_sm);
 // The current device's peak DRAM bandwidth per SM in GB/s: 2 (double data rate) x its memory
-// clock x its bus width / its SMs; 0 where the driver reports no clock.
+// clock x its bus width / its SMs; 0 where the driver reports no clock (CardInfo::read_gbps_per_sm).
 double device_read_gbps_per_sm(int device);
-
-std::string describe(const FusedMoeConfig& c);
-void maybe_print_config(const MoeShape& s, int tokens, const FusedMoeConfig& c);
 
 }  // namespace megamoe::kernels
