@@ -16,6 +16,15 @@ namespace megamoe::api::detail {
 
 const kernels::Overrides& switches() { return kernels::overrides(); }
 
+transport::NcclSearch nccl_search() {
+  const kernels::Overrides& sw = switches();
+  transport::NcclSearch where;
+  where.library = sw.nccl_lib.value_or("");
+  for (const auto& p : {sw.virtual_env, sw.conda_prefix})
+    if (p && !p->empty()) where.python_prefixes.push_back(*p);
+  return where;
+}
+
 bool cuda_device_ok(std::string* why) {
   if (!dev::device_memory_available(why)) return false;
   int dev = 0, major = 0, minor = 0;
@@ -98,3 +107,10 @@ FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, 
 }
 
 }  // namespace megamoe::kernels
+
+namespace megamoe::transport {
+
+// (the search with the API edge's switches: the transport itself reads none)
+const NcclLibrary& find_nccl() { return find_nccl(api::detail::nccl_search()); }
+
+}  // namespace megamoe::transport

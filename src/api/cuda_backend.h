@@ -6,6 +6,7 @@
 
 #include "megamoe/api/forward.h"
 #include "megamoe/kernels/overrides.h"
+#include "megamoe/transport/transport.h"
 
 namespace megamoe::api::detail {
 
@@ -16,5 +17,7 @@ ForwardOutput cuda_forward(const HostMoeWeights& w, const num::bf16_t* x, int T,
 // read here, at the API edge, and passed down to the kernels and the transport: the library's
 // one reader of them.
 const kernels::Overrides& switches();
+// Where the NCCL transport looks for its library, from switches().
+transport::NcclSearch nccl_search();
 
 }  // namespace megamoe::api::detail

@@ -101,6 +101,7 @@ void EpGroup::init(const MoeShape& s, const EpLayerOptions& o) {
     no.local_ranks = opt.local_ranks;
     no.devices = opt.devices;
     no.rendezvous = opt.rendezvous;
+    no.search = detail::nccl_search();
     transport = transport::make_nccl_transport(layout, no);
   }
   for (int r : transport->local_ranks()) {

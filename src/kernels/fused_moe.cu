@@ -339,10 +339,10 @@ void make_tensor_maps(const MoeShape& s, const MoeWeightsView& w, const MoeWorks
   static_assert(kWeightL2PromotionBytes == 128 || kWeightL2PromotionBytes == 256, "L2 promotion");
   const CUtensorMapL2promotion wpromo = kWeightL2PromotionBytes == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
                                                                        : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
-  // w13 viewed as [E][group I/8][half 2][row 8][H]: a box {128, 8, 2, 8, 1} is 64 gate and 64 up rows
-  // interleaved by 8 (gate 0-7, up 0-7, gate 8-15, ...), 16 KB; `groups` = 4 is half of it (a
-  // pair sharing its weights: each CTA loads half the tile for both). w2 [E][H][inter], boxes
-  // of `rows` rows (128, or 64 for the pair half).
+  // w13 viewed as [E][group I/8][gate or up 2][row 8][H]: a box {128, 8, 2, 8, 1} is 64 gate and 64 up
+  // rows interleaved by 8 (gate 0-7, up 0-7, gate 8-15, ...), 16 KB; `groups` = 4 is a pair's part of
+  // it (a pair sharing its weights: each CTA loads its part of the tile for both). w2 [E][H][inter], boxes
+  // of `rows` rows (128, or 64 for a pair's part).
   auto w13_map = [&](const char* what, const void* p, uint64_t inter, uint64_t experts, uint32_t groups) {
     return make_map(what, CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, p, {H, 8, 2, inter / 8, experts},
                     {H, inter * H, 8 * H, 2 * inter * H}, {128, 8, 2, groups, 1}, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -354,8 +354,8 @@ void make_tensor_maps(const MoeShape& s, const MoeWeightsView& w, const MoeWorks
   };
   wm.w13 = w13_map("w13", w.w13, I, E, 8);
   wm.w2 = w2_map("w2", w.w2, I, E, 128);
-  wm.w13h = w13_map("w13 (pair half)", w.w13, I, E, 4);
-  wm.w2h = w2_map("w2 (pair half)", w.w2, I, E, 64);
+  wm.w13_part = w13_map("w13 (pair part)", w.w13, I, E, 4);
+  wm.w2_part = w2_map("w2 (pair part)", w.w2, I, E, 64);
   // Wide tiles: two output blocks (I % 128 == 0, so 16 groups always fit; with an odd H / 128
   // the w2 box is never used: wide_ok below needs every GEMM's output blocks in pairs).
   wm.w13w = w13_map("w13 (wide)", w.w13, I, E, 16);
@@ -364,15 +364,15 @@ void make_tensor_maps(const MoeShape& s, const MoeWeightsView& w, const MoeWorks
     MEGAMOE_CHECK(Is % 128 == 0, "fused_moe needs the shared intermediate % 128 == 0");
     wm.sw13 = w13_map("shared_w13", w.shared_w13, Is, 1, 8);
     wm.sw2 = w2_map("shared_w2", w.shared_w2, Is, 1, 128);
-    wm.sw13h = w13_map("shared_w13 (pair half)", w.shared_w13, Is, 1, 4);
-    wm.sw2h = w2_map("shared_w2 (pair half)", w.shared_w2, Is, 1, 64);
+    wm.sw13_part = w13_map("shared_w13 (pair part)", w.shared_w13, Is, 1, 4);
+    wm.sw2_part = w2_map("shared_w2 (pair part)", w.shared_w2, Is, 1, 64);
     wm.sw13w = w13_map("shared_w13 (wide)", w.shared_w13, Is, 1, 16);
     wm.sw2w = w2_map("shared_w2 (wide)", w.shared_w2, Is, 1, uint32_t(std::min<uint64_t>(256, H)));
   } else {
     wm.sw13 = wm.w13;
     wm.sw2 = wm.w2;
-    wm.sw13h = wm.w13h;
-    wm.sw2h = wm.w2h;
+    wm.sw13_part = wm.w13_part;
+    wm.sw2_part = wm.w2_part;
     wm.sw13w = wm.w13w;
     wm.sw2w = wm.w2w;
   }
@@ -388,10 +388,10 @@ void make_tensor_maps(const MoeShape& s, const MoeWeightsView& w, const MoeWorks
     m.a2s = make_map("act2_scale", CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, base + ws.act2_scale.offset,
                      {R, P / num::kInterGroup}, {R * 4}, {bn, 1}, CU_TENSOR_MAP_SWIZZLE_NONE);
     if (bn == 128) {
-      m.xh = make_map("x_sorted (pair half)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base + ws.x_sorted.offset,
-                      {H, R}, {H}, {128, 64}, CU_TENSOR_MAP_SWIZZLE_128B);
-      m.a2h = make_map("act2 (pair half)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base + ws.act2.offset, {P, R},
-                       {P}, {128, 64}, CU_TENSOR_MAP_SWIZZLE_128B);
+      m.x_part = make_map("x_sorted (pair part)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base + ws.x_sorted.offset,
+                          {H, R}, {H}, {128, 64}, CU_TENSOR_MAP_SWIZZLE_128B);
+      m.a2_part = make_map("act2 (pair part)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base + ws.act2.offset,
+                           {P, R}, {P}, {128, 64}, CU_TENSOR_MAP_SWIZZLE_128B);
     }
     maps[i] = m;
   }

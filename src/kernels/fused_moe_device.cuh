@@ -88,22 +88,24 @@ constexpr int kSkipFold = 8;   // mainloop_tokens_m without the fold (wgmma, sta
 constexpr int kSkipDeps = 16;  // no tile loads or waits for its done1 count (GEMM2: act2 unwritten)
 
 struct TensorMaps {
-  CUtensorMap w13, sw13, w2, sw2;      // weights (shared by every block_n)
-  CUtensorMap x, xs, a2, a2s;          // activations (box depends on block_n)
-  CUtensorMap xh, a2h;                 // x and act2 in 64-row boxes (pair tiles: a CTA's half)
-  CUtensorMap w13h, sw13h, w2h, sw2h;  // the weights in 64-row boxes (pairs sharing weights)
+  CUtensorMap w13, sw13, w2, sw2;  // weights (shared by every block_n)
+  CUtensorMap x, xs, a2, a2s;      // activations (box depends on block_n)
+  // A pair tile's parts: the 64 rows of the operand the pair shares that one CTA loads into
+  // both CTAs' stage (x and act2: pairs sharing tokens; the weights: pairs sharing weights).
+  CUtensorMap x_part, a2_part;
+  CUtensorMap w13_part, sw13_part, w2_part, sw2_part;
   CUtensorMap w13w, sw13w, w2w, sw2w;  // the weights in 256-row boxes (wide tiles: two output blocks)
 };
 
 struct Tile {
-  int gemm;     // 1 or 2 (0: no further tile, in a stage's record)
-  int e;        // expert (E = shared)
-  int nblk;     // GEMM1: 128-column chunk of I; GEMM2: 128-row block of H
-  int row0;     // first sorted row
-  int rows;     // valid rows (<= block_n)
-  int unit;     // (expert, token block) counter index
-  int kblocks;  // 128-deep K blocks
-  int wpair;    // pair tiles: the pair shares the weight tile (TileCoord::wpair), else the tokens
+  int gemm;          // 1 or 2 (0: no further tile, in a stage's record)
+  int e;             // expert (E = shared)
+  int nblk;          // GEMM1: 128-column chunk of I; GEMM2: 128-row block of H
+  int row0;          // first sorted row
+  int rows;          // valid rows (<= block_n)
+  int unit;          // (expert, token block) counter index
+  int kblocks;       // 128-deep K blocks
+  int pair_weights;  // pair tiles: the pair shares the weight tile (TileCoord::pair_weights), else the tokens
 };
 static_assert(sizeof(Tile) == 32, "SmemTail::kStageTile holds 8 ints a stage");
 
@@ -151,7 +153,7 @@ __device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc
   t.unit = sc.unit_off[t.e] + c.block;
   t.row0 = sc.row_off[t.e] + c.block * BN;
   t.rows = min(BN, sc.cnt[t.e] - c.block * BN);
-  t.wpair = c.wpair;
+  t.pair_weights = c.pair_weights;
   return t;
 }
 

@@ -100,6 +100,25 @@ namespace {  // (this header belongs to fused_moe.cu, its one includer)
 // fused_moe_ep.cuh and fused_moe_mainloop.cuh hold the parts it is made of)
 // ============================================================================
 
+// The CTA's roles by thread (kThreads: three warpgroups). Warpgroup 0 is the producer's
+// (kProducerWarps warps): its thread kProducerThread issues every TMA load, kSignalThread
+// publishes finished tiles, under expert parallelism warps kPullFirstWarp.. pull rows beside
+// the tiles (ep_overlap), and warp kCombineWarp, idle after phase 0, loads the bulk combine's
+// rows; the other two warpgroups consume (kConsumerThreads). At setup, before the roles,
+// kProducerThread initializes the mbarriers and kSignalThread prefetches the tensor maps.
+constexpr int kProducerWarps = 4;
+constexpr int kProducerThread = 0;
+constexpr int kSignalThread = 32;  // (warp 1's lane 0)
+constexpr int kPullFirstWarp = 2, kPullWarps = 2;
+constexpr int kCombineWarp = 3;
+static_assert(kPullFirstWarp + kPullWarps <= kProducerWarps && kCombineWarp < kProducerWarps &&
+                  kProducerWarps * 32 + kConsumerThreads == kThreads,
+              "the roles of a CTA");
+// Named barriers (bar.sync ids; 0 is __syncthreads'): the consumers' own, and the one that
+// hands the stage ring from the consumers to the bulk combine's loads (warp kCombineWarp).
+constexpr int kConsumerBarrier = 1;
+constexpr int kCombineRingBarrier = 2;
+
 // A 4 x 4 transpose of 32-bit words inside each lane quad (ql = lane % 4): afterwards
 // w[m] is what lane m of the quad held in w[ql]. Two butterfly steps, two shuffles each.
 __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int ql) {
@@ -112,7 +131,7 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int ql) {
   w[0] = b0 ? r0 : w[0], w[2] = b0 ? r1 : w[2], w[1] = b0 ? w[1] : r0, w[3] = b0 ? w[3] : r1;
 }
 
-// sum[j] += column j of eight BF16 values (two a 32-bit word, the low half first): the
+// sum[j] += column j of eight BF16 values (two a 32-bit word, the low 16 bits first): the
 // combine's step, in slot order.
 __device__ __forceinline__ void add_bf16x8(float (&sum)[8], const uint4& x) {
   const uint32_t w[4] = {x.x, x.y, x.z, x.w};
@@ -139,10 +158,6 @@ __device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
 // b, b + G, ...; a stage holds one unit's slot rows, slot k at k * kCombineCols * 2 bytes.
 // Expert parallelism (two sources of rows), more than 32 slots or a ring without room
 // for two stages keep the warp-unit combine.
-// Named barrier 1 is the consumers' own; this one hands the ring from the consumers to
-// the combine's loads (warp kCombineWarp).
-constexpr int kCombineRingBarrier = 2;
-constexpr int kCombineWarp = 3;  // of the producer warpgroup: idle after phase 0
 struct CombinePlan {
   int slots, chunks, units, stages;
   uint32_t stage_bytes;
@@ -367,7 +382,7 @@ __device__ __forceinline__ bool combine_warp_units(const KernelArgs& a, const Sc
   // (t2 again from the shared tables: kept live across the tiles it cost a spill)
   if (ctid == 0)
     sm90::wait_geq_acquire_gpu(&a.counters[MoeWorkspaceLayout::kCounterDone2], a.n2 * sc.unit_off[E_total]);
-  sm90::named_barrier(1, kConsumerThreads);
+  sm90::named_barrier(kConsumerBarrier, kConsumerThreads);
   pf.add(kPfDone2, t_comb);
   const uint16_t* ep_combine = nullptr;  // expert parallelism: routed slot rows, [T][K][H]
   if (S::kEp) {
@@ -380,7 +395,7 @@ __device__ __forceinline__ bool combine_warp_units(const KernelArgs& a, const Sc
       sm90::st_release_sys(ep_signal(a.ep, ctid, EpLayout::kCombine, a.ep.rank), epoch);
     }
     const bool ok = ctid >= R || ep_wait_signal(a.ep, EpLayout::kCombine, ctid, epoch, EpStatus::kCombine);
-    if (sm90::named_barrier_or(1, kConsumerThreads, !ok)) return false;
+    if (sm90::named_barrier_or(kConsumerBarrier, kConsumerThreads, !ok)) return false;
     ep_combine = ep_region<uint16_t>(a.ep.peer[a.ep.rank], a.ep.l.combine);
   }
   // Work unit: one token's 256 V-column slab (a lane: 8 V columns), over every consumer warp
@@ -463,7 +478,7 @@ __device__ __forceinline__ bool combine(const KernelArgs& a, const CtaSmem<S>& s
 // A stage's weights and its tokens are issued separately: the weights never depend on
 // anything, the tokens on phase 0 (GEMM1) or on the tile's GEMM1 units (GEMM2), so weight
 // loads start before those are done.
-// w_tag (std::bool_constant): the tile's pair shares its weights (Tile::wpair); g_tag
+// w_tag (std::bool_constant): the tile's pair shares its weights (Tile::pair_weights); g_tag
 // (std::integral_constant): the tile's GEMM; both decided once a tile (fill_tile's caller)
 // so a stage's path has no branch on them. h: a GEMM1 tile's half (one-block stages).
 template <class S, class WTag, class GTag>
@@ -486,13 +501,13 @@ __device__ __forceinline__ void issue_weights(WTag, GTag, const KernelArgs& a, c
   } else if constexpr (WTag::value) {
     // A pair sharing its weights: this CTA's 64 of the stage's 128 weight rows into both
     // CTAs' stage (GEMM1: 4 of the half's 8 gate / up row groups of 16).
-    const int half = int(sm90::cluster_ctarank());
+    const int part = int(sm90::cluster_ctarank());
     if constexpr (kGemm1)
-      sm90::tma_load_5d_multicast(w_s + half * 64 * 128, shared ? &tm.sw13h : &tm.w13h, full, kb * 128, 0, 0,
-                                  tl.nblk * 16 + h * 8 + half * 4, shared ? 0 : tl.e, 0x3);
+      sm90::tma_load_5d_multicast(w_s + part * 64 * 128, shared ? &tm.sw13_part : &tm.w13_part, full,
+                                  kb * 128, 0, 0, tl.nblk * 16 + h * 8 + part * 4, shared ? 0 : tl.e, 0x3);
     else
-      sm90::tma_load_3d_multicast(w_s + half * 64 * 128, shared ? &tm.sw2h : &tm.w2h, full, kb * 128,
-                                  tl.nblk * 128 + half * 64, shared ? 0 : tl.e, 0x3);
+      sm90::tma_load_3d_multicast(w_s + part * 64 * 128, shared ? &tm.sw2_part : &tm.w2_part, full, kb * 128,
+                                  tl.nblk * 128 + part * 64, shared ? 0 : tl.e, 0x3);
   } else if constexpr (kGemm1) {
     sm90::tma_load_5d(w_s, shared ? &tm.sw13 : &tm.w13, full, kb * 128, 0, 0, tl.nblk * 16 + h * 8,
                       shared ? 0 : tl.e);
@@ -511,19 +526,19 @@ __device__ __forceinline__ void issue_tokens(WTag, GTag, const TensorMaps& tm, c
   uint64_t* full = &sm.full_bar[stage];
   // Pair tiles: this CTA's 64 of the tile's token rows into both CTAs' stage (the
   // peer loads the other 64); the scales each CTA loads for itself.
-  auto rows = [&](const CUtensorMap* map, const CUtensorMap* half_map) {
+  auto rows = [&](const CUtensorMap* map, const CUtensorMap* part_map) {
     if constexpr (S::kPairTile && !WTag::value) {
-      const int half = int(sm90::cluster_ctarank());
-      sm90::tma_load_2d_multicast(x_s + half * 64 * 128, half_map, full, kb * 128, tl.row0 + half * 64, 0x3);
+      const int part = int(sm90::cluster_ctarank());
+      sm90::tma_load_2d_multicast(x_s + part * 64 * 128, part_map, full, kb * 128, tl.row0 + part * 64, 0x3);
     } else {
       sm90::tma_load_2d(x_s, map, full, kb * 128, tl.row0);
     }
   };
   if constexpr (GTag::value == 1) {
-    rows(&tm.x, &tm.xh);
+    rows(&tm.x, &tm.x_part);
     sm90::tma_load_2d(s_s, &tm.xs, full, tl.row0, kb);
   } else {
-    rows(&tm.a2, &tm.a2h);
+    rows(&tm.a2, &tm.a2_part);
     sm90::tma_load_2d(s_s, &tm.a2s, full, tl.row0, kb);
   }
 }
@@ -667,7 +682,7 @@ __device__ __forceinline__ void producer_thread(const KernelArgs& a, const Tenso
                      stage_tx, pf);
     };
     if constexpr (S::kPairTile) {
-      if (tl.wpair)
+      if (tl.pair_weights)
         fill_gemm(std::true_type{});
       else
         fill_gemm(std::false_type{});
@@ -706,11 +721,12 @@ __device__ __forceinline__ void producer_warpgroup(const KernelArgs& a, const Te
                                                    bool no_loads, uint32_t stage_tx, int T, int E_total,
                                                    int tid, int warp, int lane, Prof& pf) {
   sm90::setmaxnreg_dec<kProducerRegs>();
-  if (tid == 0)
+  if (tid == kProducerThread)
     producer_thread<S>(a, tm, sm, ids, sched, first_tile, done1, no_loads, stage_tx, pf);
-  else if (S::kEp && a.ep_overlap && warp >= 2)
-    ep_pull_overlapped<S::BN>(a, sm.sc, done1, warp - 2, 2);  // step 3, beside the tiles
-  else if (tid == 32)
+  else if (S::kEp && a.ep_overlap && warp >= kPullFirstWarp)
+    ep_pull_overlapped<S::BN>(a, sm.sc, done1, warp - kPullFirstWarp,
+                              kPullWarps);  // step 3, beside the tiles
+  else if (tid == kSignalThread)
     signal_thread<S>(a, sm);
   const CombinePlan cp(a, T, S::kStages * S::kStageBytes, S::kEp);
   if (warp == kCombineWarp && cp.bulk && a.debug.stop != 3) combine_load_rows<S>(a, sm, cp, E_total, lane);
@@ -825,7 +841,7 @@ __device__ __forceinline__ void epilogue1_swap_ab(const KernelArgs& a, const Cta
     }
   };
   run_swiglu(swiglu_rows, __all_sync(0xffffffffu, fast_ok), a.swiglu_limit);
-  sm90::named_barrier(1, kConsumerThreads);
+  sm90::named_barrier(kConsumerBarrier, kConsumerThreads);
   // One thread a token works out its scale (to act2_scale) and the reciprocal the stores
   // use, once (not every thread for each of its tokens: 8 loads and two divisions an element).
   if (ctid < BN) {
@@ -851,7 +867,7 @@ __device__ __forceinline__ void epilogue1_swap_ab(const KernelArgs& a, const Cta
       a.act2_scale[size_t(tl.nblk) * a.rows_cap + tl.row0 + ctid] = s;
   }
   if constexpr (kDecodePair) ++cs.nxchg;
-  sm90::named_barrier(1, kConsumerThreads);
+  sm90::named_barrier(kConsumerBarrier, kConsumerThreads);
   const int col = tl.nblk * 128 + (kDecodePair ? cs.rank * 64 : 0) + cs.wg * 32 + cs.wwarp * 8 + lane / 4;
 #pragma unroll
   for (int h = 0; h < kHeld; ++h)
@@ -974,7 +990,7 @@ __device__ __forceinline__ void epilogue1_tokens_m(const KernelArgs& a, const Ct
     const int wg = cs.wg;
     float* xm = sm.red + (cs.nsplit & 1) * 128;
     if (ql == 0) xm[wg * 64 + n0] = m0, xm[wg * 64 + n1r] = m1;
-    sm90::named_barrier(1, kConsumerThreads);
+    sm90::named_barrier(kConsumerBarrier, kConsumerThreads);
     m0 = fmaxf(m0, xm[(wg ^ 1) * 64 + n0]);
     m1 = fmaxf(m1, xm[(wg ^ 1) * 64 + n1r]);
     ++cs.nsplit;
@@ -1038,8 +1054,9 @@ __device__ __forceinline__ void gemm1_tile(const KernelArgs& a, const CtaSmem<S>
   const uint32_t t_fence = pf.now();
   sm90::fence_proxy_async_global();
   pf.add(kPfFence, t_fence);
-  if constexpr (S::kSwapAB) sm90::named_barrier(1, kConsumerThreads);  // red[] is free for the next tile
-  cs.tile_written(sm, a.units_base + tl.unit, pf);                     // done1[unit]
+  if constexpr (S::kSwapAB)
+    sm90::named_barrier(kConsumerBarrier, kConsumerThreads);  // red[] is free for the next tile
+  cs.tile_written(sm, a.units_base + tl.unit, pf);            // done1[unit]
 }
 
 // GEMM2, tokens in N (swap AB): the K loop, then the BF16 per-slot rows straight from the
@@ -1233,11 +1250,11 @@ __device__ __forceinline__ void consumer_tiles(const KernelArgs& a, const CtaSme
 // Setup and phase 0 (every thread of the CTA)
 // ============================================================================
 
-// The CTA's mbarriers (thread 0) and the tensor maps' prefetch (thread 32). Touches only
+// The CTA's mbarriers (kProducerThread) and the tensor maps' prefetch (kSignalThread). Touches only
 // shared memory and the kernel's parameters (it runs before grid_dependency_wait).
 template <class S>
 __device__ __forceinline__ void init_cta(const TensorMaps& tm, const CtaSmem<S>& sm, int tid) {
-  if (tid == 0) {
+  if (tid == kProducerThread) {
     for (int s = 0; s < S::kStages; ++s) {
       sm90::mbar_init(&sm.full_bar[s], 1);
       // One arrival per consumer warp (pair tiles: of both CTAs, release_stage_pair).
@@ -1255,12 +1272,12 @@ __device__ __forceinline__ void init_cta(const TensorMaps& tm, const CtaSmem<S>&
     }
     sm90::mbar_init_fence();
   }
-  if (tid == 32) {
+  if (tid == kSignalThread) {
     sm90::tma_prefetch_desc(&tm.w13);
     sm90::tma_prefetch_desc(&tm.w2);
     sm90::tma_prefetch_desc(&tm.x);
     sm90::tma_prefetch_desc(&tm.a2);
-    if (S::kPairTile) sm90::tma_prefetch_desc(&tm.xh), sm90::tma_prefetch_desc(&tm.a2h);
+    if (S::kPairTile) sm90::tma_prefetch_desc(&tm.x_part), sm90::tma_prefetch_desc(&tm.a2_part);
     if (S::kWide) sm90::tma_prefetch_desc(&tm.w13w), sm90::tma_prefetch_desc(&tm.w2w);
   }
 }
@@ -1448,7 +1465,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t stage_tx = no_loads ? 0 : S::kWBytes + S::kXBytes + S::BN * 4;
   TileSchedule sched;
   int first_tile = tiles;
-  if (tid == 0) first_tile = start_schedule<S>(a, ids, sched);
+  if (tid == kProducerThread) first_tile = start_schedule<S>(a, ids, sched);
 
   // ---- Phase 0 ----
   if (!kEp)
@@ -1463,7 +1480,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   pf.stamp(kPfPassNs);
 
   // ---- Producer warpgroup ----
-  if (warp < 4) {
+  if (warp < kProducerWarps) {
     producer_warpgroup<S>(a, tm, sm, ids, sched, first_tile, done1, no_loads, stage_tx, T, E_total, tid, warp,
                           lane, pf);
     return;
