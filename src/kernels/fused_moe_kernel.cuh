@@ -552,14 +552,33 @@ __device__ __forceinline__ int claim_next_tile(const KernelArgs& a, TileSchedule
                                             : t;
 }
 
+// What the producer's functions share: the kernel's arguments and tensor maps, the CTA's
+// shared memory, the GEMM1-done counters, whether loads are skipped (kSkipLoads) and a
+// stage's bytes (stage_tx: computed by the kernel before phase 0), and the profile.
+template <class S>
+struct ProducerCtx {
+  const KernelArgs& a;
+  const TensorMaps& tm;
+  const CtaSmem<S>& sm;
+  int* done1;
+  bool no_loads;
+  uint32_t stage_tx;
+  Prof& pf;
+};
+
 // The producer's loads of one tile's stages. ready: the tile's dependency (done1[unit] >=
 // need) is met; until it is, stages go out with their weights only and their tokens are
 // issued once it is (at most kStages of them deferred).
 template <class S, class WTag, class GTag>
-__device__ __forceinline__ void fill_tile(WTag w_tag, GTag g_tag, const KernelArgs& a, const TensorMaps& tm,
-                                          const CtaSmem<S>& sm, const Tile& tl, RingPos<S::kStages>& rp,
-                                          bool& ready, int need, int* done1, bool no_loads, uint32_t stage_tx,
-                                          Prof& pf) {
+__device__ __forceinline__ void fill_tile(WTag w_tag, GTag g_tag, const ProducerCtx<S>& p, const Tile& tl,
+                                          RingPos<S::kStages>& rp, bool& ready, int need) {
+  const KernelArgs& a = p.a;
+  const TensorMaps& tm = p.tm;
+  const CtaSmem<S>& sm = p.sm;
+  int* done1 = p.done1;
+  const bool no_loads = p.no_loads;
+  const uint32_t stage_tx = p.stage_tx;
+  Prof& pf = p.pf;
   constexpr int kStages = S::kStages;
   constexpr bool kSwapAB = S::kSwapAB, kDecodePair = S::kDecodePair, kEp = S::kEp;
   // The stage's bytes of its weights (from stage_tx: one value less live in the producer's loop)
@@ -630,10 +649,12 @@ __device__ __forceinline__ void fill_tile(WTag w_tag, GTag g_tag, const KernelAr
 // The TMA producer (thread 0): every tile of the CTA's schedule, stage by stage, then a
 // sentinel stage (Tile::gemm = 0) that ends the consumers' loop.
 template <class S>
-__device__ __forceinline__ void producer_thread(const KernelArgs& a, const TensorMaps& tm,
-                                                const CtaSmem<S>& sm, const TileIds& ids, TileSchedule& sched,
-                                                int first_tile, int* done1, bool no_loads, uint32_t stage_tx,
-                                                Prof& pf) {
+__device__ __forceinline__ void producer_thread(const ProducerCtx<S>& p, const TileIds& ids,
+                                                TileSchedule& sched, int first_tile) {
+  const KernelArgs& a = p.a;
+  const CtaSmem<S>& sm = p.sm;
+  int* done1 = p.done1;
+  Prof& pf = p.pf;
   const int t1_routed = ids.t1_routed, t1 = ids.t1, tiles = ids.tiles();
   const uint32_t t_prod = pf.now();
   sm90::fence_proxy_async_global();
@@ -675,11 +696,9 @@ __device__ __forceinline__ void producer_thread(const KernelArgs& a, const Tenso
     // has no branch on them.
     auto fill_gemm = [&](auto w_tag) {
       if (tl.gemm == 1)
-        fill_tile<S>(w_tag, std::integral_constant<int, 1>{}, a, tm, sm, tl, rp, ready, need, done1, no_loads,
-                     stage_tx, pf);
+        fill_tile<S>(w_tag, std::integral_constant<int, 1>{}, p, tl, rp, ready, need);
       else
-        fill_tile<S>(w_tag, std::integral_constant<int, 2>{}, a, tm, sm, tl, rp, ready, need, done1, no_loads,
-                     stage_tx, pf);
+        fill_tile<S>(w_tag, std::integral_constant<int, 2>{}, p, tl, rp, ready, need);
     };
     if constexpr (S::kPairTile) {
       if (tl.pair_weights)
@@ -715,16 +734,16 @@ __device__ __forceinline__ void signal_thread(const KernelArgs& a, const CtaSmem
 // the expert-parallel pull overlapped warps 2-3 the pull; then warp kCombineWarp the bulk
 // combine's loads. The other threads leave.
 template <class S>
-__device__ __forceinline__ void producer_warpgroup(const KernelArgs& a, const TensorMaps& tm,
-                                                   const CtaSmem<S>& sm, const TileIds& ids,
-                                                   TileSchedule& sched, int first_tile, int* done1,
-                                                   bool no_loads, uint32_t stage_tx, int T, int E_total,
-                                                   int tid, int warp, int lane, Prof& pf) {
+__device__ __forceinline__ void producer_warpgroup(const ProducerCtx<S>& p, const TileIds& ids,
+                                                   TileSchedule& sched, int first_tile, int T, int E_total,
+                                                   int tid, int warp, int lane) {
+  const KernelArgs& a = p.a;
+  const CtaSmem<S>& sm = p.sm;
   sm90::setmaxnreg_dec<kProducerRegs>();
   if (tid == kProducerThread)
-    producer_thread<S>(a, tm, sm, ids, sched, first_tile, done1, no_loads, stage_tx, pf);
+    producer_thread<S>(p, ids, sched, first_tile);
   else if (S::kEp && a.ep_overlap && warp >= kPullFirstWarp)
-    ep_pull_overlapped<S::BN>(a, sm.sc, done1, warp - kPullFirstWarp,
+    ep_pull_overlapped<S::BN>(a, sm.sc, p.done1, warp - kPullFirstWarp,
                               kPullWarps);  // step 3, beside the tiles
   else if (tid == kSignalThread)
     signal_thread<S>(a, sm);
@@ -1481,8 +1500,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- Producer warpgroup ----
   if (warp < kProducerWarps) {
-    producer_warpgroup<S>(a, tm, sm, ids, sched, first_tile, done1, no_loads, stage_tx, T, E_total, tid, warp,
-                          lane, pf);
+    producer_warpgroup<S>(ProducerCtx<S>{a, tm, sm, done1, no_loads, stage_tx, pf}, ids, sched, first_tile, T,
+                          E_total, tid, warp, lane);
     return;
   }
 
