@@ -150,7 +150,7 @@ void bench_ep_case(const BenchOptions& opt, const std::string& name, const HostM
   // Rows that cross ranks: a slot whose expert another rank owns moves its FP8 row
   // and scales there and its BF16 result back.
   // Per owner rank: the experts its rows hit and the rows it receives (on R GPUs the
-  // busiest rank sets the time; issue 6 reports per-rank figures).
+  // busiest rank sets the time; a per-rank report would show each).
   const int El = s.experts / R;
   std::vector<std::set<int>> hit_by(R);
   std::vector<int64_t> rows_by(R, 0);

@@ -9,9 +9,21 @@
 #include "device_run.h"
 #include "megamoe/api/ep_layer.h"
 #include "megamoe/api/moe_layer.h"
+#include "megamoe/kernels/fused_moe.h"
 #include "megamoe/weights/device_memory.h"
 
 namespace megamoe::api::detail {
+
+const kernels::Overrides& switches() { return kernels::overrides(); }
+
+transport::NcclSearch nccl_search() {
+  const kernels::Overrides& sw = switches();
+  transport::NcclSearch where;
+  where.library = sw.nccl_lib.value_or("");
+  for (const auto& p : {sw.virtual_env, sw.conda_prefix})
+    if (p && !p->empty()) where.python_prefixes.push_back(*p);
+  return where;
+}
 
 bool cuda_device_ok(std::string* why) {
   if (!dev::device_memory_available(why)) return false;
@@ -85,3 +97,20 @@ ForwardOutput cuda_forward(const HostMoeWeights& w, const num::bf16_t* x, int T,
 }
 
 }  // namespace megamoe::api::detail
+
+namespace megamoe::kernels {
+
+// (the deprecated overload: the API edge's switches)
+FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& w, const MoeWorkspaceLayout& ws,
+                                    void* workspace, const FusedMoeConfig& cfg, const EpRank* ep) {
+  return fused_moe_plan_create(s, w, ws, workspace, cfg, api::detail::switches(), ep);
+}
+
+}  // namespace megamoe::kernels
+
+namespace megamoe::transport {
+
+// (the search with the API edge's switches: the transport itself reads none)
+const NcclLibrary& find_nccl() { return find_nccl(api::detail::nccl_search()); }
+
+}  // namespace megamoe::transport

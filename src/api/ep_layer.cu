@@ -6,8 +6,10 @@
 #include <stdexcept>
 #include <vector>
 
+#include "../kernels/config.h"
 #include "../kernels/cuda_check.h"
 #include "checks.h"
+#include "cuda_backend.h"
 #include "device_run.h"
 #include "megamoe/api/ep_layer.h"
 #include "megamoe/kernels/fused_moe.h"
@@ -99,6 +101,7 @@ void EpGroup::init(const MoeShape& s, const EpLayerOptions& o) {
     no.local_ranks = opt.local_ranks;
     no.devices = opt.devices;
     no.rendezvous = opt.rendezvous;
+    no.search = detail::nccl_search();
     transport = transport::make_nccl_transport(layout, no);
   }
   for (int r : transport->local_ranks()) {
@@ -231,7 +234,7 @@ CudaEpMoeLayer::CudaEpMoeLayer(const std::vector<WeightSource>& sources, const E
     kernels::FusedMoeConfig cfg;
     cfg.num_sms = g.sms_share;
     k.plan = kernels::fused_moe_plan_create(shape, MoeWeightsView::at(k.weights, k.rank_layout, shape), g.ws,
-                                            gk.workspace, cfg, &ep);
+                                            gk.workspace, cfg, detail::switches(), &ep);
     // NOTE: the workspace's poison and the plan's zeroed epoch and records (memsets), and
     // the weight copies, went to the legacy default stream, which neither the ranks'
     // streams nor a caller's non-blocking stream wait for: done before the first forward.
@@ -289,7 +292,7 @@ void CudaEpMoeLayer::forward(const std::vector<const num::bf16_t*>& x, const std
     t.y = reinterpret_cast<uint16_t*>(y[i]);
     t.num_tokens = count;
     t.workspace = gk.workspace;
-    kernels::fused_moe_forward(k.plan, t, tokens[i], gk.stream);
+    kernels::fused_moe_forward(k.plan, t, tokens[i], gk.stream, detail::switches());
     MEGAMOE_CUDA_CHECK(cudaEventRecord(gk.done, gk.stream));
   }
   // The join, with the caller's device current again: a null `s` is that device's
@@ -354,7 +357,8 @@ const float* CudaEpMoeLayer::topk_weights(int i) const {
   return kernels::routing_outputs(impl_->local[i].plan).weights;
 }
 std::string CudaEpMoeLayer::config_for(int tokens_per_rank) const {
-  return kernels::describe(kernels::fused_moe_config(impl_->local[0].plan, tokens_per_rank));
+  return kernels::describe(
+      kernels::fused_moe_config(impl_->local[0].plan, tokens_per_rank, detail::switches()));
 }
 
 std::vector<EpCheckRank> ep_self_check(const MoeShape& shape, int tokens, const EpLayerOptions& opt,

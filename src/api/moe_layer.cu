@@ -4,9 +4,10 @@
 
 #include <stdexcept>
 
+#include "../kernels/config.h"
 #include "../kernels/cuda_check.h"
-#include "../kernels/heuristics.h"
 #include "checks.h"
+#include "cuda_backend.h"
 #include "layer_checks.h"
 #include "megamoe/api/moe_layer.h"
 #include "megamoe/kernels/fused_moe.h"
@@ -100,7 +101,7 @@ static std::unique_ptr<CudaMoeLayer::Impl> make_impl(const MoeShape& s, const Mo
 
 static void finish_plan(CudaMoeLayer::Impl& impl, const MoeWeightsView& v) {
   kernels::FusedMoeConfig cfg;
-  impl.plan = kernels::fused_moe_plan_create(impl.shape, v, impl.ws, impl.workspace, cfg);
+  impl.plan = kernels::fused_moe_plan_create(impl.shape, v, impl.ws, impl.workspace, cfg, detail::switches());
   // NOTE: the workspace's poison and the plan's zeroed record (memsets), and the weights'
   // upload, went to the legacy default stream, which a caller's non-blocking stream does
   // not wait for: done before the first forward.
@@ -141,7 +142,8 @@ CudaMoeLayer::~CudaMoeLayer() = default;
 void CudaMoeLayer::forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint, const int* num_tokens_dev,
                            Stream stream) {
   auto s = static_cast<cudaStream_t>(stream);
-  kernels::fused_moe_forward(impl_->plan, impl_->io_tensors(x, y, tokens_hint, num_tokens_dev, s), tokens_hint, s);
+  kernels::fused_moe_forward(impl_->plan, impl_->io_tensors(x, y, tokens_hint, num_tokens_dev, s),
+                             tokens_hint, s, detail::switches());
 }
 
 void CudaMoeLayer::forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint, const int* num_tokens_dev,
@@ -157,7 +159,7 @@ void CudaMoeLayer::forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint
   }
   kernels::ExternalRouting r;
   r.ids = routing.ids, r.id_bytes = routing.id_bytes, r.weights = routing.weights;
-  kernels::fused_moe_forward(impl_->plan, t, tokens_hint, s, r);
+  kernels::fused_moe_forward(impl_->plan, t, tokens_hint, s, r, detail::switches());
 }
 
 void CudaMoeLayer::route(const num::bf16_t* x, int tokens_hint, const int* num_tokens_dev, Stream stream) {
@@ -166,7 +168,7 @@ void CudaMoeLayer::route(const num::bf16_t* x, int tokens_hint, const int* num_t
   t.num_tokens = impl_->token_count("route", x, tokens_hint, num_tokens_dev, s);
   t.x = x;
   t.workspace = impl_->workspace;
-  kernels::route_forward(impl_->plan, t, tokens_hint, s);
+  kernels::route_forward(impl_->plan, t, tokens_hint, s, detail::switches());
 }
 
 void CudaMoeLayer::check() {
@@ -191,7 +193,7 @@ size_t CudaMoeLayer::workspace_bytes_for(const MoeShape& s, int max_tokens) {
   return kernels::MoeWorkspaceLayout::compute(s, max_tokens).total_bytes;
 }
 std::string CudaMoeLayer::config_for(int tokens) const {
-  return kernels::describe(kernels::fused_moe_config(impl_->plan, tokens));
+  return kernels::describe(kernels::fused_moe_config(impl_->plan, tokens, detail::switches()));
 }
 
 }  // namespace megamoe::api

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "config.h"
 #include "heuristics.h"
 #include "megamoe/kernels/fused_moe.h"
 #include "megamoe/kernels/tile_schedule.h"
@@ -45,18 +46,9 @@ struct KernelArgs {
   int has_shared;
   int rows_cap, inter_pitch;
   float swiglu_limit;
-  int debug_stop;  // MEGAMOE_DEBUG_STOP: 0 = full kernel; 1/2/3 stop after tables / phase 0 / the mainloop
-  // Measurement switches (wrong outputs when set; for timing the parts of the kernel):
-  int debug_skip;      // MEGAMOE_DEBUG_SKIP: kSkipMma | kSkipLoads | kSkipFold (below)
-  int round_robin;     // MEGAMOE_ROUND_ROBIN=1: plain round-robin instead of TileSchedule's balance
-  int early_weights;   // MEGAMOE_EARLY_WEIGHTS (default 1): weight loads go out before the tile's tokens are ready; 0: they wait with them
-  int tail_pool;       // FusedMoeConfig::tail_pool (per forward): GEMM2 tiles left to claims at the end
-  int unit_stride;     // MEGAMOE_UNIT_STRIDE: CTA b takes unit b * stride mod G (coprime to G; 1; 0: %smid)
-  int sm_units;        // FusedMoeConfig::sm_units (per forward): the unit of the CTA's SM, sm_unit
-  // MEGAMOE_UNIT_TURN (even; 0 = off): with sm_units the units turn by this many a forward
-  // (unit + turn * epoch mod G, epoch = the routing's forward count), as a plain launch's
-  // starting SM moves from launch to launch. A measurement switch.
-  int unit_turn;
+  DebugArgs debug;   // measurement only: DebugArgs{} in every release forward
+  int tail_pool;     // FusedMoeConfig::tail_pool (per forward): GEMM2 tiles left to claims at the end
+  int sm_units;      // FusedMoeConfig::sm_units (per forward): the unit of the CTA's SM, sm_unit
   uint64_t* epoch;   // [0] bumped by route_logits once a forward (MoeWorkspaceLayout::ep_state)
   int half_tiles;    // FusedMoeConfig::half_tiles (per forward)
   int pair_weights;  // FusedMoeConfig::pair_weights (per forward; pair tiles only)
@@ -87,7 +79,7 @@ struct KernelArgs {
   uint8_t sm_unit[kSmUnitSlots];
 };
 
-// The K loops' skip bits (KernelArgs::debug_skip, MEGAMOE_DEBUG_SKIP; wrong outputs, for
+// The K loops' skip bits (DebugArgs::skip, MEGAMOE_DEBUG_SKIP; wrong outputs, for
 // timing the parts of the kernel) -- except kSkipMma, which is also how a half tile's idle
 // warpgroup runs its K loop (the consumers' wg_idle): stages handed back, nothing computed.
 constexpr int kSkipMma = 1;    // no wgmma and no fold
@@ -96,22 +88,24 @@ constexpr int kSkipFold = 8;   // mainloop_tokens_m without the fold (wgmma, sta
 constexpr int kSkipDeps = 16;  // no tile loads or waits for its done1 count (GEMM2: act2 unwritten)
 
 struct TensorMaps {
-  CUtensorMap w13, sw13, w2, sw2;      // weights (shared by every block_n)
-  CUtensorMap x, xs, a2, a2s;          // activations (box depends on block_n)
-  CUtensorMap xh, a2h;                 // x and act2 in 64-row boxes (pair tiles: a CTA's half)
-  CUtensorMap w13h, sw13h, w2h, sw2h;  // the weights in 64-row boxes (pairs sharing weights)
+  CUtensorMap w13, sw13, w2, sw2;  // weights (shared by every block_n)
+  CUtensorMap x, xs, a2, a2s;      // activations (box depends on block_n)
+  // A pair tile's parts: the 64 rows of the operand the pair shares that one CTA loads into
+  // both CTAs' stage (x and act2: pairs sharing tokens; the weights: pairs sharing weights).
+  CUtensorMap x_part, a2_part;
+  CUtensorMap w13_part, sw13_part, w2_part, sw2_part;
   CUtensorMap w13w, sw13w, w2w, sw2w;  // the weights in 256-row boxes (wide tiles: two output blocks)
 };
 
 struct Tile {
-  int gemm;     // 1 or 2 (0: no further tile, in a stage's record)
-  int e;        // expert (E = shared)
-  int nblk;     // GEMM1: 128-column chunk of I; GEMM2: 128-row block of H
-  int row0;     // first sorted row
-  int rows;     // valid rows (<= block_n)
-  int unit;     // (expert, token block) counter index
-  int kblocks;  // 128-deep K blocks
-  int wpair;    // pair tiles: the pair shares the weight tile (TileCoord::wpair), else the tokens
+  int gemm;          // 1 or 2 (0: no further tile, in a stage's record)
+  int e;             // expert (E = shared)
+  int nblk;          // GEMM1: 128-column chunk of I; GEMM2: 128-row block of H
+  int row0;          // first sorted row
+  int rows;          // valid rows (<= block_n)
+  int unit;          // (expert, token block) counter index
+  int kblocks;       // 128-deep K blocks
+  int pair_weights;  // pair tiles: the pair shares the weight tile (TileCoord::pair_weights), else the tokens
 };
 static_assert(sizeof(Tile) == 32, "SmemTail::kStageTile holds 8 ints a stage");
 
@@ -159,7 +153,7 @@ __device__ __forceinline__ Tile decode_tile(const KernelArgs& a, const Sched& sc
   t.unit = sc.unit_off[t.e] + c.block;
   t.row0 = sc.row_off[t.e] + c.block * BN;
   t.rows = min(BN, sc.cnt[t.e] - c.block * BN);
-  t.wpair = c.wpair;
+  t.pair_weights = c.pair_weights;
   return t;
 }
 

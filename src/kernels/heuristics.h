@@ -7,7 +7,7 @@
 
 #include <string>
 
-#include "megamoe/kernels/fused_moe.h"
+#include "megamoe/kernels/config.h"
 #include "megamoe/kernels/overrides.h"
 
 namespace megamoe::kernels {
@@ -39,9 +39,9 @@ constexpr int kWeightL2PromotionBytes = 128;
 // a consumer warp blocks on it.
 constexpr int kTileSlots = 4;
 // The tail pool: GEMM2 tiles per CTA at the end of the schedule that no CTA owns; whoever is
-// done with its own list claims the next (TileSchedule), so the tail evens out. 4 beat a
-// static tail (0) by 1-2 %, and with wide tiles (prefill) 16 beat 4 where the combine waited
-// for the last GEMM2 tile. (docs/performance-history.md, "Schedule and placement")
+// done with its own list claims the next (TileSchedule), so the tail evens out; wide tiles
+// (prefill) take a deeper pool, where the combine otherwise waits for the last GEMM2 tile.
+// (docs/performance-history.md, "Schedule and placement")
 constexpr int kTailPool = 4;
 constexpr int kTailPoolWide = 16;
 constexpr int tail_pool_for(bool wide_tiles) { return wide_tiles ? kTailPoolWide : kTailPool; }
@@ -57,14 +57,14 @@ constexpr int kCombineVecs = 2;
 // Single device: the combine's slot rows come into the free stage ring by bulk copies (warp 3
 // of the producer warpgroup issues them, the consumers sum from shared memory), a unit being
 // one token's kCombineCols columns of every slot, up to kCombineStages units in flight a CTA:
-// more loads in flight than the warp-unit combine's one unit a warp (1-4 % at prefill sizes).
+// more loads in flight than the warp-unit combine's one unit a warp.
 constexpr int kCombineCols = 2048;
 constexpr int kCombineStages = 8;
 // Tile layout by token block: up to 64 tokens "swap AB" (weights in the wgmma M, tokens in
 // N: a decode tile wastes no rows), 128 tokens in M and weights in N (prefill: the fold needs
 // four scale products per thread, not one per token). Both give the same bytes. The schedule
-// is static and byte-balanced (TileSchedule) up to the tail pool; an atomic counter for every
-// tile measured ~5 % slower from 64 tokens. (docs/performance-history.md, "Schedule and placement")
+// is static and byte-balanced (TileSchedule) up to the tail pool: an atomic counter for every
+// tile measured slower. (docs/performance-history.md, "Schedule and placement")
 constexpr bool swap_ab(int block_n) { return block_n < 128; }
 // The token blocks the kernel is built for (one instantiation each). 48 sits between 32 and
 // 64 for ~21-23 rows an expert: the decode loop is bound by its own instructions there, which
@@ -73,11 +73,11 @@ constexpr int kBlockNs[] = {8, 16, 32, 48, 64, 128};
 constexpr int kNumBlockNs = 6;
 // Half tiles: a 128-token tile with at most 64 rows (an expert's last block) runs on
 // warpgroup 0 alone (warpgroup 1 hands the stages back), up to this many rows an expert on
-// average: 7-11 % faster at 1536-2048 tokens, but slower at 4096 and more (not explained).
+// average: faster there, slower above (not explained).
 // (docs/performance-history.md, "Prefill tiles")
 constexpr double kHalfTileMaxAvgRows = 96.0;
 // The 64-token tile from this many rows an expert on average (below it, the smallest of
-// kBlockNs that holds the rows, choose_config): it measured ahead of both 48 and 128 from 24
+// kBlockNs that holds the rows, resolve_config): it measured ahead of both 48 and 128 from 24
 // rows, behind 48 at 21. (docs/performance-history.md, "Prefill tiles")
 constexpr double kTile64MinAvgRows = 24.0;
 // ... and 128-token tiles (with half tiles) from this many: level with 64 at 40 rows, ahead
@@ -85,60 +85,60 @@ constexpr double kTile64MinAvgRows = 24.0;
 constexpr double kTile128MinAvgRows = 38.0;
 // ... from kTile64MinAvgRows on a card whose peak DRAM bandwidth per SM is at least
 // kFastReadGBpsPerSm (FusedMoeConfig::read_gbps_per_sm: the H200's 36 GB/s, the H100 SXM's
-// 25): the H200 measured 128-token pair tiles 1.5-2.4 % ahead of 64 from 24 rows. Why the
+// 25): there the 128-token pair tiles measured ahead of 64 from kTile64MinAvgRows. Why the
 // edge moves with the card is not measured; the pairs' multicast halves the token tile's
 // bytes a stage into each SM. (docs/performance-history.md, "Prefill tiles")
 constexpr double kTile128MinAvgRowsFastRead = kTile64MinAvgRows;
 constexpr double kFastReadGBpsPerSm = 30.0;
 // With fewer local experts than kTile128ManyExperts (an expert-parallel rank's share) the
-// edge lies higher: the 64-token tile stayed ahead up to ~57 rows on the H100 (2-4 %),
-// behind from 64; on a fast-read card 128 took over from 48 (57 rows: -7.9 % on the H200).
+// edge lies higher: the 64-token tile stayed ahead to just below it on the H100; on a
+// fast-read card 128 took over from 48.
 // (docs/performance-history.md, "Expert parallelism")
 constexpr double kTile128MinAvgRowsFewExperts = 60.0;
 constexpr double kTile128MinAvgRowsFewExpertsFastRead = 48.0;
 constexpr int kTile128ManyExperts = 128;
 // Pair tiles (FusedMoeConfig::pair_tiles): 128-token tiles in clusters of two CTAs, each
-// loading half of the operand both need into both by TMA multicast: 24 KB a stage from L2
-// instead of 32, 2-6 % faster at 4096-16384 tokens. Off, the tail pool evens out the last
-// tiles (a cluster cannot claim them). (docs/performance-history.md, "Prefill tiles")
+// loading its part of the operand both need into both by TMA multicast: 24 KB a stage from
+// L2 instead of 32, faster at prefill sizes. Off, the tail pool evens out the last tiles (a
+// cluster cannot claim them). (docs/performance-history.md, "Prefill tiles")
 constexpr bool kPairTiles = true;
 // ... on at least this many local experts: on fewer (an expert-parallel rank's share) single
-// CTAs measured 1-2 % ahead; on the full layers the pairs stay ahead.
+// CTAs measured ahead; on the full layers the pairs stay ahead.
 constexpr int kPairTilesMinExperts = 128;
 // What a pair tile shares (FusedMoeConfig::pair_weights): the weight tile (the pair takes
 // token blocks 2p, 2p + 1 of one output block), so a weight tile is read once for two token
 // blocks whether or not neighbouring clusters run in step; sharing the token tile instead
-// read 19 % more from DRAM at 16384 tokens. (docs/performance-history.md, "Prefill tiles")
+// read more from DRAM. (docs/performance-history.md, "Prefill tiles")
 constexpr bool kPairWeights = true;
 // Decode pairs (FusedMoeConfig::decode_pairs, block_n <= kDecodePairsMaxBlockN): clusters
 // of two CTAs that share each GEMM1 tile, one 64-column half each, exchanging the tokens'
 // amax through shared memory (the 1x128 act2 group spans both halves). Where the GEMM1 tiles
 // number fewer than kDecodePairsMaxTilesPerCta a CTA (one token on GLM-5: 144 tiles for 132
-// CTAs), a tile more or less is most of a CTA's work: -7 % at one token; forced on at 8-256
-// tokens level. (docs/performance-history.md, "Decode: the weight stream")
+// CTAs), a tile more or less is most of a CTA's work; forced on at more tiles they measured
+// level. (docs/performance-history.md, "Decode: the weight stream")
 constexpr int kDecodePairsMaxBlockN = 16;
 constexpr int kDecodePairsMaxTilesPerCta = 2;
 // Wide tiles (FusedMoeConfig::wide_tiles): a 128-token tile against two neighbouring output
 // blocks in one CTA (a pair tile's two tiles without a cluster): a stage holds 256 weight rows
 // and the 128 token rows (48 KB, four stages), one wait, one release and three TMA issues a
-// stage for two blocks' work: 2-5 % faster than pairs at 4096-16384 tokens. Chosen where half
-// tiles are not (level with them below 96 rows). (docs/performance-history.md, "Prefill tiles")
+// stage for two blocks' work: faster than pairs at prefill sizes. Chosen where half tiles are
+// not (level with them below kHalfTileMaxAvgRows). (docs/performance-history.md, "Prefill tiles")
 constexpr bool kWideTiles = true;
 
 // Expert parallelism, the row pull beside the tiles (KernelArgs::ep_overlap): warps 2-3 of the
 // producer warpgroup pull the rows in the GEMM1 tiles' order and count them into the units'
 // done1 counters, which a tile's token loads wait for. Off until measured over NVLink (on
-// virtual ranks: -3..-5 % with wide tiles at 4096-8192 tokens a rank, +42 % at 1024 over 8
-// ranks). (docs/performance-history.md, "Expert parallelism")
+// virtual ranks it helped large batches and hurt small ones). (docs/performance-history.md, "Expert
+// parallelism")
 constexpr bool kEpOverlap = false;
-// Expert parallelism with wide tiles (kWideTiles) where one device takes them: 8-12 % faster
-// at 4096-8192 tokens a rank (virtual ranks), the bytes equal.
+// Expert parallelism with wide tiles (kWideTiles) where one device takes them: faster at
+// prefill sizes a rank (virtual ranks), the bytes equal.
 constexpr bool kEpWideTiles = true;
 
 // Programmatic launch (FusedMoeConfig::programmatic_launch): route_topk and the fused kernel
 // start while the kernel before them runs (prologues, launch latency) and wait for its end
 // (griddepcontrol) before reading what it wrote; up to kProgrammaticLaunchMaxTokens tokens
-// (-0.4..-1.2 % at one token). From 256 tokens it gains nothing: launched behind busy SMs the
+// (decode, where the launch latency counts). From 256 tokens it gains nothing: launched behind busy SMs the
 // CTAs land on other SMs, and the prefill layer depends on which SM runs which schedule unit
 // (sm_units below). (docs/performance-history.md, "Schedule and placement")
 constexpr bool kProgrammaticLaunch = true;
@@ -147,13 +147,20 @@ constexpr int kProgrammaticLaunchMaxTokens = 64;
 // plan creation a probe kernel records the order in which a plain launch on an idle GPU fills
 // the SMs (one cyclic order, TPC mates in turn), and each CTA takes its SM's place in it as
 // its unit, so the layer keeps the idle launch's placement when its CTAs land elsewhere (behind
-// a programmatic launch or another stream's kernels): at 4096 tokens behind a programmatic
-// launch +10..+15 % -> +0.1..+0.7 %. Up to kSmUnitsMaxTokens: at 16384 a fixed table measured
-// +1-2 % on plain launches (not understood). Off where a probe run breaks a TPC pair, an SM id
+// a programmatic launch or another stream's kernels), which otherwise costs the prefill layer
+// much of its speed. Up to kSmUnitsMaxTokens: above, a fixed table measured slower on plain
+// launches (not understood). Off where a probe run breaks a TPC pair, an SM id
 // passes the table, the grid is smaller than the card or clusters place the CTAs.
 // (docs/performance-history.md, "Schedule and placement")
 constexpr bool kSmUnits = true;
 constexpr int kSmUnitsMaxTokens = 4096;
+
+// The router's K is cut into this many slices, summed in order kSlicesPerGroup at a time
+// into kRouterGroups partial logits (route.cu's NOTE). Fixed per shape, never chosen
+// from the token count.
+constexpr int kRouterSlices = 16;
+constexpr int kSlicesPerGroup = 4;
+constexpr int kRouterGroups = kRouterSlices / kSlicesPerGroup;
 
 // Router GEMM tile by token hint (route.cu; every tile computes the same bits): up to
 // kRouteSmallTokens 16x16 tiles (decode: many blocks stream the router weight at once), up to
@@ -172,7 +179,7 @@ constexpr int route_medium_max_tokens(int experts) {
 }
 
 // Pipeline depth for a token block: as many stages as fit the budget, at most kMaxStages:
-// the decode tiles' 9th-12th stages bought nothing (level or up to 1.3 % slower).
+// the decode tiles' further stages bought nothing.
 // (docs/performance-history.md, "Decode: the weight stream")
 constexpr int kMaxStages = 8;
 // wide: a wide tile's stage (kWideTiles), two output blocks' weight rows.
@@ -231,21 +238,8 @@ static_assert(stages_for(8) == kMaxStages && stages_for(48) == kMaxStages && sta
               "decode stages");
 #endif
 
-// The tile configuration of a forward (docs/kernel.md, "How a configuration is chosen"):
-// the token block (wgmma N) is the smallest of kBlockNs that holds the average rows per routed
-// expert plus its spread, so decode tiles waste few columns and nearly every expert takes one
-// block, up to the 64- and 128-token edges above; Overrides fields replace single choices.
-// `tokens`: as many as one device holding all experts would see (an
-// expert-parallel rank's count times R); `local_experts`: the experts this device computes
-// (s.experts on one device, E / R on a rank); `read_gbps_per_sm`: the card's peak DRAM
-// bandwidth per SM (FusedMoeConfig::read_gbps_per_sm; device_read_gbps_per_sm).
-FusedMoeConfig choose_config(const MoeShape& s, int tokens, int num_sms, int local_experts,
-                             double read_gbps_per_sm);
 // The current device's peak DRAM bandwidth per SM in GB/s: 2 (double data rate) x its memory
-// clock x its bus width / its SMs; 0 where the driver reports no clock.
+// clock x its bus width / its SMs; 0 where the driver reports no clock (CardInfo::read_gbps_per_sm).
 double device_read_gbps_per_sm(int device);
-
-std::string describe(const FusedMoeConfig& c);
-void maybe_print_config(const MoeShape& s, int tokens, const FusedMoeConfig& c);
 
 }  // namespace megamoe::kernels

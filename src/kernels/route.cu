@@ -10,6 +10,8 @@
 
 #include "cuda_check.h"
 #include "heuristics.h"
+#include "megamoe/kernels/fused_moe.h"
+#include "megamoe/numerics/fp8.h"
 #include "route.cuh"
 #include "sm90_ptx.cuh"
 
@@ -321,11 +323,12 @@ using RouteLarge = RouteTile<WT, 128, 64, 1, 2, 2, 3>;  // prefill: fewer re-rea
 // slower (GLM-5 16384 tokens 745 against 721 us, DeepSeek-V3 567 against 477).
 
 template <typename WT>
-void launch_route_logits(const RouteArgs& a, const MoeShape& s, int hint, cudaStream_t stream) {
+void launch_route_logits(const RouteArgs& a, const MoeShape& s, int hint,
+                         std::optional<kernels::RouteTile> forced, cudaStream_t stream) {
   // Overrides::route_tile forces a tile shape (the same bits; for timing). (kernels::
   // names the switch's enum, which the RouteTile template above hides.)
   using Forced = kernels::RouteTile;
-  if (const std::optional<Forced> forced = overrides().route_tile) {
+  if (forced) {
     switch (*forced) {
       case Forced::kSmall: return RouteSmall<WT>::launch(a, s, hint, stream);
       case Forced::kMedium: return RouteMedium<WT>::launch(a, s, hint, stream);
@@ -625,7 +628,7 @@ void route_prepare() {
 }
 
 void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms, bool programmatic,
-                  cudaStream_t stream) {
+                  std::optional<kernels::RouteTile> route_tile, cudaStream_t stream) {
   MEGAMOE_CHECK(s.experts <= kMaxE, "route_topk supports at most 512 experts");
   MEGAMOE_CHECK(s.topk <= 32, "route_topk supports top-k <= 32");
   MEGAMOE_CHECK(s.n_group <= 32, "route_topk supports n_group <= 32");
@@ -635,9 +638,9 @@ void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, i
       "the router splits H into " + std::to_string(kRouterSlices) + " slices of a multiple of 8 columns");
   if (g_route_parts & kRoutePartLogits) {
     if (s.router_dtype == RouterDtype::kBF16)
-      launch_route_logits<uint16_t>(a, s, host_tokens_hint, stream);
+      launch_route_logits<uint16_t>(a, s, host_tokens_hint, route_tile, stream);
     else
-      launch_route_logits<float>(a, s, host_tokens_hint, stream);
+      launch_route_logits<float>(a, s, host_tokens_hint, route_tile, stream);
   }
   if (g_route_parts & kRoutePartTopk) route_topk(s, a, host_tokens_hint, num_sms, programmatic, stream);
 }

@@ -6,17 +6,13 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <optional>
 
+#include "heuristics.h"
+#include "megamoe/kernels/overrides.h"
 #include "megamoe/model/shape.h"
 
 namespace megamoe::kernels {
-
-// The router's K is cut into this many slices, summed in order kSlicesPerGroup at a time
-// into kRouterGroups partial logits (route.cu's NOTE). Fixed per shape, never chosen
-// from the token count.
-constexpr int kRouterSlices = 16;
-constexpr int kSlicesPerGroup = 4;
-constexpr int kRouterGroups = kRouterSlices / kSlicesPerGroup;
 
 struct RouteArgs {
   const uint16_t* x = nullptr;   // bf16 [T][H]
@@ -34,7 +30,7 @@ struct RouteArgs {
   int zero_words = 0;
   int max_tokens = 0;
   // The forward count, bumped once per forward (expert parallelism's epoch, ep_layout.h;
-  // KernelArgs::unit_turn).
+  // DebugArgs::unit_turn).
   uint64_t* epoch = nullptr;
 };
 
@@ -74,8 +70,9 @@ void launch_route_external(const MoeShape& s, const RouteExternalArgs& a, cudaSt
 // Raises the router kernels' shared-memory limits (once per device, before launches).
 void route_prepare();
 
-// programmatic: route_topk starts while route_logits runs (FusedMoeConfig::programmatic_launch).
+// programmatic: route_topk starts while route_logits runs (FusedMoeConfig::programmatic_launch);
+// route_tile: the router tile Overrides::route_tile forces (unset: by the token hint).
 void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms, bool programmatic,
-                  cudaStream_t stream);
+                  std::optional<kernels::RouteTile> route_tile, cudaStream_t stream);
 
 }  // namespace megamoe::kernels

@@ -23,7 +23,6 @@
 #include <vector>
 
 #include "../kernels/cuda_check.h"
-#include "megamoe/kernels/overrides.h"
 #include "megamoe/transport/transport.h"
 
 static_assert(NCCL_VERSION_CODE >= 22800, "the NCCL transport needs the 2.28 device API (symmetric windows)");
@@ -155,11 +154,11 @@ std::string home_dir() {  // from the password database: no environment read
 }
 
 // Where pip puts nvidia-nccl (PyTorch's NCCL) under the usual Python prefixes, in order.
-std::vector<std::string> python_package_libs() {
+std::vector<std::string> python_package_libs(const NcclSearch& where) {
   std::vector<std::string> prefixes;
-  // (the environment through kernels::overrides(): the library's one read of it)
-  for (const auto& p : {kernels::overrides().virtual_env, kernels::overrides().conda_prefix})
-    if (p && !p->empty()) prefixes.push_back(*p);
+  // (the environment's prefixes, passed down from the API edge: the transport reads none)
+  for (const std::string& p : where.python_prefixes)
+    if (!p.empty()) prefixes.push_back(p);
   prefixes.push_back("/opt/*/.venv");
   prefixes.push_back("/opt/*");
   if (std::string h = home_dir(); !h.empty()) prefixes.push_back(h + "/.local");
@@ -180,7 +179,7 @@ std::vector<std::string> python_package_libs() {
 std::mutex g_mutex;
 NcclApi g_api;  // the library find_nccl() chose, loaded (g_api.lib null: none)
 
-NcclLibrary search() {
+NcclLibrary search(const NcclSearch& where) {
   NcclLibrary found;
   auto take = [&](const std::string& origin, const std::string& name) {
     NcclCandidate c;
@@ -190,7 +189,7 @@ NcclLibrary search() {
     if (ok) found.path = c.path, found.version = c.version;
     return ok;
   };
-  if (const std::string lib = kernels::overrides().nccl_lib.value_or(""); !lib.empty()) {
+  if (const std::string& lib = where.library; !lib.empty()) {
     found.explicit_choice = true;
     take("MEGAMOE_NCCL_LIB", lib);
     return found;
@@ -213,7 +212,7 @@ NcclLibrary search() {
                            "not on this machine"});
   }
 #endif
-  for (const std::string& file : python_package_libs())
+  for (const std::string& file : python_package_libs(where))
     if (fresh(file) && take("Python package nvidia-nccl", file)) return found;
   // The loader's own search (LD_LIBRARY_PATH, the ld.so cache, the default paths).
   NcclCandidate c;
@@ -254,10 +253,10 @@ std::string NcclLibrary::why_none() const {
   return s;
 }
 
-const NcclLibrary& find_nccl() {
-  static const NcclLibrary found = [] {
+const NcclLibrary& find_nccl(const NcclSearch& where) {
+  static const NcclLibrary found = [&] {
     std::lock_guard<std::mutex> lock(g_mutex);
-    return search();
+    return search(where);
   }();
   return found;
 }
@@ -266,9 +265,9 @@ namespace {
 
 // The loaded API: find_nccl()'s choice, or the library the options name (an explicit
 // choice: refused is an error naming it). One process keeps one NCCL.
-const NcclApi& nccl_api(const std::string& library) {
+const NcclApi& nccl_api(const std::string& library, const NcclSearch& where) {
   if (library.empty()) {
-    const NcclLibrary& lib = find_nccl();
+    const NcclLibrary& lib = find_nccl(where);
     if (!lib.usable()) throw std::runtime_error("NCCL transport: " + lib.why_none());
     return g_api;
   }
@@ -362,7 +361,7 @@ class NcclTransport final : public Transport {
   NcclTransport(const kernels::EpLayout& l, const NcclOptions& opt) : layout_(l) {
     const int R = l.ranks;
     setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);  // never NVLink multicast objects
-    const NcclApi& api = nccl_api(opt.library);
+    const NcclApi& api = nccl_api(opt.library, opt.search);
     api_ = &api;
     ranks_ = opt.local_ranks;
     devices_ = opt.devices;

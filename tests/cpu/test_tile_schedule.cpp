@@ -132,7 +132,7 @@ struct IdCase {
   int E, S, H, I, BN, T, K;  // S shared experts (Is = S * I); T tokens, K routed slots each
   int sh;                    // 1: pair tiles, in both GEMMs (2: wide tiles, GEMM2's output blocks in pairs)
   uint64_t seed;
-  int wpairs = 0;  // pair tiles sharing the weight tile
+  int pair_weights = 0;  // pair tiles sharing the weight tile
 };
 
 void check_tile_ids(const IdCase& k) {
@@ -146,7 +146,7 @@ void check_tile_ids(const IdCase& k) {
   const int n1 = k.I / 128, n1s = k.S * k.I / 128, n2 = k.H / 128, chunk = 16;
   const int sh1 = k.sh == 1 ? 1 : 0, sh2 = k.sh ? 1 : 0;
   const auto ids =
-      kernels::TileIds::count(n1, n1s, n2, k.E, E_total, chunk, sh1, sh2, unit_off.data(), k.wpairs);
+      kernels::TileIds::count(n1, n1s, n2, k.E, E_total, chunk, sh1, sh2, unit_off.data(), k.pair_weights);
   // seen[gemm - 1][unit][nblk]
   std::vector<std::vector<int>> seen[2];
   for (int g = 0; g < 2; ++g)
@@ -159,12 +159,12 @@ void check_tile_ids(const IdCase& k) {
     const int sh = tile < ids.t1 ? sh1 : sh2;  // this id names 1 << sh tiles
     if (sh) {
       // The two ranks of a pair share a tile's token block (output blocks 2j, 2j + 1) or,
-      // with wpairs, its weights (token blocks 2p, 2p + 1 of one output block).
+      // with pair_weights, its weights (token blocks 2p, 2p + 1 of one output block).
       const kernels::TileCoord c0 = ids.decode(tile, 0), c1 = ids.decode(tile, 1);
-      ASSERT_EQ(c0.wpair, c1.wpair) << "tile " << tile;
+      ASSERT_EQ(c0.pair_weights, c1.pair_weights) << "tile " << tile;
       ASSERT_TRUE(c0.gemm == c1.gemm && c0.e == c1.e) << "tile " << tile;
-      if (c0.wpair) {
-        ASSERT_TRUE(k.wpairs) << "tile " << tile;
+      if (c0.pair_weights) {
+        ASSERT_TRUE(k.pair_weights) << "tile " << tile;
         EXPECT_TRUE(c0.nblk == c1.nblk && c0.block % 2 == 0 && c1.block == c0.block + 1) << "tile " << tile;
         ++weight_pairs;
       } else {
@@ -190,7 +190,7 @@ void check_tile_ids(const IdCase& k) {
       for (int v : row) ASSERT_EQ(v, 1) << "GEMM" << g + 1 << ": a tile decoded " << v << " times";
   // Every token-block pair of a chunk shares its weights (only a chunk's odd last block
   // pairs its output blocks): count them.
-  if (k.wpairs) {
+  if (k.pair_weights) {
     int expect = 0;
     for (int e = 0; e < E_total; ++e) {
       const int nb = unit_off[e + 1] - unit_off[e], n = e == k.E ? n1s : n1;

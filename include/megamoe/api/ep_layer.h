@@ -1,5 +1,5 @@
 // Expert-parallel MoE layer over R ranks, of which this process drives some or all
-// (issue 5, docs/numerics.md §8). Every rank routes its own batch, owns E/R experts, and the
+// (docs/numerics.md §8). Every rank routes its own batch, owns E/R experts, and the
 // fused kernel moves tokens and results between the ranks (kernels/ep_layout.h has
 // the flow). The bytes of every rank's output equal those of the single-device
 // layer on the same tokens. Transports:

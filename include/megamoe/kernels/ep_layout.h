@@ -1,4 +1,4 @@
-// The symmetric buffer of expert parallelism (docs/numerics.md §8, issue 5): one layout that
+// The symmetric buffer of expert parallelism (docs/numerics.md §8): one layout that
 // every rank allocates identically, so a peer reaches rank q's region X at
 // base[q] + X.offset with plain NVLink loads and stores (the transport hands out
 // the base table). It holds only what peers touch; each rank's receive ring is

@@ -30,7 +30,9 @@
 #include <cstdint>
 #include <string>
 
+#include "megamoe/kernels/config.h"
 #include "megamoe/kernels/ep_layout.h"
+#include "megamoe/kernels/overrides.h"
 #include "megamoe/model/shape.h"
 #include "megamoe/weights/layout.h"
 
@@ -79,50 +81,6 @@ struct MoeWorkspaceLayout {
   // ep_ranks = 0: every expert on this device. ep_ranks = R: the rows of a rank
   // owning E/R experts that receives from R sources of max_tokens each.
   static MoeWorkspaceLayout compute(const MoeShape& s, int max_tokens, int ep_ranks = 0);
-};
-
-// Tile configuration of the fused kernel, chosen by one rule (src/kernels/heuristics.h,
-// choose_config) and printed by describe() under the same names; each field is one mechanism
-// of docs/kernel.md's glossary, and the environment switch of the same name overrides it
-// (megamoe/kernels/overrides.h, docs/tuning.md). Every choice keeps the output bytes.
-struct FusedMoeConfig {
-  int block_n = 8;  // tokens a tile (wgmma N): 8, 16, 32, 48, 64 or 128
-  int stages = 8;   // depth of the shared-memory stage ring
-  int num_sms = 0;  // CTAs of the persistent grid
-  int router_ksplit = 1;
-  // 128-token tiles of at most 64 rows run on one consumer warpgroup.
-  bool half_tiles = false;
-  // 128-token tiles in clusters of two CTAs (TMA multicast of the operand both need): by
-  // default the two take neighbouring token blocks of one output block and share the weight
-  // tile (pair_weights); without pair_weights, neighbouring output blocks of one token block
-  // sharing the token tile. Only where the shape and grid allow it (fused_moe_config).
-  bool pair_tiles = false;
-  // What a pair tile shares: the weight tile (true; an expert's odd last token block still
-  // shares its token tile) or the token tile. Meaningful with pair_tiles only.
-  bool pair_weights = false;
-  // Decode tiles (block_n 8 or 16) in clusters of two CTAs: each computes one 64-column half
-  // of a GEMM1 tile, the two exchange the tokens' amax through shared memory.
-  bool decode_pairs = false;
-  // 128-token tiles against 256 weight rows in one CTA: a stage holds a GEMM1 tile's two
-  // halves or two neighbouring GEMM2 output blocks, the token rows once. Takes the pair
-  // tiles' place where the shape allows it (fused_moe_config).
-  bool wide_tiles = false;
-  // Expert parallelism: the rank's row pull runs beside its tiles (a property of the plan,
-  // reported here with the rest).
-  bool ep_overlap = false;
-  // route_topk and the fused kernel launched as programmatic dependents of the kernel before
-  // them: their CTAs start while it runs and wait for its end before reading its outputs.
-  bool programmatic_launch = false;
-  // The schedule's units by SM: the CTA on an SM takes the SM's place in the order a plain
-  // launch on an idle GPU fills the SMs (probed at plan creation), wherever a launch behind
-  // busy SMs puts the CTAs. Where the plan allows it (one CTA an SM, the grid covering the
-  // card, no clusters), up to kSmUnitsMaxTokens tokens.
-  bool sm_units = false;
-  // GEMM2 tiles a CTA leaves to claims at the schedule's end (the tail pool).
-  int tail_pool = 4;
-  // The card's peak DRAM bandwidth per SM in GB/s (0: unknown), an input of the rule's
-  // 64 / 128-token edge.
-  double read_gbps_per_sm = 0;
 };
 
 struct DeviceTensors {
@@ -207,9 +165,16 @@ struct ExternalRouting {
 // Opaque per-layer launch plan: tensor maps etc. (built once per layer object).
 struct FusedMoePlan;
 
+// `switches`: the environment's (Overrides), read once at the API edge; the plan keeps them and
+// decides everything the layer's forwards share from them (src/kernels/config.h). cfg.num_sms > 0
+// caps the persistent grid.
 FusedMoePlan* fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& device_weights,
                                     const MoeWorkspaceLayout& ws, void* workspace, const FusedMoeConfig& cfg,
-                                    const EpRank* ep = nullptr);
+                                    const Overrides& switches, const EpRank* ep = nullptr);
+// Deprecated: the process's switches (overrides()); pass them instead.
+[[deprecated("pass the switches: fused_moe_plan_create(..., cfg, overrides(), ep)")]] FusedMoePlan*
+fused_moe_plan_create(const MoeShape& s, const MoeWeightsView& device_weights, const MoeWorkspaceLayout& ws,
+                      void* workspace, const FusedMoeConfig& cfg, const EpRank* ep = nullptr);
 void fused_moe_plan_destroy(FusedMoePlan* plan);
 
 // Where the last fused_moe launch spent its cycles, per role, on stderr (a build with
@@ -226,17 +191,25 @@ void set_route_parts_for_timing(int parts);
 // host_tokens_hint: an upper bound of the device token count (<= max_tokens);
 // it sizes the router grid and picks the tile configuration, so a graph
 // captured at a hint serves every count up to it.
+// The forward's tile switches (Overrides' "tile configuration" fields, and print_config) are
+// `switches`' where given (the API edge's, read at the call), else the plan's.
 void fused_moe_forward(const FusedMoePlan* plan, const DeviceTensors& t, int host_tokens_hint,
                        cudaStream_t stream);
+void fused_moe_forward(const FusedMoePlan* plan, const DeviceTensors& t, int host_tokens_hint,
+                       cudaStream_t stream, const Overrides& switches);
 // The same forward on the caller's routing: route_external (one small kernel) replaces
 // route_logits and route_topk and writes what they write, so the fused kernel runs as
 // usual. Not under expert parallelism (the plan must be single-device).
 void fused_moe_forward(const FusedMoePlan* plan, const DeviceTensors& t, int host_tokens_hint,
                        cudaStream_t stream, const ExternalRouting& routing);
+void fused_moe_forward(const FusedMoePlan* plan, const DeviceTensors& t, int host_tokens_hint,
+                       cudaStream_t stream, const ExternalRouting& routing, const Overrides& switches);
 
 // Only the routing part (route_logits + route_topk), for tests/bench.
 void route_forward(const FusedMoePlan* plan, const DeviceTensors& t, int host_tokens_hint,
                    cudaStream_t stream);
+void route_forward(const FusedMoePlan* plan, const DeviceTensors& t, int host_tokens_hint,
+                   cudaStream_t stream, const Overrides& switches);
 
 // Device pointers of the routing outputs inside the workspace ([T][K] each).
 struct RoutingOutputs {
@@ -261,7 +234,9 @@ RoutingIdStatus routing_ids_take(const FusedMoePlan* plan);
 // *p = v on the stream (a one-thread kernel, so it can be captured in a graph).
 void set_device_int(int* p, int v, cudaStream_t stream);
 
-// The tile configuration a forward at `tokens` would use (for reports).
+// The tile configuration a forward at `tokens` would use (for reports; resolve_config on the
+// plan's inputs).
 FusedMoeConfig fused_moe_config(const FusedMoePlan* plan, int tokens);
+FusedMoeConfig fused_moe_config(const FusedMoePlan* plan, int tokens, const Overrides& switches);
 
 }  // namespace megamoe::kernels

@@ -15,7 +15,7 @@ namespace megamoe::kernels {
 enum class RouteTile { kSmall, kWide, kMedium, kLarge };
 
 struct Overrides {
-  // ---- the tile configuration (choose_config, each forward); all keep the output bytes ----
+  // ---- the tile configuration (resolve_config, each forward); all keep the output bytes ----
   std::optional<int> block_n;               // MEGAMOE_BLOCK_N: 8, 16, 32, 48, 64 or 128 tokens a tile
   std::optional<bool> half_tiles;           // MEGAMOE_HALF_TILES=0|1
   std::optional<bool> wide_tiles;           // MEGAMOE_WIDE_TILES=0|1

@@ -87,18 +87,18 @@ MEGAMOE_HD int largest_le(const int* off, int lo, int hi, int mul, int v) {
 // an id names two tiles, one a cluster rank, and every count below counts pairs; wide tiles
 // (sh2 = 1 only) count GEMM2's output blocks in pairs, both in one CTA. Either the
 // pair shares its token block (output blocks 2j, 2j + 1; rank `rank` takes 2j + rank), or,
-// with wpairs, it shares its weight tile: token blocks 2p, 2p + 1 of a chunk against one
+// with pair_weights, it shares its weight tile: token blocks 2p, 2p + 1 of a chunk against one
 // output block, and only a chunk's odd last token block shares its tokens. In a chunk of
 // c token blocks the n / 2 output-block pairs jj take c ids each, in this order: the
 // c / 2 weight pairs of output block 2jj, those of 2jj + 1, then (c odd) the last token
 // block against 2jj and 2jj + 1; so the ids a weight tile serves stay neighbours.
 struct TileCoord {
-  int gemm;    // 1 or 2
-  int e;       // expert (E: the shared one)
-  int nblk;    // output block: GEMM1 128 columns of the intermediate (one num::kInterGroup), GEMM2
-               // 128 rows of H
-  int block;   // token block inside the expert
-  bool wpair;  // pair tiles: the pair shares this tile's weights (else its tokens)
+  int gemm;           // 1 or 2
+  int e;              // expert (E: the shared one)
+  int nblk;           // output block: GEMM1 128 columns of the intermediate (one num::kInterGroup), GEMM2
+                      // 128 rows of H
+  int block;          // token block inside the expert
+  bool pair_weights;  // pair tiles: the pair shares this tile's weights (else its tokens)
 };
 
 struct TileIds {
@@ -109,14 +109,14 @@ struct TileIds {
   int chunk;          // token blocks a chunk
   int sh1, sh2;       // 1: a GEMM1 / GEMM2 id names a pair of output blocks (pair tiles: both)
   const int* unit_off;  // [E_total + 1] token blocks before expert e
-  int wpairs;           // pair tiles: pairs of token blocks share a weight tile (above)
+  int pair_weights;     // pair tiles: pairs of token blocks share a weight tile (above)
 
   // The ids of one forward, from the experts' token blocks (unit_off) and the output
   // blocks of a routed GEMM1 (I / 128), the shared one's (Is / 128) and a GEMM2 (H / 128);
   // a count shifted by sh1 / sh2 = 1 is even (the plan's condition for pair and wide tiles).
-  // wpairs needs sh1 = sh2 = 1.
+  // pair_weights needs sh1 = sh2 = 1.
   MEGAMOE_HD static TileIds count(int n1, int n1s, int n2, int E, int E_total, int chunk, int sh1, int sh2,
-                                  const int* unit_off, int wpairs = 0) {
+                                  const int* unit_off, int pair_weights = 0) {
     const int t1_routed = n1 * unit_off[E];
     const int t1 = t1_routed + n1s * (unit_off[E_total] - unit_off[E]);
     return {n1 >> sh1,
@@ -131,7 +131,7 @@ struct TileIds {
             sh1,
             sh2,
             unit_off,
-            sh1 && sh2 ? wpairs : 0};
+            sh1 && sh2 ? pair_weights : 0};
   }
   MEGAMOE_HD int tiles() const { return t1 + t2; }
 
@@ -160,14 +160,14 @@ struct TileIds {
     const int csize = (nb - b0 < chunk ? nb - b0 : chunk), in_chunk = local - q * per_chunk;
     const int j = in_chunk / csize;  // the output block (pair tiles: the pair)
     const int v = in_chunk - j * csize;
-    const int wp = wpairs ? csize >> 1 : 0;  // weight pairs of each output block
-    t.wpair = v < 2 * wp;
-    if (t.wpair) {
-      const int second = v >= wp ? 1 : 0;
+    const int weight_pairs = pair_weights ? csize >> 1 : 0;  // weight pairs of each output block
+    t.pair_weights = v < 2 * weight_pairs;
+    if (t.pair_weights) {
+      const int second = v >= weight_pairs ? 1 : 0;
       t.nblk = 2 * j + second;
-      t.block = b0 + 2 * (v - second * wp) + rank;
+      t.block = b0 + 2 * (v - second * weight_pairs) + rank;
     } else {
-      t.block = b0 + (wp ? csize - 1 : v);
+      t.block = b0 + (weight_pairs ? csize - 1 : v);
       const int sh = t.gemm == 1 ? sh1 : sh2;
       t.nblk = (j << sh) + (rank & sh);  // (an id of one tile: every rank's)
     }

@@ -1,4 +1,4 @@
-// Transports of expert parallelism (issue 5): they allocate every rank's symmetric
+// Transports of expert parallelism: they allocate every rank's symmetric
 // buffer (kernels::EpLayout) and hand each rank's kernel the table of peer base
 // addresses, through which it reads and writes the other ranks' regions with plain
 // loads and stores. Nothing here knows the MoE math.
@@ -47,6 +47,14 @@ class Transport {
 // runs out (the message names the rank and the bytes).
 std::unique_ptr<Transport> make_virtual_ranks(const kernels::EpLayout& layout);
 
+// Where the NCCL search looks besides its fixed places: the library's switches
+// (kernels::Overrides: MEGAMOE_NCCL_LIB, VIRTUAL_ENV, CONDA_PREFIX), passed down from the API
+// edge; the transport reads no environment.
+struct NcclSearch {
+  std::string library;                       // MEGAMOE_NCCL_LIB: this library alone (an explicit choice)
+  std::vector<std::string> python_prefixes;  // VIRTUAL_ENV, CONDA_PREFIX: Python environments to search
+};
+
 struct NcclOptions {
   // The ranks this process drives and their CUDA devices; empty: every rank of the
   // layout, rank r on device r (one process for all GPUs).
@@ -56,9 +64,10 @@ struct NcclOptions {
   // unique id here, the others wait for it (up to rendezvous_timeout_s).
   std::string rendezvous;
   double rendezvous_timeout_s = 60;
-  // The NCCL library to load; empty: the one find_nccl() chooses. A library named here
+  // The NCCL library to load; empty: the one find_nccl(search) chooses. A library named here
   // (like MEGAMOE_NCCL_LIB) is an explicit choice: if it cannot serve, that is an error.
   std::string library;
+  NcclSearch search;
 };
 
 // ---- Which NCCL the transport loads (dlopen'ed: nothing links against libnccl) ----
@@ -82,12 +91,14 @@ struct NcclLibrary {
   std::string why_none() const;
 };
 
-// The search, once a process (later calls return the first answer): MEGAMOE_NCCL_LIB
-// alone if set; else the library beside the NCCL headers of the build, the Python
-// packages' copy (nvidia-nccl, as PyTorch installs it: virtual envs, conda, /opt/*,
+// The search, once a process (later calls return the first answer): where.library
+// (MEGAMOE_NCCL_LIB) alone if set; else the library beside the NCCL headers of the build, the
+// Python packages' copy (nvidia-nccl, as PyTorch installs it: where.python_prefixes, /opt/*,
 // ~/.local, /usr/local), then the system's libnccl.so.2. The first that can serve the
 // device side compiled here is kept loaded (nccl.cu says which releases can, and why).
 // Needs no GPU.
+const NcclLibrary& find_nccl(const NcclSearch& where);
+// find_nccl with the library's switches (the API edge's, src/api/cuda_backend.cu).
 const NcclLibrary& find_nccl();
 // NCCL_VERSION_CODE of the headers this build compiled against, and a code as "2.28.9".
 int nccl_headers_version();
