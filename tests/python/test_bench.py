@@ -1,4 +1,4 @@
-"""python -m megamoe.bench on the CPU backend with a tiny shape: the JSON's keys, the
+"""bench/python/bench_moe.py on the CPU backend with a tiny shape: the JSON's keys, the
 reference check, the PNG, and the routing distributions (uniform, zipf, replay)."""
 import json
 import os
@@ -10,22 +10,27 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 
+import bench_moe as bench  # noqa: E402  (bench/python: conftest puts it on the path)
 import megamoe  # noqa: E402
-from megamoe import bench  # noqa: E402
+from conftest import ROOT  # noqa: E402
 
 # The folder the tested package was imported from (an install, or build/python-pkg): the
 # subprocess must import the same build, not the sources under python/ (no extension there).
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(megamoe.__file__)))
 
 
-def test_cli_smoke_json_and_png(tmp_path):
-    js, png = tmp_path / "b.json", tmp_path / "b.png"
+def _env():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [PACKAGE_ROOT, env.get("PYTHONPATH")] if p)
+    return env
+
+
+def test_cli_smoke_json_and_png(tmp_path):
+    js, png = tmp_path / "b.json", tmp_path / "b.png"
     r = subprocess.run(
-        [sys.executable, "-m", "megamoe.bench", "--device", "cpu", "--tokens", "4", "--routing", "uniform",
-         "zipf:1.5", "--iters", "2", "--warmup", "0", "--json", str(js), "--plot", str(png)],
-        capture_output=True, text=True, env=env, timeout=600,
+        [sys.executable, str(ROOT / "bench" / "python" / "bench_moe.py"), "--device", "cpu", "--tokens", "4",
+         "--routing", "uniform", "zipf:1.5", "--iters", "2", "--warmup", "0", "--json", str(js), "--plot", str(png)],
+        capture_output=True, text=True, env=_env(), timeout=600,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "megamoe us" in r.stdout and "torch us" in r.stdout
@@ -34,7 +39,7 @@ def test_cli_smoke_json_and_png(tmp_path):
               "implementations", "results"):
         assert k in out, k
     assert out["device"] == "cpu" and out["preset"] == "tiny"
-    assert "--tokens 4" in out["command"]
+    assert "bench/python/bench_moe.py" in out["command"] and "--tokens 4" in out["command"]
     assert out["floors"]["read_bytes_per_s"] > 0 and out["floors"]["tc_flops_per_s"] > 0
     assert out["implementations"]["megamoe"]["available"] and out["implementations"]["torch"]["available"]
     for peer in ("deepgemm", "vllm", "flashinfer"):  # CUDA only: reported, not dropped

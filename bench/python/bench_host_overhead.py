@@ -1,7 +1,8 @@
-"""Host overhead of one eager call of a CUDA MoELayer (issue 47: the direct call under
-10 µs on top of the kernels; the torch op's figure beside it).
+"""Host overhead of one eager call of a CUDA MoELayer (what the direct call adds on top of
+the kernels; the torch op's figure beside it). Run from a source checkout, the package
+installed; not part of the package.
 
-    python -m megamoe._overhead [--tokens 1 64] [--iters 300] [--json out.json]
+    python bench/python/bench_host_overhead.py [--tokens 1 64] [--iters 300] [--json out.json]
 
 Per token count, on random block-FP8 weights of a small layer:
   device_us     the forward's device time: N forwards captured in one CUDA graph and
@@ -19,7 +20,7 @@ import argparse
 import json
 import time
 
-from ._layer import MoEConfig, MoELayer, quantize_block_fp8
+from megamoe import MoEConfig, MoELayer, quantize_block_fp8
 
 
 def random_layer(cfg: MoEConfig, max_tokens: int, device: str = "cuda") -> MoELayer:
@@ -111,7 +112,8 @@ def measure(layer: MoELayer, tokens: int, iters: int = 300) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python bench/python/bench_host_overhead.py",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--hidden", type=int, default=2048)
