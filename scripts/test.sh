@@ -39,7 +39,7 @@ fi
 # against build/megamoe; torch and GPU tests skip where torch or a GPU is absent.
 if [ -x scripts/test_python.sh ]; then scripts/test_python.sh; fi
 # The tests that need torch and transformers (the custom op and torch.compile, the
-# transformers drop-in, python -m megamoe.bench): installs them from PyPI where missing
+# transformers drop-in, bench/python/bench_moe.py): installs them from PyPI where missing
 # (~6 minutes on a fresh 2-core machine), then runs them on the CPU backend.
 if [ -x scripts/test_python_hf.sh ]; then scripts/test_python_hf.sh; fi
 if [ -x scripts/sanitize.sh ]; then scripts/sanitize.sh; fi
