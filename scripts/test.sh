@@ -53,7 +53,7 @@ fi
 step "the Python package and the docs' code blocks (scripts/test_python.sh, 2-3 minutes)"
 if [ -x scripts/test_python.sh ]; then scripts/test_python.sh; fi
 # The tests that need torch and transformers (the custom op and torch.compile, the
-# transformers drop-in, python -m megamoe.bench): installs them from PyPI where missing
+# transformers drop-in, bench/python/bench_moe.py): installs them from PyPI where missing
 # (~6 minutes on a fresh 2-core machine), then runs them on the CPU backend.
 step "torch and transformers (scripts/test_python_hf.sh: ~6 minutes of downloads the first time, then ~3)"
 if [ -x scripts/test_python_hf.sh ]; then scripts/test_python_hf.sh; fi

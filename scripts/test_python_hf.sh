@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The torch / transformers tests of the Python package: the custom op and torch.compile
 # (tests/python/test_torch.py), megamoe.patch_moe on small models of
-# the four families (tests/python/test_transformers.py) and `python -m megamoe.bench` on the
-# CPU backend (tests/python/test_bench.py), and the docs' code blocks again, now with torch
-# (tests/python/test_doc_examples.py). Installs torch, transformers and matplotlib from
+# the four families (tests/python/test_transformers.py), bench/python/bench_moe.py on the
+# CPU backend with its deprecated alias `python -m megamoe.bench` (tests/python/test_bench.py),
+# and the docs' code blocks again, now with torch (tests/python/test_doc_examples.py).
+# Installs torch, transformers and matplotlib from
 # PyPI where missing: PyPI's torch wheel is the CUDA build (about 3.1 GB of downloads, 5.7 GB
 # installed, ~6 minutes on a 2-core machine), the CPU tests take ~2 minutes more. They go
 # into the private virtual environment build/venv (scripts/python_env.sh), once.

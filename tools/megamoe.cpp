@@ -22,7 +22,6 @@
 #include <vector>
 
 #include "commands.h"
-#include "megamoe/api/bench.h"
 #include "megamoe/api/ep_layer.h"
 #include "megamoe/api/forward.h"
 #include "megamoe/io/checkpoint.h"
@@ -31,6 +30,7 @@
 #include "megamoe/reference/moe.h"
 #include "megamoe/weights/host_weights.h"
 #include "megamoe/weights/store.h"
+#include "megamoe_bench/bench.h"
 #include "megamoe_git_commit.h"
 
 #if defined(MEGAMOE_HAVE_CUDA)
@@ -530,7 +530,7 @@ int main(int argc, char** argv) {
   auto* c_bench = app.add_subcommand(
       "bench", "Time the CUDA layer against the floors, an in-run dense FP8 GEMM and cuBLASLt (GPU only)");
   c_bench->add_option("--preset", bench.presets, "presets (default: glm-5.3-flash glm-5 deepseek-v3)");
-  c_bench->add_option("--tokens", bench.tokens, "token counts (default: 1 8 64 256 1024 4096 16384)");
+  c_bench->add_option("--tokens", bench.tokens, "token counts (default: 1 8 64 256 1024 4096 8192 16384)");
   c_bench->add_option(
       "--json", bench.json,
       "write the results as JSON here (auto: bench/results/h100.json or h200.json by the card)");

@@ -1,5 +1,7 @@
 // Device buffers and timed runs shared by the CUDA host code (cuda_backend.cu,
-// ep_layer.cu, bench.cu): memory freed on every path, one warm-up before a timing.
+// ep_layer.cu, and the bench's bench/src/bench.cu, which includes this header by path as
+// one of the library's two internals it uses): memory freed on every path, one warm-up
+// before a timing.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -8,8 +8,8 @@
 #include <stdexcept>
 #include <vector>
 
-#include "megamoe/api/bench.h"
-#include "megamoe/api/routing_gen.h"
+#include "megamoe_bench/bench.h"
+#include "megamoe_bench/routing_gen.h"
 
 namespace megamoe::api {
 namespace {

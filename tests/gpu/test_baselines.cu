@@ -10,10 +10,10 @@
 
 #include "../../src/kernels/cuda_check.h"
 #include "gpu_test_util.h"
-#include "megamoe/bench/baselines.h"
 #include "megamoe/numerics/act_quant.h"
 #include "megamoe/numerics/fp8.h"
 #include "megamoe/weights/layout.h"
+#include "megamoe_bench/baselines.h"
 
 namespace megamoe::bench {
 namespace {

@@ -10,8 +10,8 @@
 
 #include "../../src/kernels/cuda_check.h"
 #include "gpu_test_util.h"
-#include "megamoe/bench/baselines.h"
 #include "megamoe/model/shape.h"
+#include "megamoe_bench/baselines.h"
 
 namespace megamoe::bench {
 namespace {

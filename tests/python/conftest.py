@@ -12,6 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "tools"))
+# The benchmarks (bench_moe, bench_host_overhead): in the repository, not in the package.
+sys.path.insert(0, str(ROOT / "bench" / "python"))
 import moe_float64 as f64  # noqa: E402
 
 LAYER = 3  # the synthetic glm-5.3-flash checkpoint's MoE layer

@@ -3,7 +3,8 @@
 //     timing helpers every benchmark uses (L2 flush, device-event timing);
 //   - a whole-layer MoE built from cuBLASLt block-scaled FP8 GEMMs, expert by
 //     expert, with our own quantization, SwiGLU and combine kernels.
-// Host API over raw device pointers; CUDA builds only (MEGAMOE_HAVE_CUDA).
+// Host API over raw device pointers; CUDA builds only (MEGAMOE_HAVE_CUDA). Part of the
+// megamoe_bench target (bench/), the one place that links cuBLASLt.
 //
 // cuBLASLt block scaling on sm_90 (built with CUDA 13.0 / cuBLAS 13.1), as
 // concluded from cublasLt.h, the cuBLAS docs (cublasLtMatmul, "Scaling factors

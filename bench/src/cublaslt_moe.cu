@@ -1,4 +1,4 @@
-// The cuBLASLt whole-layer MoE baseline (include/megamoe/bench/baselines.h):
+// The cuBLASLt whole-layer MoE baseline (bench/include/megamoe_bench/baselines.h):
 // block-scaled FP8 GEMMs expert by expert through cuBLASLt, with our own
 // activation quantization, SwiGLU + requantization and combine kernels.
 // The layout conclusions about cuBLASLt's scale tensors are in the header.
@@ -11,10 +11,10 @@
 #include <tuple>
 #include <vector>
 
-#include "cuda_check.h"
-#include "megamoe/bench/baselines.h"
+#include "../../src/kernels/cuda_check.h"
 #include "megamoe/numerics/act_quant.h"
 #include "megamoe/numerics/fp8.h"
+#include "megamoe_bench/baselines.h"
 
 namespace megamoe::bench {
 

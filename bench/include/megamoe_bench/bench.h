@@ -2,6 +2,8 @@
 // bandwidth, and the compute floor at the rate of a dense block-scaled FP8 GEMM of
 // the layer's shapes on the same card) and the cuBLASLt baseline, all measured in
 // the same run, in two regimes (sustained, burst), and returns the results as JSON.
+// Part of the megamoe_bench target (bench/): linked into the command and the tests,
+// never into the library a user links nor installed with it.
 #pragma once
 
 #include <cstddef>
@@ -16,7 +18,7 @@ namespace megamoe::api {
 
 struct BenchOptions {
   std::vector<std::string> presets{"glm-5.3-flash", "glm-5", "deepseek-v3"};
-  std::vector<int> tokens{1, 8, 64, 256, 1024, 4096, 16384};
+  std::vector<int> tokens{1, 8, 64, 256, 1024, 4096, 8192, 16384};
   // "uniform" (the layer's router on random x) and / or "zipf:S" (routing_gen.h: the
   // layer runs on generated ids through external routing, its router timed alongside).
   std::vector<std::string> routings{"uniform"};

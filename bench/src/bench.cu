@@ -1,4 +1,4 @@
-// The benchmark driver behind `megamoe bench` (see include/megamoe/api/bench.h).
+// The benchmark driver behind `megamoe bench` (see bench/include/megamoe_bench/bench.h).
 // Every figure a case reports is measured in the same process: the streaming
 // read bandwidth (the decode floor), a dense block-scaled FP8 GEMM pair of the
 // preset's shapes (the compute floor's rate), our layer, its routing alone, and
@@ -18,15 +18,15 @@
 #include <stdexcept>
 #include <vector>
 
-#include "../kernels/cuda_check.h"
-#include "device_run.h"
-#include "megamoe/api/bench.h"
+#include "../../src/api/device_run.h"
+#include "../../src/kernels/cuda_check.h"
 #include "megamoe/api/ep_layer.h"
 #include "megamoe/api/moe_layer.h"
-#include "megamoe/api/routing_gen.h"
-#include "megamoe/bench/baselines.h"
 #include "megamoe/kernels/fused_moe.h"
 #include "megamoe/weights/host_weights.h"
+#include "megamoe_bench/baselines.h"
+#include "megamoe_bench/bench.h"
+#include "megamoe_bench/routing_gen.h"
 
 namespace megamoe::api {
 

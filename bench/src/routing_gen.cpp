@@ -1,5 +1,5 @@
-// Synthetic skewed routing (include/megamoe/api/routing_gen.h).
-#include "megamoe/api/routing_gen.h"
+// Synthetic skewed routing (bench/include/megamoe_bench/routing_gen.h).
+#include "megamoe_bench/routing_gen.h"
 
 #include <fmt/format.h>
 

@@ -1,5 +1,5 @@
 // Device ceilings and timing helpers for `megamoe bench` (see
-// include/megamoe/bench/baselines.h): the streaming-read bandwidth, the L2
+// bench/include/megamoe_bench/baselines.h): the streaming-read bandwidth, the L2
 // flush and device-event timing with median and spread.
 #include <dlfcn.h>
 
@@ -16,8 +16,8 @@
 #include <thread>
 #include <vector>
 
-#include "cuda_check.h"
-#include "megamoe/bench/baselines.h"
+#include "../../src/kernels/cuda_check.h"
+#include "megamoe_bench/baselines.h"
 
 namespace megamoe::bench {
 namespace {

@@ -1,9 +1,10 @@
-"""python -m megamoe.bench: megamoe beside the MoE implementations importable here, on the
-same block-FP8 weights, inputs and routing, in one process.
+"""bench/python/bench_moe.py: megamoe beside the MoE implementations importable here, on the
+same block-FP8 weights, inputs and routing, in one process (run from a source checkout, the
+package installed; not part of the package).
 
-    python -m megamoe.bench --preset glm-5 --tokens 1 8 64 256 1024 4096 \\
+    python bench/python/bench_moe.py --preset glm-5 --tokens 1 8 64 256 1024 4096 \\
         --routing uniform zipf:1.2 --json out.json --plot out.png
-    python -m megamoe.bench --device cpu --tokens 4          # the CPU backend, tiny shapes
+    python bench/python/bench_moe.py --device cpu --tokens 4          # the CPU backend, tiny shapes
 
 Implementations (each guarded: one that is absent or fails is reported, never silently
 dropped): megamoe (its own layer, external routing; on CUDA also replayed from a CUDA
@@ -814,7 +815,7 @@ def run(args: argparse.Namespace, log=print) -> Dict[str, Any]:
         commit=args.commit or _git_commit(),
         megamoe_version=megamoe.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command=" ".join([os.path.basename(sys.executable), "-m", "megamoe.bench"] + list(args.argv)),
+        command=" ".join([os.path.basename(sys.executable), "bench/python/bench_moe.py"] + list(args.argv)),
         card=_card(device),
         device=device.type,
         torch=torch.__version__,
@@ -946,7 +947,7 @@ def plot(out: Dict[str, Any], path: str) -> None:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m megamoe.bench", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python bench/python/bench_moe.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cuda or cpu (the CPU backend; default: cuda when torch sees one)")
@@ -968,7 +969,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--no-check", dest="check", action="store_false",
                     help="skip the float32 reference (the rel L2 column)")
     ap.add_argument("--commit", default=None,
-                    help="commit id recorded in the JSON (default: git rev-parse HEAD of the package's tree)")
+                    help="commit id recorded in the JSON (default: git rev-parse HEAD of this file's checkout)")
     ap.add_argument("--json", default=None, help="write the results here (commit, date, command, card, floors)")
     ap.add_argument("--plot", default=None, help="write the roofline PNG here (matplotlib)")
     argv = list(sys.argv[1:] if argv is None else argv)

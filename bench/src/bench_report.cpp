@@ -1,4 +1,4 @@
-// The host side of `megamoe bench` (include/megamoe/api/bench.h): options, the
+// The host side of `megamoe bench` (bench/include/megamoe_bench/bench.h): options, the
 // results path, and each case's record and line, built from measured figures
 // (CPU code, so the field layout is tested without a GPU).
 #include <fmt/format.h>
@@ -8,8 +8,8 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "megamoe/api/bench.h"
-#include "megamoe/api/routing_gen.h"
+#include "megamoe_bench/bench.h"
+#include "megamoe_bench/routing_gen.h"
 
 namespace megamoe::api {
 
