@@ -42,5 +42,11 @@ if [ -x scripts/test_python.sh ]; then scripts/test_python.sh; fi
 # transformers drop-in, python -m megamoe.bench): installs them from PyPI where missing
 # (~6 minutes on a fresh 2-core machine), then runs them on the CPU backend.
 if [ -x scripts/test_python_hf.sh ]; then scripts/test_python_hf.sh; fi
+# The soak (docs/testing.md): a minute of randomized forwards, reloads and bad inputs on the
+# CPU backend against the reference, a fixed seed and then a random one (each prints its seed
+# and the command that replays it).
+soak=(build/megamoe soak --backend cpu --preset glm-5.3-flash --hidden 256 --inter 128 --experts 16 --topk 4)
+"${soak[@]}" --seconds 40 --seed 1
+"${soak[@]}" --seconds 20
 if [ -x scripts/sanitize.sh ]; then scripts/sanitize.sh; fi
 if [ -x scripts/fuzz.sh ]; then scripts/fuzz.sh; fi
