@@ -214,7 +214,9 @@ class CudaLayer final : public LayerUnderTest {
         dcount_(sizeof(int)),
         hy_(size_t(M_) * H_ * 2),
         hids_(size_t(M_) * K_ * 4),
-        hw_(size_t(M_) * K_ * 4) {}
+        hw_(size_t(M_) * K_ * 4) {
+    ids32_.reserve(size_t(M_) * K_);  // (sized once: host RSS is measured after the warm-up)
+  }
   ~CudaLayer() override {
     for (cudaGraphExec_t g : {own_graph_, ext_graph_})
       if (g) cudaGraphExecDestroy(g);
@@ -498,6 +500,7 @@ class Reference {
     ids_.resize(size_t(max_tokens) * s.topk);
     w_.resize(ids_.size());
     logits_.resize(size_t(max_tokens) * s.experts);
+    yb_.reserve(x_.size());
   }
   // y (BF16 bytes, [rows][H]) of `rows` of x on the routing ids / weights ([T][K], already
   // in the reference's terms: -1 a padding slot).
@@ -643,6 +646,12 @@ class Soak {
     // generation of T x H normals at real shapes).
     pool_ = make_random_tokens(std::max(size_t(1) << 22, size_t(s.hidden) * 64), seed + 3);
     x_.resize(size_t(M_) * s.hidden);
+    // Every per-step buffer at its largest once (host RSS is measured after the warm-up).
+    const size_t slots = size_t(M_) * s.topk;
+    routing_.ids.reserve(slots), routing_.weights.reserve(slots);
+    ref_ids_.reserve(slots), ref_w_.reserve(slots);
+    extreme_.reserve(size_t(M_)), nonfinite_.reserve(size_t(M_)), isolated_.reserve(size_t(M_));
+    rows_.reserve(size_t(M_));
     make_layers();
   }
   ~Soak() {
@@ -1152,7 +1161,8 @@ class Soak {
     // as it came back.
     ref_ids_.assign(size_t(computed) * K, -1);
     ref_w_.assign(size_t(computed) * K, 0.0f);
-    std::vector<uint8_t> isolated(size_t(computed), 0);  // rows the contract leaves to their token
+    std::vector<uint8_t>& isolated = isolated_;  // rows the contract leaves to their token
+    isolated.assign(size_t(computed), 0);
     for (int t = 0; t < computed; ++t) {
       isolated[t] = nonfinite_[first + t];
       for (int k = 0; k < K; ++k) {
@@ -1360,7 +1370,7 @@ class Soak {
   std::vector<int> layer_of_;  // layer object -> the feed's layer (0, 1)
   std::optional<Pending> pending_;
   std::vector<bf16_t> pool_, x_;
-  std::vector<uint8_t> extreme_, nonfinite_;
+  std::vector<uint8_t> extreme_, nonfinite_, isolated_;
   HostRouting routing_;
   std::vector<int> rows_;
   std::vector<int32_t> ref_ids_;
