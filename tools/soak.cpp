@@ -560,6 +560,20 @@ class Reference {
 };
 
 // ---------------------------------------------------------------- memory
+// Under AddressSanitizer freed memory waits in a quarantine: RSS grows by design, so the
+// growth is reported but not held against the run.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kRssChecked = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kRssChecked = false;
+#else
+constexpr bool kRssChecked = true;
+#endif
+#else
+constexpr bool kRssChecked = true;
+#endif
+
 size_t host_rss_bytes() {
   std::ifstream f("/proc/self/statm");
   size_t pages = 0, resident = 0;
@@ -680,6 +694,10 @@ class Soak {
     while (true) {
       const double el = std::chrono::duration<double>(Clock::now() - t0).count();
       if (a_.steps > 0 ? stats_.steps >= a_.steps : el >= a_.seconds) break;
+      if (stats_.unexpected_errors >= 50) {  // (a broken CUDA context does not come back)
+        note("stopped: 50 unexpected errors");
+        break;
+      }
       step(draw_kind());
       if (std::chrono::duration<double>(Clock::now() - last_print).count() > 10) {
         last_print = Clock::now();
@@ -773,6 +791,9 @@ class Soak {
   }
 
   // ---- inputs
+  // The tokens of a batch in which every expert is routed to exactly once (K divides E;
+  // else the last token's slots wrap around), at most max_tokens.
+  int every_expert_once_tokens() const { return std::min(M_, (s_.experts + s_.topk - 1) / s_.topk); }
   int draw_tokens() {
     const int r = uniform_int(rng_, 0, 9);
     if (r == 0) {
@@ -877,13 +898,14 @@ class Soak {
       case Kind::kExtreme: {
         const int li = draw_layer();
         if (li < 0) return;
-        const int T = draw_tokens();
+        const bool ext = k == Kind::kExternal || (k == Kind::kExtreme && uniform01(rng_) < 0.5);
+        const Dist d = Dist(uniform_int(rng_, 0, 3));
+        const int T = ext && d == Dist::kEveryExpertOnce ? every_expert_once_tokens() : draw_tokens();
         fill_x(T);
         if (k == Kind::kExtreme) add_extremes(T);
         Call c = eager_call(T);
-        const bool ext = k == Kind::kExternal || (k == Kind::kExtreme && uniform01(rng_) < 0.5);
         if (ext) {
-          draw_routing(T, Dist(uniform_int(rng_, 0, 3)));
+          draw_routing(T, d);
           c.routing = &routing_;
           c.id_bytes = uniform01(rng_) < 0.5 ? 4 : 8;
         }
@@ -893,12 +915,14 @@ class Soak {
       case Kind::kReplayOwn:
       case Kind::kReplayExternal: {
         if (!cuda_ || !ready_for(0)) return;
-        const int T = draw_tokens();
+        const Dist d = Dist(uniform_int(rng_, 0, 3));
+        const bool once = k == Kind::kReplayExternal && d == Dist::kEveryExpertOnce;
+        const int T = once ? every_expert_once_tokens() : draw_tokens();
         fill_x(T);
         Call c;
         c.x = x_.data(), c.tokens = T, c.graph = true, c.count = T;
         if (k == Kind::kReplayExternal) {
-          draw_routing(T, Dist(uniform_int(rng_, 0, 3)));
+          draw_routing(T, d);
           c.routing = &routing_, c.id_bytes = 4;
         }
         ++stats_.replays;
@@ -1294,7 +1318,7 @@ class Soak {
     const long long dev_growth = d0.known && d1.known ? (long long)d0.free - (long long)d1.free : 0;
     const long long rss_growth = (long long)rss1 - (long long)rss0;
     const bool ok = stats_.mismatches == 0 && stats_.unexpected_errors == 0 && stats_.missing_errors == 0 &&
-                    errors_ok && dev_growth <= 0 && rss_growth < (1 << 20);
+                    errors_ok && dev_growth <= 0 && (!kRssChecked || rss_growth < (1 << 20));
     nlohmann::ordered_json j;
     j["ok"] = ok;
     j["seed"] = seed_;
@@ -1334,7 +1358,8 @@ class Soak {
                                                            {"total", d0.total},
                                                            {"growth_bytes", dev_growth}}
                                   : nlohmann::ordered_json(nullptr);
-    j["host_rss"] = {{"after_warmup", rss0}, {"at_end", rss1}, {"growth_bytes", rss_growth}};
+    j["host_rss"] = {
+        {"after_warmup", rss0}, {"at_end", rss1}, {"growth_bytes", rss_growth}, {"checked", kRssChecked}};
     j["failures"] = stats_.failures;
     return j;
   }
