@@ -688,6 +688,21 @@ class Soak {
     for (Kind k : all_kinds())
       if (k != Kind::kTwoStreams || cuda_) step(k);
     if (pending_) complete_reload();
+    // ... and forwards at every power-of-two token count (each count range has its own tile
+    // configuration, and with it kernels of its own) on both kinds of routing.
+    for (int T = 1; T <= M_; T = T == M_ ? M_ + 1 : std::min(2 * T, M_)) {
+      for (bool ext : {false, true}) {
+        ++stats_.steps;
+        step_kind_ = ext ? Kind::kExternal : Kind::kOwn;
+        fill_x(T);
+        Call c = eager_call(T);
+        if (ext) {
+          draw_routing(T, Dist::kUniform);
+          c.routing = &routing_;
+        }
+        guarded([&] { forward_and_verify(0, c, std::nullopt); });
+      }
+    }
     const DeviceMemory dev0 = device_memory();
     const size_t rss0 = host_rss_bytes();
     auto last_print = Clock::now();
@@ -873,8 +888,13 @@ class Soak {
     ++stats_.steps;
     ++stats_.kinds[name_of(k)];
     step_kind_ = k;
+    guarded([&] { run_step(k); });
+  }
+  // f, with any error it throws counted as unexpected (what a step expects, it catches).
+  template <typename F>
+  void guarded(F f) {
     try {
-      run_step(k);
+      f();
     } catch (const std::exception& e) {
       ++stats_.unexpected_errors;
       note(fmt::format("unexpected error: {}", e.what()));
@@ -1430,6 +1450,9 @@ int run_soak(const SoakArgs& a) {
   if (b == api::Backend::kAuto)
     throw std::invalid_argument("--backend: cpu or cuda (the soak names its backend)");
   const bool cuda = b == api::Backend::kCuda;
+  // Every kernel loaded when the CUDA context is made, not at its first launch: a kernel the
+  // warm-up did not reach would otherwise take device memory in the middle of the run.
+  if (cuda) setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   api::resolve(b);  // (cuda without a usable device: the error says what is missing)
   const MoeShape s = soak_shape(a);
   if (model_desc(find_preset(a.preset)).moe_layers.size() < 2)
