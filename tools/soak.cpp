@@ -1136,8 +1136,7 @@ class Soak {
     const std::string m = e.what();
     switch (c) {
       case ErrorClass::kOverMaxTokens:
-        return dynamic_cast<const std::invalid_argument*>(&e) && m.find("max_tokens") != std::string::npos;
-      case ErrorClass::kBadIdsAtForward: return dynamic_cast<const std::invalid_argument*>(&e) != nullptr;
+      case ErrorClass::kBadIdsAtForward:
       case ErrorClass::kBadWeightAtForward: return dynamic_cast<const std::invalid_argument*>(&e) != nullptr;
       case ErrorClass::kBadIdsAtCheck: return m.find("topk_ids") != std::string::npos;
       case ErrorClass::kTokenCountAtCheck: return m.find("token count") != std::string::npos;
