@@ -57,6 +57,13 @@ if [ -x scripts/test_python.sh ]; then scripts/test_python.sh; fi
 # (~6 minutes on a fresh 2-core machine), then runs them on the CPU backend.
 step "torch and transformers (scripts/test_python_hf.sh: ~6 minutes of downloads the first time, then ~3)"
 if [ -x scripts/test_python_hf.sh ]; then scripts/test_python_hf.sh; fi
+step "the soak: a minute of randomized steps against the reference (docs/testing.md)"
+# The soak (docs/testing.md): a minute of randomized forwards, reloads and bad inputs on the
+# CPU backend against the reference, a fixed seed and then a random one (each prints its seed
+# and the command that replays it).
+soak=(build/megamoe soak --backend cpu --preset glm-5.3-flash --hidden 256 --inter 128 --experts 16 --topk 4)
+"${soak[@]}" --seconds 40 --seed 1
+"${soak[@]}" --seconds 20
 step "ASan + UBSan (scripts/sanitize.sh, about 4 minutes)"
 if [ -x scripts/sanitize.sh ]; then scripts/sanitize.sh; fi
 step "fuzzing the two parsers (scripts/fuzz.sh, 2 minutes)"

@@ -47,4 +47,7 @@ inline void check_output_file(std::string_view option, const std::string& path) 
 // inspect, make-checkpoint, reload-check (tools/checkpoint_commands.cpp).
 std::vector<Command> add_checkpoint_commands(CLI::App& app);
 
+// soak: the randomized differential run against the CPU reference (tools/soak.cpp).
+std::vector<Command> add_soak_commands(CLI::App& app);
+
 }  // namespace megamoe::tools

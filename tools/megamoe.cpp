@@ -584,7 +584,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   c_bench->add_option("--command", bench.command, "command line recorded in the JSON (default: this one)");
 
-  const std::vector<tools::Command> checkpoint_cmds = tools::add_checkpoint_commands(app);
+  std::vector<tools::Command> checkpoint_cmds = tools::add_checkpoint_commands(app);
+  for (auto& c : tools::add_soak_commands(app)) checkpoint_cmds.push_back(c);
 
   EpCheckArgs epc;
   auto* c_epc = app.add_subcommand(
