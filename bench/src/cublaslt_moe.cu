@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -19,6 +20,19 @@
 namespace megamoe::bench {
 
 namespace {
+
+// A failed cuBLASLt call throws std::runtime_error naming the call, the status and the place.
+[[noreturn]] void throw_cublas(const char* call, cublasStatus_t s, const char* file, int line) {
+  throw std::runtime_error(std::string(call) + " failed: cublasStatus " + std::to_string(int(s)) + " (" +
+                           cublasLtGetStatusName(s) + ": " + cublasLtGetStatusString(s) + ") at " + file +
+                           ":" + std::to_string(line));
+}
+
+#define MEGAMOE_CUBLAS_CHECK(call)                                                                  \
+  do {                                                                                              \
+    const cublasStatus_t megamoe_st_ = (call);                                                      \
+    if (megamoe_st_ != CUBLAS_STATUS_SUCCESS) throw_cublas(#call, megamoe_st_, __FILE__, __LINE__); \
+  } while (0)
 
 constexpr int kBlk = 128;  // cuBLASLt VEC128 / BLK128x128 granularity
 

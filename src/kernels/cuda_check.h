@@ -1,4 +1,4 @@
-// Return-code checks for CUDA runtime and cuBLASLt calls inside src/kernels.
+// Return-code checks for CUDA runtime calls inside the library (src/) and the bench.
 // A failed call throws std::runtime_error naming the call, the code and the
 // place, so a host caller (tool, test) can report it; nothing is retried or
 // silently ignored.
@@ -9,25 +9,12 @@
 #include <stdexcept>
 #include <string>
 
-#if __has_include(<cublasLt.h>)
-#include <cublasLt.h>
-#define MEGAMOE_HAVE_CUBLASLT_HEADER 1
-#endif
-
 namespace megamoe::detail {
 
 [[noreturn]] inline void throw_cuda(const char* call, cudaError_t e, const char* file, int line) {
   throw std::runtime_error(std::string(call) + " failed: " + cudaGetErrorName(e) + " (" +
                            cudaGetErrorString(e) + ") at " + file + ":" + std::to_string(line));
 }
-
-#if defined(MEGAMOE_HAVE_CUBLASLT_HEADER)
-[[noreturn]] inline void throw_cublas(const char* call, cublasStatus_t s, const char* file, int line) {
-  throw std::runtime_error(std::string(call) + " failed: cublasStatus " + std::to_string(int(s)) + " (" +
-                           cublasLtGetStatusName(s) + ": " + cublasLtGetStatusString(s) + ") at " + file +
-                           ":" + std::to_string(line));
-}
-#endif
 
 }  // namespace megamoe::detail
 
@@ -40,13 +27,6 @@ namespace megamoe::detail {
 // NOTE: a kernel launch reports configuration errors only through
 // cudaGetLastError(); call this right after every <<<...>>>.
 #define MEGAMOE_CUDA_CHECK_LAUNCH() MEGAMOE_CUDA_CHECK(cudaGetLastError())
-
-#define MEGAMOE_CUBLAS_CHECK(call)                                             \
-  do {                                                                         \
-    const cublasStatus_t megamoe_st_ = (call);                                 \
-    if (megamoe_st_ != CUBLAS_STATUS_SUCCESS)                                  \
-      ::megamoe::detail::throw_cublas(#call, megamoe_st_, __FILE__, __LINE__); \
-  } while (0)
 
 // A host-side precondition of a launcher: throws with the condition and `msg`.
 #define MEGAMOE_CHECK(cond, msg)                                                                          \
