@@ -68,6 +68,8 @@ struct Layer {
   size_t arrived_count = 0;
   bool touched = false;
   bool ready = false;
+  // Whole at least once: an incomplete layer was withdrawn by a session, not never loaded.
+  bool was_ready = false;
   // Weight slots whose pair a direct session closed on half written (a new weight with
   // the old scale, or the reverse): the layer is not ready until a session brings both
   // halves of each (or the whole layer). Kept across sessions.
@@ -400,7 +402,7 @@ struct WeightStore::Impl {
     if (mode == ReloadMode::kLayerwise) {
       if (complete) {
         if (mxfp8()) note_requant(l, "MXFP8 requantization", requant_layer(l));
-        l.ready = true;
+        l.ready = l.was_ready = true;
         ++report.layers_processed;
       }
       return;
@@ -412,7 +414,7 @@ struct WeightStore::Impl {
       note_requant(l, l.slots[w].name, requant_pair(l, w));
     }
     if (complete) {
-      l.ready = true;
+      l.ready = l.was_ready = true;
       ++report.layers_processed;
     }
   }
@@ -608,7 +610,10 @@ FinishReport WeightStore::finish() {
       list += fmt::format(" ... and {} more", missing.size() - kMaxMissingListed);
     problems.push_back(fmt::format("layer {}: {} missing tensor{} ({}):{}", l.index, missing.size(),
                                    missing.size() == 1 ? "" : "s",
-                                   l.touched ? "layer incomplete after this session" : "never loaded", list));
+                                   l.touched      ? "layer incomplete after this session"
+                                   : l.was_ready ? "left incomplete by an earlier session"
+                                                 : "never loaded",
+                                   list));
   }
   if (!problems.empty()) {
     std::string msg = fmt::format("WeightStore::finish ({} session): {} problem{}", to_string(m.mode),
