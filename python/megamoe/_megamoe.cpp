@@ -39,11 +39,11 @@
 
 #include "megamoe/api/forward.h"
 #include "megamoe/api/moe_layer.h"
-#include "megamoe/io/checkpoint.h"
 #include "megamoe/io/safetensors.h"
 #include "megamoe/model/config.h"
 #include "megamoe/model/shape.h"
 #include "megamoe/numerics/fp8.h"
+#include "megamoe/weights/checkpoint_layout.h"
 #include "megamoe/weights/device_memory.h"
 #include "megamoe/weights/layout.h"
 #include "megamoe/weights/store.h"
@@ -440,12 +440,12 @@ struct Layer {
     }
   }
   // Copies the stacked tensors in through the store, checkpoint tensor by checkpoint tensor:
-  // each slot of io::moe_layer_slots is a contiguous slice of its region's stacked tensor.
+  // each slot of moe_layer_slots is a contiguous slice of its region's stacked tensor.
   void load_stacked(const Stacked& st, const std::string& mode) {
     const std::vector<api::StackedTensor> specs = api::stacked_tensors(shape);
-    const std::vector<io::TensorSlot> slots = io::moe_layer_slots(shape, desc.layer_prefix(layer));
+    const std::vector<TensorSlot> slots = moe_layer_slots(shape, desc.layer_prefix(layer));
     std::vector<io::TensorView> views;
-    for (const io::TensorSlot& slot : slots) {
+    for (const TensorSlot& slot : slots) {
       size_t i = 0;
       while (i < specs.size() && specs[i].region != slot.region) ++i;
       if (i == specs.size() || !st[i])
