@@ -23,7 +23,7 @@
 
 #include "megamoe/api/forward.h"
 #include "megamoe/api/moe_layer.h"
-#include "megamoe/io/checkpoint.h"
+#include "megamoe/io/safetensors.h"
 #include "megamoe/model/config.h"
 #include "megamoe/weights/device_memory.h"
 #include "megamoe/weights/store.h"

@@ -25,10 +25,10 @@
 
 #include "commands.h"
 #include "megamoe/api/moe_layer.h"
-#include "megamoe/io/checkpoint.h"
 #include "megamoe/io/safetensors.h"
 #include "megamoe/model/config.h"
 #include "megamoe/numerics/quant.h"
+#include "megamoe/weights/checkpoint_layout.h"
 #include "megamoe/weights/device_memory.h"
 #include "megamoe/weights/store.h"
 
@@ -73,7 +73,7 @@ int run_make(const MakeArgs& a) {
     s.validate();
     shape = s;
   }
-  const ModelDesc d = io::write_synthetic_checkpoint(a.out, p, a.layers, a.seed, a.pow2, shape);
+  const ModelDesc d = write_synthetic_checkpoint(a.out, p, a.layers, a.seed, a.pow2, shape);
   fmt::print("wrote {} ({}): {} MoE layer{} ({}), {}\n", a.out, d.family, d.moe_layers.size(),
              d.moe_layers.size() == 1 ? "" : "s", d.moe_layers_text(), d.shape.describe());
   return 0;
@@ -291,7 +291,7 @@ int run_inspect(const InspectArgs& a) {
         router = std::string(io::to_string(g->dtype));
         s.router_dtype = g->dtype == io::Dtype::kBF16 ? RouterDtype::kBF16 : RouterDtype::kF32;
       }
-      const auto slots = io::moe_layer_slots(s, prefix);
+      const auto slots = moe_layer_slots(s, prefix);
       size_t found = 0, layer_bytes = 0;
       std::set<std::string_view> shards;
       std::vector<std::string> missing, wrong;
@@ -301,11 +301,11 @@ int run_inspect(const InspectArgs& a) {
           missing.push_back(slot.name);
           continue;
         }
-        if (auto mismatch = io::slot_mismatch(slot, v->dtype, v->shape))
+        if (auto mismatch = slot_mismatch(slot, v->dtype, v->shape))
           wrong.push_back(fmt::format("tensor '{}': {}", slot.name, *mismatch));
         else if (slot.region == &MoeWeightLayout::router || slot.region == &MoeWeightLayout::bias)
           // (the block scales are counted below, as corrupt scales)
-          if (auto bad = io::find_corrupt_value(slot, v->data))
+          if (auto bad = find_corrupt_value(slot, v->data))
             wrong.push_back(fmt::format("tensor '{}' {}", slot.name, *bad));
         ++found, layer_bytes += v->bytes;
         shards.insert(v->file);
@@ -317,7 +317,7 @@ int run_inspect(const InspectArgs& a) {
         }
         if (seen_files.insert(v->file).second) bar.set(++done_files);
       }
-      for (auto& u : io::unexpected_tensors(slots, prefix, s, src.names_with_prefix(prefix)))
+      for (auto& u : unexpected_tensors(slots, prefix, s, src.names_with_prefix(prefix)))
         wrong.push_back(std::move(u));
       refused.insert(refused.end(), wrong.begin(), wrong.end());
       const ScaleStats& st = per_layer[li];

@@ -24,7 +24,6 @@
 #include "commands.h"
 #include "megamoe/api/ep_layer.h"
 #include "megamoe/api/forward.h"
-#include "megamoe/io/checkpoint.h"
 #include "megamoe/io/safetensors.h"
 #include "megamoe/model/config.h"
 #include "megamoe/reference/moe.h"

@@ -30,11 +30,11 @@
 #include "commands.h"
 #include "megamoe/api/forward.h"
 #include "megamoe/api/moe_layer.h"
-#include "megamoe/io/checkpoint.h"
 #include "megamoe/io/safetensors.h"
 #include "megamoe/model/config.h"
 #include "megamoe/numerics/fp8.h"
 #include "megamoe/reference/moe.h"
+#include "megamoe/weights/checkpoint_layout.h"
 #include "megamoe/weights/host_weights.h"
 #include "megamoe/weights/store.h"
 #include "megamoe_git_commit.h"
@@ -326,7 +326,7 @@ class WeightFeed {
     for (size_t i = 0; i < layers.size(); ++i) {
       Layer& l =
           layers_.emplace_back(Layer{layers[i], make_random_weights(desc.shape, seed + 101 * i), {}, {}});
-      l.slots = io::moe_layer_slots(desc.shape, desc.layer_prefix(layers[i]));
+      l.slots = moe_layer_slots(desc.shape, desc.layer_prefix(layers[i]));
       for (size_t k = 0; k < l.slots.size(); ++k) l.by_name[l.slots[k].name] = k;
     }
   }
@@ -416,14 +416,14 @@ class WeightFeed {
     all_stores([m](WeightStore& st) { st.begin(m); });
   }
   void send(size_t i, size_t k) {
-    const io::TensorSlot& t = layers_[i].slots[k];
+    const TensorSlot& t = layers_[i].slots[k];
     const void* p = data(layers_[i], k);
     all_stores([&](WeightStore& st) { st.update(t.name, t.dtype, t.shape, p, t.bytes()); });
   }
   // Slot k of layer i with one value made corrupt (a NaN, an infinity or a negative scale):
   // every store must refuse it.
   void send_corrupt_scale(size_t i, size_t k, Rng& rng) {
-    const io::TensorSlot& t = layers_[i].slots[k];
+    const TensorSlot& t = layers_[i].slots[k];
     std::vector<float> bad(t.bytes() / 4);
     std::memcpy(bad.data(), data(layers_[i], k), t.bytes());
     static constexpr float kBad[] = {std::numeric_limits<float>::quiet_NaN(),
@@ -451,7 +451,7 @@ class WeightFeed {
   struct Layer {
     int index;
     HostMoeWeights w;
-    std::vector<io::TensorSlot> slots;
+    std::vector<TensorSlot> slots;
     std::map<std::string, size_t> by_name;
   };
   size_t slot(const Layer& l, const std::string& rel) const {

@@ -39,11 +39,12 @@
 
 #include "megamoe/api/forward.h"
 #include "megamoe/api/moe_layer.h"
-#include "megamoe/io/checkpoint.h"
 #include "megamoe/io/safetensors.h"
 #include "megamoe/model/config.h"
 #include "megamoe/model/shape.h"
 #include "megamoe/numerics/fp8.h"
+#include "megamoe/numerics/quant.h"
+#include "megamoe/weights/checkpoint_layout.h"
 #include "megamoe/weights/device_memory.h"
 #include "megamoe/weights/layout.h"
 #include "megamoe/weights/store.h"
@@ -440,12 +441,12 @@ struct Layer {
     }
   }
   // Copies the stacked tensors in through the store, checkpoint tensor by checkpoint tensor:
-  // each slot of io::moe_layer_slots is a contiguous slice of its region's stacked tensor.
+  // each slot of moe_layer_slots is a contiguous slice of its region's stacked tensor.
   void load_stacked(const Stacked& st, const std::string& mode) {
     const std::vector<api::StackedTensor> specs = api::stacked_tensors(shape);
-    const std::vector<io::TensorSlot> slots = io::moe_layer_slots(shape, desc.layer_prefix(layer));
+    const std::vector<TensorSlot> slots = moe_layer_slots(shape, desc.layer_prefix(layer));
     std::vector<io::TensorView> views;
-    for (const io::TensorSlot& slot : slots) {
+    for (const TensorSlot& slot : slots) {
       size_t i = 0;
       while (i < specs.size() && specs[i].region != slot.region) ++i;
       if (i == specs.size() || !st[i])
@@ -631,41 +632,30 @@ struct Layer {
 // ---------------------------------------------------------------- quantization
 
 // w float32 [..., N, K] (host) -> E4M3 codes (uint8, same shape) and float32
-// [..., ceil(N/128), ceil(K/128)] scales = block amax / 448 (an all-zero block gets 1).
+// [..., ceil(N/128), ceil(K/128)] scales, by num::quantize_block_fp8.
 std::pair<nb::ndarray<nb::numpy, uint8_t>, nb::ndarray<nb::numpy, float>> quantize_block_fp8(const In& w) {
   if (w.device_type() != kDLCPU) value_error(fmt::format("w: expected a cpu array here, found {}", describe(w)));
   if (!is_f32(w.dtype())) type_error(fmt::format("w: expected float32, found {}", describe(w)));
   if (w.ndim() < 2) value_error(fmt::format("w: expected [..., N, K], found {}", describe(w)));
   if (!contiguous(w)) value_error(fmt::format("w: expected a contiguous array, found {}", describe(w)));
   const size_t nd = w.ndim(), N = w.shape(nd - 2), K = w.shape(nd - 1);
+  if (N > size_t(std::numeric_limits<int>::max()) || K > size_t(std::numeric_limits<int>::max()))
+    value_error(fmt::format("w: expected N, K < 2^31, found {}", describe(w)));
   size_t batch = 1;
   for (size_t i = 0; i + 2 < nd; ++i) batch *= w.shape(i);
-  const size_t nb_ = (N + 127) / 128, kb = (K + 127) / 128;
-  auto* q = new std::vector<uint8_t>(batch * N * K);
-  auto* s = new std::vector<float>(batch * nb_ * kb);
-  const float* src = static_cast<const float*>(w.data());
-  for (size_t b = 0; b < batch; ++b)
-    for (size_t bi = 0; bi < nb_; ++bi)
-      for (size_t bk = 0; bk < kb; ++bk) {
-        float amax = 0;
-        for (size_t r = bi * 128; r < std::min(N, bi * 128 + 128); ++r)
-          for (size_t c = bk * 128; c < std::min(K, bk * 128 + 128); ++c)
-            amax = std::fmax(amax, std::fabs(src[(b * N + r) * K + c]));
-        if (!std::isfinite(amax))
-          value_error(fmt::format("w: expected finite values, found {} in block [{}, {}] of matrix {}", amax, bi, bk, b));
-        const float scale = amax > 0 ? amax / num::kE4M3Max : 1.0f;
-        (*s)[(b * nb_ + bi) * kb + bk] = scale;
-        for (size_t r = bi * 128; r < std::min(N, bi * 128 + 128); ++r)
-          for (size_t c = bk * 128; c < std::min(K, bk * 128 + 128); ++c)
-            (*q)[(b * N + r) * K + c] = num::e4m3_encode(src[(b * N + r) * K + c] / scale);
-      }
+  auto q = std::make_unique<std::vector<uint8_t>>(batch * N * K);
+  auto s = std::make_unique<std::vector<float>>(batch * ((N + 127) / 128) * ((K + 127) / 128));
+  num::quantize_block_fp8(static_cast<const float*>(w.data()), int64_t(batch), int(N), int(K), q->data(),
+                          s->data());
   std::vector<size_t> qs(nd), ss(nd);
   for (size_t i = 0; i < nd; ++i) qs[i] = ss[i] = w.shape(i);
-  ss[nd - 2] = nb_, ss[nd - 1] = kb;
-  nb::capsule oq(q, [](void* p) noexcept { delete static_cast<std::vector<uint8_t>*>(p); });
-  nb::capsule os(s, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
-  return {nb::ndarray<nb::numpy, uint8_t>(q->data(), nd, qs.data(), oq),
-          nb::ndarray<nb::numpy, float>(s->data(), nd, ss.data(), os)};
+  ss[nd - 2] = (N + 127) / 128, ss[nd - 1] = (K + 127) / 128;
+  auto* qv = q.release();
+  auto* sv = s.release();
+  nb::capsule oq(qv, [](void* p) noexcept { delete static_cast<std::vector<uint8_t>*>(p); });
+  nb::capsule os(sv, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+  return {nb::ndarray<nb::numpy, uint8_t>(qv->data(), nd, qs.data(), oq),
+          nb::ndarray<nb::numpy, float>(sv->data(), nd, ss.data(), os)};
 }
 
 }  // namespace

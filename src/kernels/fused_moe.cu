@@ -704,8 +704,7 @@ void launch_routing(const FusedMoePlan* p, const DeviceTensors& t, int host_toke
 void launch_external_routing(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint,
                              const ExternalRouting& in, cudaStream_t stream) {
   MEGAMOE_CHECK(p->args.ep.ranks == 0, "fused_moe: external routing is single-device only");
-  MEGAMOE_CHECK(in.id_bytes == 4 || in.id_bytes == 8,
-                "fused_moe: external routing id_bytes must be 4 or 8, got " + std::to_string(in.id_bytes));
+  MEGAMOE_CHECK(in.id_bytes == 4 || in.id_bytes == 8, "internal: the API layer checks id_bytes");
   MEGAMOE_CHECK(host_tokens_hint == 0 || (in.ids && in.weights),
                 "fused_moe: external routing without ids or weights");
   auto* base = static_cast<uint8_t*>(p->workspace);
@@ -731,8 +730,7 @@ void launch_external_routing(const FusedMoePlan* p, const DeviceTensors& t, int 
 void forward_impl(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens_hint, cudaStream_t stream,
                   const ExternalRouting* routing, const Overrides& switches) {
   MEGAMOE_CHECK(host_tokens_hint >= 0 && host_tokens_hint <= p->ws.max_tokens,
-                "token count " + std::to_string(host_tokens_hint) + " exceeds the workspace's max_tokens " +
-                    std::to_string(p->ws.max_tokens));
+                "internal: the API layer bounds the token count by max_tokens");
   const ConfigInputs in = with_forward_switches(p->inputs, switches);
   const FusedMoeConfig cfg = resolve_config(in, host_tokens_hint);
   if (routing)

@@ -1,10 +1,12 @@
-// Tensor loops over the scalar FP8 rules of fp8.h / act_quant.h (docs/numerics.md §4, §5).
-// Nothing here defines a rounding or scale formula of its own: every element
-// goes through e4m3_encode / act_scale / act_quant, which the kernels share.
+// Tensor loops over the scalar FP8 rules of fp8.h / act_quant.h (docs/numerics.md §2, §4, §5).
+// Nothing here defines a rounding formula of its own: every element goes through
+// e4m3_encode / act_scale / act_quant, which the kernels share. The one scale formula here
+// is the checkpoint writer's (amax / 448 per 128x128 block), which no kernel computes.
 #include "megamoe/numerics/quant.h"
 
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cfloat>
@@ -108,6 +110,43 @@ void dequant_block(const uint8_t* q, const float* scale_inv, int rows, int cols,
       const float s = srow[b];
       const int64_t c1 = (b + 1) * kQuantBlock < cols ? (b + 1) * kQuantBlock : cols;
       for (int64_t c = b * kQuantBlock; c < c1; ++c) o[c] = lut[qr[c]] * s;
+    }
+  }
+}
+
+void quantize_block_fp8(const float* w, int64_t batch, int rows, int cols, uint8_t* q, float* scale_inv) {
+  check_shape("quantize_block_fp8", rows, cols);
+  if (batch < 0) throw std::invalid_argument(fmt::format("quantize_block_fp8: negative batch {}", batch));
+  const int64_t brows = ceil_div(rows, kQuantBlock), bcols = ceil_div(cols, kQuantBlock);
+  const int64_t plane = int64_t(rows) * cols;
+  for (int64_t b = 0; b < batch; ++b) {
+    const float* wm = w + b * plane;
+    uint8_t* qm = q + b * plane;
+    for (int64_t bi = 0; bi < brows; ++bi) {
+      const int64_t r0 = bi * kQuantBlock, r1 = std::min<int64_t>(rows, r0 + kQuantBlock);
+      for (int64_t bk = 0; bk < bcols; ++bk) {
+        const int64_t c0 = bk * kQuantBlock, c1 = std::min<int64_t>(cols, c0 + kQuantBlock);
+        float amax = 0.0f;
+        bool finite = true;
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t c = c0; c < c1; ++c) {
+            const float v = wm[r * cols + c];
+            finite &= std::isfinite(v);
+            amax = std::fmax(amax, std::fabs(v));
+          }
+        if (!finite)
+          for (int64_t r = r0; r < r1; ++r)
+            for (int64_t c = c0; c < c1; ++c)
+              if (!std::isfinite(wm[r * cols + c]))
+                throw std::invalid_argument(
+                    fmt::format("quantize_block_fp8: w[{}][{}][{}] = {}: expected finite values (no block "
+                                "scale carries it)",
+                                b, r, c, wm[r * cols + c]));
+        const float s = amax > 0.0f ? amax / kE4M3Max : 1.0f;
+        scale_inv[(b * brows + bi) * bcols + bk] = s;
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t c = c0; c < c1; ++c) qm[r * cols + c] = e4m3_encode(wm[r * cols + c] / s);
+      }
     }
   }
 }

@@ -1,5 +1,5 @@
 // WeightStore (see store.h): allocation, name lookup through the
-// io::moe_layer_slots table, pair bookkeeping, the MXFP8 derived copy, and the
+// moe_layer_slots table, pair bookkeeping, the MXFP8 derived copy, and the
 // streaming checkpoint loader.
 #include "megamoe/weights/store.h"
 
@@ -59,7 +59,7 @@ struct Layer {
   size_t alloc_bytes = 0;
   uint8_t* base = nullptr;
   size_t map_bytes = 0;  // host memory: length of the anonymous mapping
-  std::vector<io::TensorSlot> slots;
+  std::vector<TensorSlot> slots;
   std::vector<SlotInfo> info;
   std::vector<num::RequantReport> pair_reports;  // indexed by the weight's slot
 
@@ -86,7 +86,7 @@ void mx_regions_for(Region MoeWeightLayout::*r, SlotInfo& si) {
     si.mx_q = &Mxfp8Layout::shared_w2, si.mx_sf = &Mxfp8Layout::shared_w2_sf;
 }
 
-std::vector<SlotInfo> slot_infos(const std::vector<io::TensorSlot>& slots) {
+std::vector<SlotInfo> slot_infos(const std::vector<TensorSlot>& slots) {
   std::unordered_map<std::string_view, int> by_name;
   for (size_t i = 0; i < slots.size(); ++i) by_name[slots[i].name] = int(i);
   std::vector<SlotInfo> info(slots.size());
@@ -216,7 +216,7 @@ struct WeightStore::Impl {
       l.mx_offset = round_up(l.layout.total_bytes, kAlign);
       if (mxfp8()) l.mx = Mxfp8Layout::compute(l.shape, held.count);  // the held experts only
       l.alloc_bytes = l.mx_offset + l.mx.total_bytes;
-      l.slots = io::moe_layer_slots(l.shape, l.prefix, held);
+      l.slots = moe_layer_slots(l.shape, l.prefix, held);
       l.info = slot_infos(l.slots);
       l.pair_reports.assign(l.slots.size(), {});
       l.arrived.assign(l.slots.size(), 0);
@@ -227,7 +227,7 @@ struct WeightStore::Impl {
       for (const ExpertRange other :
            {ExpertRange{0, held.first}, ExpertRange{held.end(), l.shape.experts - held.end()}})
         if (other.count > 0)
-          for (const io::TensorSlot& s : io::moe_layer_slots(l.shape, l.prefix, other))
+          for (const TensorSlot& s : moe_layer_slots(l.shape, l.prefix, other))
             if (s.region == &MoeWeightLayout::w13 || s.region == &MoeWeightLayout::w13_scale ||
                 s.region == &MoeWeightLayout::w2 || s.region == &MoeWeightLayout::w2_scale)
               not_held.insert(s.name);
@@ -279,9 +279,9 @@ struct WeightStore::Impl {
     return std::nullopt;
   }
 
-  void check(const Layer& l, const io::TensorSlot& s, std::string_view name, io::Dtype dtype,
+  void check(const Layer& l, const TensorSlot& s, std::string_view name, io::Dtype dtype,
              std::span<const int64_t> shape, size_t bytes, bool have_data) const {
-    if (auto wrong = io::slot_mismatch(s, dtype, shape))
+    if (auto wrong = slot_mismatch(s, dtype, shape))
       throw io::FormatError(fmt::format("layer {}: tensor '{}': {}{}", l.index, name, *wrong,
                                         mode == ReloadMode::kDirect
                                             ? " (direct mode: the live layout cannot be relocated)"
@@ -295,7 +295,7 @@ struct WeightStore::Impl {
       throw io::FormatError(fmt::format("layer {}: tensor '{}': null data", l.index, name));
   }
 
-  // The values of a block scale, router or bias tensor (io::find_corrupt_value; weights are
+  // The values of a block scale, router or bias tensor (find_corrupt_value; weights are
   // E4M3 codes and are not scanned: 99.9 % of the bytes). A corrupt value would turn tokens'
   // outputs into NaN without a word, so the tensor is refused before a byte is written (the
   // slot keeps its old bytes). Costs one read of ~0.1 % of a layer's bytes (GLM-5: 2.4 MB of
@@ -304,7 +304,7 @@ struct WeightStore::Impl {
     return l.slots[slot].dtype != io::Dtype::kF8_E4M3;  // (what find_corrupt_value scans)
   }
   void check_values(const Layer& l, size_t slot, std::string_view name, const void* data) const {
-    if (auto bad = io::find_corrupt_value(l.slots[slot], data))
+    if (auto bad = find_corrupt_value(l.slots[slot], data))
       throw io::FormatError(
           fmt::format("layer {}: tensor '{}' {}: the checkpoint is corrupt", l.index, name, *bad));
   }
@@ -321,8 +321,8 @@ struct WeightStore::Impl {
 
   // ---- MXFP8 derived copy ----
   num::RequantReport requant_pair(Layer& l, size_t w) {
-    const io::TensorSlot& ws = l.slots[w];
-    const io::TensorSlot& ss = l.slots[size_t(l.info[w].partner)];
+    const TensorSlot& ws = l.slots[w];
+    const TensorSlot& ss = l.slots[size_t(l.info[w].partner)];
     const int rows = int(ws.shape[0]), cols = int(ws.shape[1]);
     const size_t n = ws.bytes(), nsf = n / num::kMxGroup;
     uint8_t* q_dst = l.base + l.mx_offset + (l.mx.*(l.info[w].mx_q)).offset + ws.offset;
@@ -562,7 +562,7 @@ bool WeightStore::update(std::string_view name, io::Dtype dtype, std::span<const
   const auto target = m.validate(name, dtype, shape, data, bytes, from_device);
   if (!target) return false;
   Layer& l = m.layers[target->first];
-  const io::TensorSlot& s = l.slots[target->second];
+  const TensorSlot& s = l.slots[target->second];
   m.touch(l);
   m.write(l.base + s.at(l.layout), data, bytes, from_device);
   ++m.report.tensors, m.report.bytes += bytes;
@@ -672,7 +672,7 @@ FinishReport WeightStore::load(const io::Checkpoint& ckpt, const LoadOptions& op
             std::lock_guard g(m.mu);
             const auto target = *m.resolve(t.name);
             Layer& l = m.layers[target.first];
-            const io::TensorSlot& s = l.slots[target.second];
+            const TensorSlot& s = l.slots[target.second];
             m.check(l, s, t.name, t.dtype, t.shape, t.bytes(), true);
             m.touch(l);
             uint8_t* dst = l.base + s.at(l.layout);

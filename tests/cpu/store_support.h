@@ -12,8 +12,8 @@
 #include <filesystem>
 #include <string>
 
-#include "megamoe/io/checkpoint.h"
 #include "megamoe/model/config.h"
+#include "megamoe/weights/checkpoint_layout.h"
 
 namespace megamoe::test {
 
@@ -52,8 +52,8 @@ class TempDir {
 // `layers` MoE layers with the test shape.
 inline ModelDesc write_test_checkpoint(const std::filesystem::path& dir, int layers, uint64_t seed,
                                        bool pow2_scales = false) {
-  return io::write_synthetic_checkpoint(dir, find_preset("glm-5.3-flash"), layers, seed, pow2_scales,
-                                        store_test_shape());
+  return write_synthetic_checkpoint(dir, find_preset("glm-5.3-flash"), layers, seed, pow2_scales,
+                                    store_test_shape());
 }
 
 #ifdef MEGAMOE_CLI_PATH  // (the GPU tests include this header for its checkpoints only)

@@ -13,14 +13,22 @@
 #include <string>
 #include <vector>
 
-#include "megamoe/io/checkpoint.h"
+#include "megamoe/weights/checkpoint_layout.h"
 #include "store_support.h"
 
-namespace megamoe::io {
+namespace megamoe {
 namespace {
 
 namespace fs = std::filesystem;
 
+using io::Checkpoint;
+using io::Dtype;
+using io::Error;
+using io::FormatError;
+using io::NotFoundError;
+using io::TensorToWrite;
+using io::write_config;
+using io::write_safetensors;
 using test::TempDir;  // one per test, removed afterwards (store_support.h)
 
 MoeShape small_shape(RouterDtype router) {
@@ -28,6 +36,12 @@ MoeShape small_shape(RouterDtype router) {
   s.hidden = 256, s.inter = 128, s.experts = 8, s.topk = 2, s.shared_experts = 1;
   s.routed_scaling = 2.5f, s.router_dtype = router;
   return s;
+}
+
+// The deprecated io:: spellings of the layout mapping still compile and call it.
+TEST(Checkpoint, IoSpellingsStillWork) {
+  const MoeShape s = small_shape(RouterDtype::kBF16);
+  EXPECT_EQ(io::moe_layer_slots(s, "p.").size(), moe_layer_slots(s, "p.").size());
 }
 
 // Partial edge blocks on both axes, two shared experts, no correction bias.
@@ -264,7 +278,7 @@ TEST(CheckpointLoad, ReportsWrongShapeAndDtype) {
 }
 
 // Values no checkpoint holds, right dtype and shape: load_moe_layer refuses them as the
-// WeightStore does (io::find_corrupt_value), naming file, tensor, position and rule.
+// WeightStore does (find_corrupt_value), naming file, tensor, position and rule.
 TEST(CheckpointLoad, RefusesCorruptValues) {
   TempDir dir;
   LayerFile f;
@@ -321,4 +335,4 @@ TEST(CheckpointLoad, ConfigWithFewerExpertsThanTheFile) {
 }
 
 }  // namespace
-}  // namespace megamoe::io
+}  // namespace megamoe

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "megamoe/api/forward.h"
-#include "megamoe/io/checkpoint.h"
 #include "megamoe/io/safetensors.h"
 #include "megamoe/reference/moe.h"
+#include "megamoe/weights/checkpoint_layout.h"
 #include "store_support.h"
 #include "support.h"
 
@@ -61,7 +61,7 @@ TEST(CliForward, MatchesInProcessReferenceAndRanks) {
   }
   // The reference, in-process, from the same checkpoint.
   const io::Checkpoint ckpt(f.ck);
-  const HostMoeWeights w = io::load_moe_layer(ckpt, f.desc, f.layer);
+  const HostMoeWeights w = load_moe_layer(ckpt, f.desc, f.layer);
   std::vector<int32_t> ids(size_t(f.T) * s.topk);
   std::vector<float> wts(ids.size()), y(size_t(f.T) * s.hidden);
   ref::route(s, w.view(), f.x.data(), f.T, ids.data(), wts.data());

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "megamoe/io/checkpoint.h"
+#include "megamoe/weights/checkpoint_layout.h"
 #include "megamoe/weights/host_weights.h"
 #include "megamoe/weights/store.h"
 #include "store_support.h"
@@ -146,7 +146,7 @@ TEST(SoakFindings, FinishNamesALayerLeftIncompleteByAnEarlierSession) {
   WeightStore st(desc, o);
   std::vector<HostMoeWeights> src;
   auto send = [&](int i, int L, size_t first, size_t n) {
-    const auto slots = io::moe_layer_slots(desc.shape, desc.layer_prefix(L));
+    const auto slots = moe_layer_slots(desc.shape, desc.layer_prefix(L));
     for (size_t k = first; k < std::min(slots.size(), first + n); ++k)
       st.update(slots[k].name, slots[k].dtype, slots[k].shape, src[i].data() + slots[k].at(src[i].layout),
                 slots[k].bytes());

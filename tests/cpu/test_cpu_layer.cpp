@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "megamoe/api/moe_layer.h"
-#include "megamoe/io/checkpoint.h"
+#include "megamoe/io/safetensors.h"
 #include "megamoe/reference/moe.h"
 #include "megamoe/weights/store.h"
 #include "store_support.h"

@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "megamoe/api/forward.h"
-#include "megamoe/io/checkpoint.h"
 #include "megamoe/reference/moe.h"
+#include "megamoe/weights/checkpoint_layout.h"
 #include "megamoe/weights/store.h"
 #include "store_support.h"
 #include "support.h"
@@ -165,7 +165,7 @@ TEST(ReloadModes, DifferentWeightsChangeOutputsAccordingly) {
     for (size_t i = 0; i < y.size(); ++i) y[i] = num::bf16_decode(out.y[i]);
     return y;
   };
-  const auto ya = y_of(io::load_moe_layer(a, d, L)), yb = y_of(io::load_moe_layer(b, d, L));
+  const auto ya = y_of(load_moe_layer(a, d, L)), yb = y_of(load_moe_layer(b, d, L));
   ASSERT_GT(test::rel_l2(ya, yb), 0.1);
 
   for (auto mode : {ReloadMode::kLayerwise, ReloadMode::kDirect}) {

@@ -13,8 +13,8 @@
 #include "megamoe/api/ep_layer.h"
 #include "megamoe/api/forward.h"
 #include "megamoe/api/moe_layer.h"
-#include "megamoe/io/checkpoint.h"
 #include "megamoe/numerics/quant.h"
+#include "megamoe/weights/checkpoint_layout.h"
 #include "megamoe/weights/device_memory.h"
 #include "megamoe/weights/store.h"
 #include "store_support.h"
@@ -53,7 +53,7 @@ TEST(Store, StreamingColdLoadMatchesLoadMoeLayer) {
   for (int L : st.layers()) {
     EXPECT_TRUE(st.ready(L));
     EXPECT_EQ(reinterpret_cast<uintptr_t>(st.base(L)) % 256, 0u);
-    EXPECT_EQ(layer_bytes(st, L), host_bytes(io::load_moe_layer(ck, d, L))) << "layer " << L;
+    EXPECT_EQ(layer_bytes(st, L), host_bytes(load_moe_layer(ck, d, L))) << "layer " << L;
   }
 }
 
@@ -78,7 +78,7 @@ TEST(Store, SplitAndShuffledUpdates) {
   // Non-MoE tensors are not the store's business: ignored, not an error.
   EXPECT_FALSE(st.update(ck.lookup("lm_head.weight")));
   st.finish();
-  for (int L : st.layers()) EXPECT_EQ(layer_bytes(st, L), host_bytes(io::load_moe_layer(ck, d, L)));
+  for (int L : st.layers()) EXPECT_EQ(layer_bytes(st, L), host_bytes(load_moe_layer(ck, d, L)));
 
   // load() with its own shuffle gives the same bytes.
   WeightStore st2 = WeightStore::for_checkpoint(ck, d);
@@ -246,7 +246,7 @@ TEST(Store, DirectSessionLeftHalfAPairIsNotReady) {
   ASSERT_TRUE(st.update(sc, sv.dtype, sv.shape, new_sc.data(), sv.bytes));
   st.finish();
   EXPECT_TRUE(st.ready(L));
-  for (const io::TensorSlot& slot : io::moe_layer_slots(st.shape(L), d.layer_prefix(L)))
+  for (const TensorSlot& slot : moe_layer_slots(st.shape(L), d.layer_prefix(L)))
     if (slot.name == w) {
       std::vector<uint8_t> got(new_w.size());
       st.read_bytes(L, slot.at(st.layout(L)), got.size(), got.data());
@@ -304,8 +304,8 @@ TEST(Store, CorruptScaleOnDiskIsRefusedByEveryLoadPath) {
 // named, not fatal.
 TEST(Store, MtpLayerLoadsWhenAskedFor) {
   TempDir dir;
-  const ModelDesc d = io::write_synthetic_checkpoint(dir.path(), find_preset("deepseek-v3"), 2, 31, false,
-                                                     test::store_test_shape());
+  const ModelDesc d = write_synthetic_checkpoint(dir.path(), find_preset("deepseek-v3"), 2, 31, false,
+                                                 test::store_test_shape());
   const int mtp = d.moe_layers.back();
   ModelDesc m = d;
   m.num_layers = mtp;
@@ -326,7 +326,7 @@ TEST(Store, MtpLayerLoadsWhenAskedFor) {
   WeightStore st = WeightStore::for_checkpoint(ck, desc, o);
   st.load(ck);
   EXPECT_TRUE(st.ready(mtp));
-  EXPECT_EQ(layer_bytes(st, mtp), host_bytes(io::load_moe_layer(ck, d, mtp)));
+  EXPECT_EQ(layer_bytes(st, mtp), host_bytes(load_moe_layer(ck, d, mtp)));
   EXPECT_EQ(layer_bytes(st, mtp), host_bytes(load_layer_via_store(ck, desc, mtp)));
 
   const auto r = test::run_cli("inspect " + dir.path().string());
@@ -417,7 +417,7 @@ TEST(Store, LayerSubsetAndBadOptions) {
   WeightStore st = WeightStore::for_checkpoint(ck, d, o);
   EXPECT_EQ(st.layers(), o.layers);
   st.load(ck);  // the other layers' tensors are ignored
-  EXPECT_EQ(layer_bytes(st, d.moe_layers[1]), host_bytes(io::load_moe_layer(ck, d, d.moe_layers[1])));
+  EXPECT_EQ(layer_bytes(st, d.moe_layers[1]), host_bytes(load_moe_layer(ck, d, d.moe_layers[1])));
   EXPECT_THROW(st.base(d.moe_layers[0]), std::invalid_argument);
   o.layers = {0};  // GLM-5.3-Flash's first layers are dense
   ASSERT_FALSE(d.is_moe_layer(0));
@@ -429,7 +429,7 @@ TEST(Store, LoadLayerViaStoreMatchesLoadMoeLayer) {
   const ModelDesc d = test::write_test_checkpoint(dir.path(), 2, 17);
   const io::Checkpoint ck(dir.path());
   for (int L : d.moe_layers) {
-    const HostMoeWeights a = load_layer_via_store(ck, d, L), b = io::load_moe_layer(ck, d, L);
+    const HostMoeWeights a = load_layer_via_store(ck, d, L), b = load_moe_layer(ck, d, L);
     EXPECT_EQ(a.shape.router_dtype, b.shape.router_dtype);
     EXPECT_EQ(host_bytes(a), host_bytes(b));
   }
@@ -459,7 +459,7 @@ void expect_mxfp8_exact(const WeightStore& st, int L, const io::Checkpoint& ck, 
   const Mxfp8Layout& mx = st.mxfp8_layout(L);
   Region q_reg{}, sf_reg{};
   for (const auto& slot :
-       io::moe_layer_slots(st.shape(L), name.substr(0, name.find("experts.")), st.layout(L).experts))
+       moe_layer_slots(st.shape(L), name.substr(0, name.find("experts.")), st.layout(L).experts))
     if (slot.name == name) {
       off = slot.offset;
       if (slot.region == &MoeWeightLayout::w13) q_reg = mx.w13, sf_reg = mx.w13_sf;
@@ -507,7 +507,7 @@ TEST(Store, Mxfp8CopyIsExactForPow2Scales) {
   expect_mxfp8_exact(st, L, ck, p + "experts.7.up_proj.weight");
   expect_mxfp8_exact(st, L, ck, p + "experts.4.down_proj.weight");
   // The Hopper layout itself is untouched by the derived copy.
-  EXPECT_EQ(layer_bytes(st, L), host_bytes(io::load_moe_layer(ck, d, L)));
+  EXPECT_EQ(layer_bytes(st, L), host_bytes(load_moe_layer(ck, d, L)));
 }
 
 // An expert-parallel rank's store (WeightStoreOptions::experts): only its experts'
@@ -524,7 +524,7 @@ TEST(Store, ExpertRangeHoldsOneRanksExperts) {
   const FinishReport r = st.load(ck);  // finish() asks for the held tensors only
   EXPECT_EQ(r.layers_processed, 2);
   size_t held = 0;
-  for (int L : d.moe_layers) held += io::moe_layer_slots(st.shape(L), d.layer_prefix(L), own).size();
+  for (int L : d.moe_layers) held += moe_layer_slots(st.shape(L), d.layer_prefix(L), own).size();
   EXPECT_EQ(r.tensors, held);
   EXPECT_LT(r.tensors, moe_views(ck, d).size());
   for (int L : d.moe_layers) {
@@ -535,7 +535,7 @@ TEST(Store, ExpertRangeHoldsOneRanksExperts) {
     EXPECT_FALSE(st.layout(L).whole(s));
     EXPECT_EQ(st.mxfp8_layout(L).w13.bytes * 4, Mxfp8Layout::compute(s).w13.bytes);
     // The bytes: the whole layer's, cut by region_copies into the rank's layout.
-    const HostMoeWeights all = io::load_moe_layer(ck, d, L);
+    const HostMoeWeights all = load_moe_layer(ck, d, L);
     std::vector<uint8_t> want(st.layout(L).total_bytes, 0);
     for (const RegionCopy& c : region_copies(all.layout, st.layout(L)))
       std::memcpy(want.data() + c.dst_offset, all.data() + c.src_offset, c.bytes);
@@ -548,8 +548,8 @@ TEST(Store, ExpertRangeHoldsOneRanksExperts) {
     const std::vector<num::bf16_t> x(size_t(2) * s.hidden, num::bf16_t{0x3f80});
     EXPECT_THROW(api::forward(api::Backend::kCpu, part, x.data(), 2), std::invalid_argument);
     // Written back, it is the rank's experts' tensors under their own names.
-    const auto tensors = io::layer_tensors(part, d.layer_prefix(L));
-    EXPECT_EQ(tensors.size(), io::moe_layer_slots(s, d.layer_prefix(L), own).size());
+    const auto tensors = layer_tensors(part, d.layer_prefix(L));
+    EXPECT_EQ(tensors.size(), moe_layer_slots(s, d.layer_prefix(L), own).size());
     for (const auto& t : tensors) {
       const io::TensorView v = ck.lookup(t.name);
       ASSERT_EQ(v.bytes, t.bytes) << t.name;

@@ -17,7 +17,7 @@
 #include "gpu_test_util.h"
 #include "megamoe/api/ep_layer.h"
 #include "megamoe/api/moe_layer.h"
-#include "megamoe/io/checkpoint.h"
+#include "megamoe/weights/checkpoint_layout.h"
 #include "megamoe/weights/device_memory.h"
 #include "megamoe/weights/store.h"
 
@@ -142,7 +142,7 @@ TEST_F(StoreDevice, LayerObjectBorrowsTheStore) {
   lo.max_tokens = 32;
   api::CudaMoeLayer borrowed(st, L, lo);
   EXPECT_EQ(borrowed.device_weights(), st.base(L));
-  api::CudaMoeLayer uploaded(io::load_moe_layer(ck, d, L), lo);
+  api::CudaMoeLayer uploaded(load_moe_layer(ck, d, L), lo);
   const int T = 19;
   const auto x = testutil::random_x(size_t(T) * d.shape.hidden, 24);
   const size_t n = x.size();

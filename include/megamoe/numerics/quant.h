@@ -1,5 +1,5 @@
-// Host-side tensor quantization (docs/numerics.md §4, §5): per-token activation groups,
-// block-FP8 dequantization, the Blackwell MXFP8 format and the 128x128
+// Host-side tensor quantization (docs/numerics.md §2, §4, §5): per-token activation groups,
+// block-FP8 weight quantization and dequantization, the Blackwell MXFP8 format and the 128x128
 // block-FP8 -> MXFP8 requantization with its error report.
 //
 // The scalar rules live in fp8.h / act_quant.h and are shared with the CUDA
@@ -37,6 +37,14 @@ void quantize_rows(const float* x, int rows, int cols, int group, uint8_t* q, fl
 void quantize_rows(const bf16_t* x, int rows, int cols, int group, uint8_t* q, float* scales);
 
 // ---- weights (checkpoint block FP8) ----
+
+// The checkpoint rule (docs/numerics.md §2), for `batch` matrices w [batch][rows][cols]:
+// per 128x128 block (edge blocks may be partial), s = amax / 448 in float32 (1 for an
+// all-zero block) and q = e4m3_encode(w / s) (IEEE division; nearest even, saturating).
+// q is [batch][rows][cols]; scale_inv is [batch][ceil(rows/128)][ceil(cols/128)].
+// Throws std::invalid_argument naming the first value that is not finite (no scale can
+// carry it) or a negative size.
+void quantize_block_fp8(const float* w, int64_t batch, int rows, int cols, uint8_t* q, float* scale_inv);
 
 // out[r][c] = e4m3(q[r][c]) * scale_inv[r/128][c/128] (float32 multiply), with
 // scale_inv shaped [ceil(rows/128)][ceil(cols/128)]; edge blocks may be partial.

@@ -7,8 +7,8 @@
 // tensor by name (any order; a weight and its block scale may come in
 // separate calls); finish() closes the session and throws, listing every
 // tensor name, when a (weight, scale) pair is incomplete or a layer never got
-// all of its tensors. The name -> region mapping is io::moe_layer_slots, the
-// same table load_moe_layer and the checkpoint writers use.
+// all of its tensors. The name -> region mapping is moe_layer_slots
+// (checkpoint_layout.h), the same table load_moe_layer and the checkpoint writers use.
 //
 // NOTE: buffers never move. Each layer is one allocation made by the
 // constructor (256-byte aligned; device memory: one cudaMalloc per layer);
@@ -52,10 +52,10 @@
 #include <string_view>
 #include <vector>
 
-#include "megamoe/io/checkpoint.h"
 #include "megamoe/io/safetensors.h"
 #include "megamoe/model/config.h"
 #include "megamoe/numerics/quant.h"
+#include "megamoe/weights/checkpoint_layout.h"
 #include "megamoe/weights/host_weights.h"
 #include "megamoe/weights/layout.h"
 
