@@ -22,3 +22,11 @@ void write_index(const std::filesystem::path& dir, const std::map<std::string, s
                  uint64_t total_size = 0);
 
 }  // namespace megamoe::io
+
+// Deprecated for one release: the slot table, load_moe_layer and the checkpoint writers moved
+// to megamoe/weights/checkpoint_layout.h; a program that reached them through this header
+// keeps compiling. The library itself is built with MEGAMOE_IO_ONLY, so io includes nothing
+// from the weights layer above it.
+#ifndef MEGAMOE_IO_ONLY
+#include "megamoe/weights/checkpoint_layout.h"
+#endif
