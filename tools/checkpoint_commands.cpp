@@ -61,18 +61,8 @@ int run_make(const MakeArgs& a) {
         fmt::format("--out {}: {}; make-checkpoint writes into a new or empty folder", a.out,
                     fs::is_directory(a.out) ? "the folder is not empty" : "exists and is not a folder"));
   std::optional<MoeShape> shape;
-  if (a.hidden || a.inter || a.experts || a.topk) {
-    MoeShape s = p.shape;
-    if (a.hidden) s.hidden = a.hidden;
-    if (a.inter) s.inter = a.inter;
-    if (a.experts) s.experts = a.experts;
-    if (a.topk) s.topk = a.topk;
-    // (the preset's expert groups, where the overridden E cannot hold them: no groups)
-    if (s.n_group > 1 && (s.experts % s.n_group != 0 || s.experts / s.n_group < 2))
-      s.n_group = s.topk_group = 1;
-    s.validate();
-    shape = s;
-  }
+  if (a.hidden || a.inter || a.experts || a.topk)
+    shape = with_shape_overrides(p.shape, a.hidden, a.inter, a.experts, a.topk);
   const ModelDesc d = write_synthetic_checkpoint(a.out, p, a.layers, a.seed, a.pow2, shape);
   fmt::print("wrote {} ({}): {} MoE layer{} ({}), {}\n", a.out, d.family, d.moe_layers.size(),
              d.moe_layers.size() == 1 ? "" : "s", d.moe_layers_text(), d.shape.describe());

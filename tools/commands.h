@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "megamoe/model/shape.h"
+
 namespace megamoe::tools {
 
 struct Command {
@@ -20,6 +22,18 @@ struct Command {
 // The check of a shape override (--hidden, --inter, --experts, --topk): 0 is no override
 // but a mistake, so the option refuses it rather than leaving the preset's value.
 inline CLI::Range shape_override_range() { return CLI::Range(1, 1 << 20); }
+
+// A preset's shape with the overrides that are given (0: the preset's value), validated. The
+// preset's expert groups go where the overridden E cannot hold them (no groups then).
+inline MoeShape with_shape_overrides(MoeShape s, int hidden, int inter, int experts, int topk) {
+  if (hidden) s.hidden = hidden;
+  if (inter) s.inter = inter;
+  if (experts) s.experts = experts;
+  if (topk) s.topk = topk;
+  if (s.n_group > 1 && (s.experts % s.n_group != 0 || s.experts / s.n_group < 2)) s.n_group = s.topk_group = 1;
+  s.validate();
+  return s;
+}
 
 // The check of a --seed (an unsigned 64-bit value): CLI11 would take "-1" modulo 2^64, a
 // silently different seed.

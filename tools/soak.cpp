@@ -107,68 +107,41 @@ class LayerUnderTest {
   virtual const Output& finish() = 0;
   // The layer's check(): throws what the forwards since the last check() recorded.
   virtual void check() = 0;
-  // The store's layer changed (a reload closed).
-  virtual void reloaded() {}
   virtual bool has_graphs() const { return false; }
 };
 
-// The CPU backend: api::forward (the kernel-faithful reference) over a host copy of the
-// store's layer, refreshed after each reload; the caller's routing through ref::moe_layer. It
-// refuses what a host layer object refuses: more than max_tokens tokens, ids outside [0, E)
-// and routing weights that are not finite (invalid_argument at the call; nothing is left for
-// check()).
+// The CPU backend: api::CpuMoeLayer over the store's layer (it follows reloads by itself).
+// It refuses what it documents: more than max_tokens tokens, ids outside [0, E) and routing
+// weights that are not finite (invalid_argument at the call; nothing is left for check()).
 class CpuLayer final : public LayerUnderTest {
  public:
   CpuLayer(const WeightStore& st, int layer, int max_tokens)
-      : st_(st), layer_(layer), max_tokens_(max_tokens), w_(st.to_host(layer)) {
-    const MoeShape& s = w_.shape;
-    y_.resize(size_t(max_tokens) * s.hidden);
-    ids_.resize(size_t(max_tokens) * s.topk);
-    wts_.resize(ids_.size());
-    yf_.resize(y_.size());
-  }
+      : layer_(st, layer, {.max_tokens = max_tokens}),
+        y_(size_t(max_tokens) * st.shape(layer).hidden),
+        ids32_(size_t(max_tokens) * st.shape(layer).topk) {}
 
   void start(const Call& c) override {
-    const MoeShape& s = w_.shape;
-    if (c.tokens < 0 || c.tokens > max_tokens_)
-      throw std::invalid_argument(
-          fmt::format("forward: {} tokens exceed the layer's max_tokens = {}", c.tokens, max_tokens_));
-    const int T = c.tokens, K = s.topk;
-    out_ = {y_.data(), T, nullptr, nullptr};
+    out_ = {y_.data(), c.tokens, nullptr, nullptr};
     if (!c.routing) {
-      const api::ForwardOutput f = api::forward(api::Backend::kCpu, w_, c.x, T);
-      std::copy(f.y.begin(), f.y.end(), y_.begin());
-      std::copy(f.ids.begin(), f.ids.end(), ids_.begin());
-      std::copy(f.weights.begin(), f.weights.end(), wts_.begin());
-      out_.ids = ids_.data(), out_.weights = wts_.data();
+      layer_.forward(c.x, y_.data(), c.tokens);
+      out_.ids = layer_.topk_ids(), out_.weights = layer_.topk_weights();
       return;
     }
-    for (int i = 0; i < T * K; ++i) {
-      const int64_t id = c.routing->ids[i];
-      const int64_t v = c.id_bytes == 4 ? int64_t(int32_t(id)) : id;
-      if (v < 0 || v >= s.experts)
-        throw std::invalid_argument(fmt::format(
-            "topk_ids: expected expert ids in [0, {}), found {} at [{}, {}]", s.experts, v, i / K, i % K));
-      if (!std::isfinite(c.routing->weights[i]))
-        throw std::invalid_argument(fmt::format("topk_weights: expected finite weights, found {} at [{}, {}]",
-                                                c.routing->weights[i], i / K, i % K));
-      ids_[i] = int32_t(v);
+    const void* ids = c.routing->ids.data();
+    if (c.id_bytes == 4) {
+      const size_t n = std::min(c.routing->ids.size(), ids32_.size());
+      for (size_t i = 0; i < n; ++i) ids32_[i] = int32_t(c.routing->ids[i]);
+      ids = ids32_.data();
     }
-    ref::moe_layer(s, w_.view(), c.x, T, ids_.data(), c.routing->weights.data(), ref::Mode::kKernelFaithful,
-                   yf_.data());
-    for (size_t i = 0; i < size_t(T) * s.hidden; ++i) y_[i] = num::bf16_encode(yf_[i]);
+    layer_.forward(c.x, y_.data(), c.tokens, api::RoutingInput{ids, c.id_bytes, c.routing->weights.data()});
   }
   const Output& finish() override { return out_; }
-  void check() override {}
-  void reloaded() override { w_ = st_.to_host(layer_); }
+  void check() override { layer_.check(); }
 
  private:
-  const WeightStore& st_;
-  int layer_, max_tokens_;
-  HostMoeWeights w_;
+  api::CpuMoeLayer layer_;
   std::vector<bf16_t> y_;
-  std::vector<int32_t> ids_;
-  std::vector<float> wts_, yf_;
+  std::vector<int32_t> ids32_;  // the int32 form of the caller's ids (sized once)
   Output out_;
 };
 
@@ -1039,7 +1012,6 @@ class Soak {
         count_reload(direct ? "direct" : "layerwise");
         if (!feed_->ready(i))
           fail(fmt::format("layer {} not ready after a complete reload", feed_->layer_index(i)));
-        for (auto& l : layers_) l->reloaded();
         return;
       }
       case Kind::kReloadUnfinished: {
@@ -1076,7 +1048,6 @@ class Soak {
         count_reload("refused");
         if (!feed_->ready(i))
           fail(fmt::format("layer {} not ready after a refused update", feed_->layer_index(i)));
-        for (auto& l : layers_) l->reloaded();
         return;
       }
     }
@@ -1106,7 +1077,6 @@ class Soak {
     count_reload(direct ? "direct_completion" : "layerwise_completion");
     pending_.reset();
     if (!feed_->ready(i)) fail(fmt::format("layer {} not ready after its completion", feed_->layer_index(i)));
-    for (auto& l : layers_) l->reloaded();
   }
 
   // Closes a session that brought layer i whole pairs (or all of it).
@@ -1429,16 +1399,7 @@ class Soak {
 };
 
 MoeShape soak_shape(const SoakArgs& a) {
-  MoeShape s = find_preset(a.preset).shape;
-  if (a.hidden) s.hidden = a.hidden;
-  if (a.inter) s.inter = a.inter;
-  if (a.experts) s.experts = a.experts;
-  if (a.topk) s.topk = a.topk;
-  // (the preset's expert groups, where the overridden E cannot hold them: no groups)
-  if (s.n_group > 1 && (s.experts % s.n_group != 0 || s.experts / s.n_group < 2))
-    s.n_group = s.topk_group = 1;
-  s.validate();
-  return s;
+  return with_shape_overrides(find_preset(a.preset).shape, a.hidden, a.inter, a.experts, a.topk);
 }
 
 int run_soak(const SoakArgs& a) {
