@@ -111,15 +111,17 @@ TEST(Decisions, TableKeepsTheRules) {
         int last_block_n = 0;
         for (int t : kTokens) {
           const FusedMoeConfig cfg = resolve_config(in, t);
-          const std::string at = std::string(p.name) + " " + c.name + " ep" + std::to_string(ranks) +
-                                 " T=" + std::to_string(t);
-          EXPECT_NE(std::find(std::begin(kBlockNs), std::end(kBlockNs), cfg.block_n), std::end(kBlockNs)) << at;
+          const std::string at =
+              std::string(p.name) + " " + c.name + " ep" + std::to_string(ranks) + " T=" + std::to_string(t);
+          EXPECT_NE(std::find(std::begin(kBlockNs), std::end(kBlockNs), cfg.block_n), std::end(kBlockNs))
+              << at;
           EXPECT_GE(cfg.block_n, last_block_n) << at;
           last_block_n = cfg.block_n;
           EXPECT_GE(cfg.num_sms, 1) << at;
           EXPECT_LE(cfg.num_sms, c.card.sms) << at;
           EXPECT_GE(cfg.stages, 2) << at;
-          EXPECT_LE(fixed_smem_bytes(cfg.block_n) + cfg.stages * stage_bytes(cfg.block_n, cfg.wide_tiles), kSmemBudget)
+          EXPECT_LE(fixed_smem_bytes(cfg.block_n) + cfg.stages * stage_bytes(cfg.block_n, cfg.wide_tiles),
+                    kSmemBudget)
               << at;
           EXPECT_FALSE(cfg.pair_tiles && cfg.wide_tiles) << at;
           if (cfg.block_n < 128) {
