@@ -30,7 +30,8 @@ inline MoeShape with_shape_overrides(MoeShape s, int hidden, int inter, int expe
   if (inter) s.inter = inter;
   if (experts) s.experts = experts;
   if (topk) s.topk = topk;
-  if (s.n_group > 1 && (s.experts % s.n_group != 0 || s.experts / s.n_group < 2)) s.n_group = s.topk_group = 1;
+  if (s.n_group > 1 && (s.experts % s.n_group != 0 || s.experts / s.n_group < 2))
+    s.n_group = s.topk_group = 1;
   s.validate();
   return s;
 }
