@@ -371,6 +371,8 @@ struct Layer {
             arg, shape.experts));
       views.push_back(v);
     }
+    // (without the GIL: a CPU forward on another thread may hold the store's bytes)
+    nb::gil_scoped_release release;
     store->update(views);
   }
   void finish() {

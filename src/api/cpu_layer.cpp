@@ -69,6 +69,9 @@ struct CpuMoeLayer::Impl {
   void run(const num::bf16_t* x, float* y, int T, const RoutingInput* routing) {
     const std::lock_guard lock(mu);
     detail::require_token_count("forward", T, max_tokens);
+    // A store's reload on another thread waits for this forward (and this one for it).
+    std::shared_lock<std::shared_mutex> hold;
+    if (store) hold = store->read_lock();
     const MoeWeightsView v = weights_view("forward");
     if (T > 0 && (!x || !y)) throw std::invalid_argument(fmt::format("forward: null {}", !x ? "x" : "y"));
     const size_t n = size_t(T) * size_t(shape.topk);

@@ -8,6 +8,7 @@
 
 #include "../kernels/config.h"
 #include "../kernels/cuda_check.h"
+#include "call_gate.h"
 #include "checks.h"
 #include "cuda_backend.h"
 #include "device_run.h"
@@ -46,6 +47,8 @@ struct EpGroup {
     cudaEvent_t done = nullptr;
   };
   std::vector<Rank> local;
+  // The group's layers share workspaces and streams: their calls must not overlap.
+  detail::CallGate gate;
 
   // Makes the transport and each local rank's resources. (Not the constructor: a throw
   // half-way leaves what was made to ~EpGroup, which a constructor's throw would skip.)
@@ -248,6 +251,7 @@ void CudaEpMoeLayer::forward(const std::vector<const num::bf16_t*>& x, const std
                              const std::vector<int>& tokens, Stream stream,
                              const std::vector<const int*>& num_tokens_dev, uint32_t launch_mask) {
   Impl& m = *impl_;
+  const auto entry = m.group->gate.enter("CudaEpMoeLayer", "forward");
   DeviceGuard guard;
   const int n = int(m.local.size());
   if (int(x.size()) != n || int(y.size()) != n || int(tokens.size()) != n)
@@ -304,6 +308,7 @@ void CudaEpMoeLayer::forward(const std::vector<const num::bf16_t*>& x, const std
 
 void CudaEpMoeLayer::check() {
   Impl& m = *impl_;
+  const auto entry = m.group->gate.enter("CudaEpMoeLayer", "check");
   DeviceGuard guard;
   std::string first, counts;
   for (const Impl::Rank& k : m.local) {

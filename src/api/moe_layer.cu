@@ -6,6 +6,7 @@
 
 #include "../kernels/config.h"
 #include "../kernels/cuda_check.h"
+#include "call_gate.h"
 #include "checks.h"
 #include "cuda_backend.h"
 #include "layer_checks.h"
@@ -26,6 +27,7 @@ struct CudaMoeLayer::Impl {
   kernels::FusedMoePlan* plan = nullptr;
   int device = 0;  // where the workspace lives
   IoPointerCheck io_check;
+  std::shared_ptr<detail::CallGate> gate;  // shared with the layers of the same workspace
 
   // What forward and route check first (`op` names the call in messages): the hint
   // against max_tokens, x and a caller's device count as device memory; returns the
@@ -96,6 +98,7 @@ static std::unique_ptr<CudaMoeLayer::Impl> make_impl(const MoeShape& s, const Mo
   }
   MEGAMOE_CUDA_CHECK(cudaMalloc(&impl->own_count, sizeof(int)));
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&impl->device));
+  impl->gate = detail::gate_for_workspace(opt.workspace);
   return impl;
 }
 
@@ -141,6 +144,7 @@ CudaMoeLayer::~CudaMoeLayer() = default;
 
 void CudaMoeLayer::forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint, const int* num_tokens_dev,
                            Stream stream) {
+  const auto entry = impl_->gate->enter("CudaMoeLayer", "forward");
   auto s = static_cast<cudaStream_t>(stream);
   kernels::fused_moe_forward(impl_->plan, impl_->io_tensors(x, y, tokens_hint, num_tokens_dev, s),
                              tokens_hint, s, detail::switches());
@@ -148,6 +152,7 @@ void CudaMoeLayer::forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint
 
 void CudaMoeLayer::forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint, const int* num_tokens_dev,
                            Stream stream, const RoutingInput& routing) {
+  const auto entry = impl_->gate->enter("CudaMoeLayer", "forward");
   auto s = static_cast<cudaStream_t>(stream);
   detail::require_id_bytes(routing.id_bytes);
   const kernels::DeviceTensors t = impl_->io_tensors(x, y, tokens_hint, num_tokens_dev, s);
@@ -163,6 +168,7 @@ void CudaMoeLayer::forward(const num::bf16_t* x, num::bf16_t* y, int tokens_hint
 }
 
 void CudaMoeLayer::route(const num::bf16_t* x, int tokens_hint, const int* num_tokens_dev, Stream stream) {
+  const auto entry = impl_->gate->enter("CudaMoeLayer", "route");
   auto s = static_cast<cudaStream_t>(stream);
   kernels::DeviceTensors t;
   t.num_tokens = impl_->token_count("route", x, tokens_hint, num_tokens_dev, s);
@@ -172,6 +178,7 @@ void CudaMoeLayer::route(const num::bf16_t* x, int tokens_hint, const int* num_t
 }
 
 void CudaMoeLayer::check() {
+  const auto entry = impl_->gate->enter("CudaMoeLayer", "check");
   // (the record lives on the layer's device, which token_count_take synchronizes)
   const DeviceGuard guard;
   MEGAMOE_CUDA_CHECK(cudaSetDevice(impl_->device));

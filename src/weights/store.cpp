@@ -17,6 +17,7 @@
 #include <new>
 #include <optional>
 #include <random>
+#include <shared_mutex>
 #include <stdexcept>
 #include <thread>
 #include <unordered_map>
@@ -178,6 +179,9 @@ struct WeightStore::Impl {
   // (other expert-parallel ranks'): not ours, like an attention weight.
   std::unordered_set<std::string, StringHash, std::equal_to<>> not_held;
   mutable std::mutex mu;
+  // Held shared by host readers (read_lock), exclusively by every call that writes bytes or
+  // readiness; always taken before `mu`.
+  mutable std::shared_mutex bytes_mu;
 
   bool session = false;
   ReloadMode mode = ReloadMode::kLayerwise;
@@ -198,6 +202,9 @@ struct WeightStore::Impl {
                                                         std::span<const int64_t> shape, const void* data,
                                                         size_t bytes, bool& from_device) const;
   bool mxfp8() const { return opt.kernel_format == KernelFormat::kMxfp8Blackwell; }
+  // update() with both locks held.
+  bool update(std::string_view name, io::Dtype dtype, std::span<const int64_t> shape, const void* data,
+              size_t bytes);
 
   void init(const ModelDesc& desc, const std::vector<MoeShape>& shapes) {
     layers.resize(layer_ids.size());
@@ -496,6 +503,7 @@ WeightStore WeightStore::for_checkpoint(const io::Checkpoint& ckpt, const ModelD
 }
 
 void WeightStore::begin(ReloadMode mode) {
+  const std::unique_lock w(impl_->bytes_mu);
   std::lock_guard g(impl_->mu);
   if (impl_->session) throw std::logic_error("WeightStore::begin: a load session is already open");
   impl_->session = true;
@@ -554,32 +562,43 @@ bool WeightStore::validate(std::string_view name, io::Dtype dtype, std::span<con
   return impl_->validate(name, dtype, shape, data, bytes, from_device).has_value();
 }
 
-bool WeightStore::update(std::string_view name, io::Dtype dtype, std::span<const int64_t> shape,
-                         const void* data, size_t bytes) {
-  Impl& m = *impl_;
-  std::lock_guard g(m.mu);
+bool WeightStore::Impl::update(std::string_view name, io::Dtype dtype, std::span<const int64_t> shape,
+                               const void* data, size_t bytes) {
   bool from_device = false;
-  const auto target = m.validate(name, dtype, shape, data, bytes, from_device);
+  const auto target = validate(name, dtype, shape, data, bytes, from_device);
   if (!target) return false;
-  Layer& l = m.layers[target->first];
+  Layer& l = layers[target->first];
   const TensorSlot& s = l.slots[target->second];
-  m.touch(l);
-  m.write(l.base + s.at(l.layout), data, bytes, from_device);
-  ++m.report.tensors, m.report.bytes += bytes;
-  m.arrived(l, target->second);
+  touch(l);
+  write(l.base + s.at(l.layout), data, bytes, from_device);
+  ++report.tensors, report.bytes += bytes;
+  arrived(l, target->second);
   return true;
 }
 
+bool WeightStore::update(std::string_view name, io::Dtype dtype, std::span<const int64_t> shape,
+                         const void* data, size_t bytes) {
+  const std::unique_lock w(impl_->bytes_mu);
+  std::lock_guard g(impl_->mu);
+  return impl_->update(name, dtype, shape, data, bytes);
+}
+
 bool WeightStore::update(std::span<const io::TensorView> tensors) {
+  // (one hold for the whole call: a reader sees all of its tensors or none)
+  const std::unique_lock w(impl_->bytes_mu);
+  std::lock_guard g(impl_->mu);
+  bool from_device = false;
   for (const io::TensorView& v : tensors)  // (all of them checked before a byte is written)
-    validate(v.name, v.dtype, v.shape, v.data, v.bytes);
+    impl_->validate(v.name, v.dtype, v.shape, v.data, v.bytes, from_device);
   bool any = false;
-  for (const io::TensorView& v : tensors) any = update(v) || any;
+  for (const io::TensorView& v : tensors)
+    any = impl_->update(v.name, v.dtype, v.shape, v.data, v.bytes) || any;
   return any;
 }
 
 FinishReport WeightStore::finish() {
   Impl& m = *impl_;
+  const std::unique_lock w(m.bytes_mu);
   std::lock_guard g(m.mu);
   if (!m.session) throw std::logic_error("WeightStore::finish: no session (call begin())");
   m.close_session();
@@ -610,7 +629,7 @@ FinishReport WeightStore::finish() {
       list += fmt::format(" ... and {} more", missing.size() - kMaxMissingListed);
     problems.push_back(fmt::format("layer {}: {} missing tensor{} ({}):{}", l.index, missing.size(),
                                    missing.size() == 1 ? "" : "s",
-                                   l.touched      ? "layer incomplete after this session"
+                                   l.touched     ? "layer incomplete after this session"
                                    : l.was_ready ? "left incomplete by an earlier session"
                                                  : "never loaded",
                                    list));
@@ -669,6 +688,7 @@ FinishReport WeightStore::load(const io::Checkpoint& ckpt, const LoadOptions& op
         try {
           for (; i < items.size() && &ckpt.file(items[i].file) == &file; ++i) {
             const io::TensorInfo& t = *items[i].t;
+            const std::unique_lock w(m.bytes_mu);
             std::lock_guard g(m.mu);
             const auto target = *m.resolve(t.name);
             Layer& l = m.layers[target.first];
@@ -707,6 +727,7 @@ FinishReport WeightStore::load(const io::Checkpoint& ckpt, const LoadOptions& op
       }
     }
   } catch (...) {
+    const std::unique_lock w(m.bytes_mu);
     std::lock_guard g(m.mu);
     m.close_session();
     throw;
@@ -753,6 +774,10 @@ MoeWeightsView WeightStore::host_view(int layer) const {
   return MoeWeightsView::at(l.base, l.layout, l.shape);
 }
 
+std::shared_lock<std::shared_mutex> WeightStore::read_lock() const {
+  return std::shared_lock(impl_->bytes_mu);
+}
+
 HostMoeWeights WeightStore::to_host(int layer) const {
   const Layer& l = impl_->layer(layer);
   HostMoeWeights w(l.shape, l.layout.experts);
@@ -781,6 +806,7 @@ size_t WeightStore::total_bytes() const {
 
 void WeightStore::zero_experts(int layer) {
   Impl& m = *impl_;
+  const std::unique_lock w(m.bytes_mu);
   std::lock_guard g(m.mu);
   Layer& l = m.layer(layer);
   const MoeWeightLayout& lo = l.layout;

@@ -379,3 +379,40 @@ def test_torch_only_names_without_torch():
         exec("from megamoe import patch_moe", {})
     with pytest.raises(AttributeError):
         megamoe.no_such_name
+
+
+def test_threads_forward_beside_reloads(ckpt, ckpt_tensors, x16):
+    """docs/python.md "Threads": forwards on two threads (they release the GIL) while a third
+    reloads an expert's pair in single calls, back and forth: every forward gives the bytes of
+    the old pair or the new one, never a mixture, and none fails."""
+    import threading
+
+    lay = megamoe.MoELayer.from_checkpoint(ckpt, LAYER, device="cpu", max_tokens=32)
+    p = P + "experts.2.gate_proj."
+    w, s = ckpt_tensors[p + "weight"][1], ckpt_tensors[p + "weight_scale_inv"][1]
+    new_w = w ^ np.uint8(1)
+    y_old = bits(lay(x16))
+    lay.load_weights({p + "weight": new_w, p + "weight_scale_inv": s})
+    y_new = bits(lay(x16))
+    assert y_new != y_old
+    seen, errors, done = {"old": 0, "new": 0, "other": 0}, [], threading.Event()
+
+    def forwards():
+        try:
+            while not done.is_set():
+                y = bits(lay(x16))
+                seen["old" if y == y_old else "new" if y == y_new else "other"] += 1
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    ts = [threading.Thread(target=forwards) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for i in range(40):
+        lay.load_weights({p + "weight": w if i % 2 == 0 else new_w, p + "weight_scale_inv": s})
+    done.set()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    assert seen["other"] == 0 and seen["old"] + seen["new"] > 0, seen
+    assert bits(lay(x16)) == y_new

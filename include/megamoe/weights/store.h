@@ -47,6 +47,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <shared_mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -186,6 +187,14 @@ class WeightStore {
   bool ready(int layer) const;
   // Host view for the CPU backend; throws for device memory.
   MoeWeightsView host_view(int layer) const;
+  // A host reader's hold on every layer's bytes (the CPU backend's forward over a host
+  // store, on any thread): while one lives, the writers (begin, update, finish, load's
+  // tensors, zero_experts) wait for it, so the reader sees each update() call whole (a
+  // weight with the scale that came in the same call) and no layer's readiness changes
+  // under it; readers hold it together. Take it before asking ready() or host_view() for
+  // the read. A device store's readers are kernels on the caller's streams, which a host
+  // lock cannot hold: for them the NOTE above stands.
+  [[nodiscard]] std::shared_lock<std::shared_mutex> read_lock() const;
 
   // A host copy (device -> host for device memory), e.g. for api::forward.
   HostMoeWeights to_host(int layer) const;
