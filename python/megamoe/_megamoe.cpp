@@ -100,10 +100,13 @@ std::string device_text(int type, int id) {
 
 template <class A>
 std::string describe(const A& a) {
-  return fmt::format("{} {} on {}", dtype_name(a.dtype()), shape_text(a), device_text(a.device_type(), a.device_id()));
+  return fmt::format("{} {} on {}", dtype_name(a.dtype()), shape_text(a),
+                     device_text(a.device_type(), a.device_id()));
 }
 
-bool is(nb::dlpack::dtype d, nb::dlpack::dtype_code c, int bits) { return d.code == uint8_t(c) && d.bits == bits; }
+bool is(nb::dlpack::dtype d, nb::dlpack::dtype_code c, int bits) {
+  return d.code == uint8_t(c) && d.bits == bits;
+}
 bool is_bf16(nb::dlpack::dtype d) {
   // uint16: BF16 bits (ml_dtypes bfloat16 numpy arrays have no DLPack code; the wrapper
   // views them as uint16).
@@ -140,7 +143,9 @@ void require_shape(const char* arg, const A& a, std::initializer_list<int64_t> s
     for (int64_t v : shape) want += (i++ ? ", " : "") + std::to_string(v);
     value_error(fmt::format("{}: expected shape {}, found {}", arg, want + "]", describe(a)));
   }
-  if (!contiguous(a)) value_error(fmt::format("{}: expected a contiguous (row-major) tensor, found strides of a view ({})", arg, describe(a)));
+  if (!contiguous(a))
+    value_error(fmt::format("{}: expected a contiguous (row-major) tensor, found strides of a view ({})", arg,
+                            describe(a)));
 }
 
 // ---------------------------------------------------------------- shapes and configs
@@ -175,8 +180,8 @@ io::Dtype io_dtype(const char* arg, nb::dlpack::dtype d) {
   if (is_fp8(d)) return io::Dtype::kF8_E4M3;
   if (is_bf16(d)) return io::Dtype::kBF16;  // (uint16: BF16 bits, see is_bf16)
   if (is_f32(d)) return io::Dtype::kF32;
-  type_error(fmt::format("{}: expected float8_e4m3fn (or uint8 E4M3 codes), bfloat16 or float32, found {}", arg,
-                         dtype_name(d)));
+  type_error(fmt::format("{}: expected float8_e4m3fn (or uint8 E4M3 codes), bfloat16 or float32, found {}",
+                         arg, dtype_name(d)));
 }
 
 // "cuda" (the current device's ordinal, checked usable) or "cpu" (-1); `who` prefixes the
@@ -191,7 +196,8 @@ int open_device(const std::string& dev, const std::string& who) {
   cudaGetDevice(&device);
   return device;
 #else
-  throw std::runtime_error(who + "device 'cuda': this build of megamoe has no CUDA backend (built without nvcc)");
+  throw std::runtime_error(who +
+                           "device 'cuda': this build of megamoe has no CUDA backend (built without nvcc)");
 #endif
 }
 
@@ -205,7 +211,8 @@ struct Workspace {
   void* ptr = nullptr;
   std::vector<MoeShape> shapes;
 
-  Workspace(const std::vector<MoeShape>& s, int max_tok, const std::string& dev) : max_tokens(max_tok), shapes(s) {
+  Workspace(const std::vector<MoeShape>& s, int max_tok, const std::string& dev)
+      : max_tokens(max_tok), shapes(s) {
     if (s.empty()) value_error("Workspace: config_or_configs: expected at least one MoEConfig, found none");
     if (max_tok < 1) value_error(fmt::format("Workspace: max_tokens: expected >= 1, found {}", max_tok));
     for (const MoeShape& x : s) x.validate();
@@ -259,14 +266,15 @@ struct Layer {
         value_error(fmt::format("workspace: expected a Workspace on cuda:{}, found one on cuda:{}", device,
                                 workspace->device));
       if (workspace->max_tokens < max_tokens)
-        value_error(fmt::format("workspace: sized for max_tokens {}, the layer asks for {}", workspace->max_tokens,
-                                max_tokens));
+        value_error(fmt::format("workspace: sized for max_tokens {}, the layer asks for {}",
+                                workspace->max_tokens, max_tokens));
 #if MEGAMOE_HAVE_CUDA
       const size_t need = cuda ? api::CudaMoeLayer::workspace_bytes_for(shape, max_tokens) : 0;
       if (workspace->bytes < need)
-        value_error(fmt::format("workspace: {} bytes, this layer ({}) needs {} at max_tokens {}; list its config "
-                                "in Workspace()",
-                                workspace->bytes, shape.describe(), need, max_tokens));
+        value_error(
+            fmt::format("workspace: {} bytes, this layer ({}) needs {} at max_tokens {}; list its config "
+                        "in Workspace()",
+                        workspace->bytes, shape.describe(), need, max_tokens));
 #endif
     }
   }
@@ -321,9 +329,10 @@ struct Layer {
   }
   void require_store(const char* what) const {
     if (!store)
-      value_error(fmt::format("{}: this layer borrows the caller's tensors (from_stacked(borrow=True)); write "
-                              "new weights into those tensors instead",
-                              what));
+      value_error(
+          fmt::format("{}: this layer borrows the caller's tensors (from_stacked(borrow=True)); write "
+                      "new weights into those tensors instead",
+                      what));
   }
   void begin(const std::string& mode) {
     require_store("load_weights");
@@ -418,7 +427,8 @@ struct Layer {
       if (!t) value_error(fmt::format("{}: required, found None", arg));
       const auto d = t->dtype();
       if (spec.type == T::kE4M3 && !is_fp8(d))
-        type_error(fmt::format("{}: expected float8_e4m3fn (or uint8 E4M3 codes), found {}", arg, describe(*t)));
+        type_error(
+            fmt::format("{}: expected float8_e4m3fn (or uint8 E4M3 codes), found {}", arg, describe(*t)));
       if (spec.type == T::kF32 && !is_f32(d))
         type_error(fmt::format("{}: expected float32, found {}", arg, describe(*t)));
       if (spec.type == T::kRouter && !is_bf16(d) && !is_f32(d))
@@ -434,8 +444,9 @@ struct Layer {
       if (borrow) {
         const int want = cuda ? kDLCUDA : kDLCPU;
         if (t->device_type() != want || (cuda && t->device_id() != device))
-          value_error(fmt::format("{}: borrow=True reads the tensor in place: expected it on {}, found {}", arg,
-                                  cuda ? fmt::format("cuda:{}", device) : std::string("cpu"), describe(*t)));
+          value_error(fmt::format("{}: borrow=True reads the tensor in place: expected it on {}, found {}",
+                                  arg, cuda ? fmt::format("cuda:{}", device) : std::string("cpu"),
+                                  describe(*t)));
         if (uintptr_t(t->data()) % 16 != 0)
           value_error(fmt::format("{}: borrow=True needs a 16-byte aligned tensor, found address {:#x}", arg,
                                   uintptr_t(t->data())));
@@ -500,7 +511,8 @@ struct Layer {
       const auto d = ids_in->dtype();
       if (!is(d, nb::dlpack::dtype_code::Int, 32) && !is(d, nb::dlpack::dtype_code::Int, 64))
         type_error(fmt::format("topk_ids: expected int32 or int64, found {}", describe(*ids_in)));
-      if (!is_f32(w_in->dtype())) type_error(fmt::format("topk_weights: expected float32, found {}", describe(*w_in)));
+      if (!is_f32(w_in->dtype()))
+        type_error(fmt::format("topk_weights: expected float32, found {}", describe(*w_in)));
       require_device("topk_ids", ids_in->device_type(), ids_in->device_id());
       require_device("topk_weights", w_in->device_type(), w_in->device_id());
     }
@@ -602,10 +614,11 @@ struct Layer {
     if (!cuda_layer) return nb::none();
     nb::handle owner = nb::find(this);
     if (want_ids)
-      return nb::cast(nb::ndarray<nb::pytorch, int32_t>(const_cast<int32_t*>(cuda_layer->topk_ids()), 2, shp, owner,
-                                                        nullptr, nb::dtype<int32_t>(), kDLCUDA, device));
-    return nb::cast(nb::ndarray<nb::pytorch, float>(const_cast<float*>(cuda_layer->topk_weights()), 2, shp, owner,
-                                                    nullptr, nb::dtype<float>(), kDLCUDA, device));
+      return nb::cast(nb::ndarray<nb::pytorch, int32_t>(const_cast<int32_t*>(cuda_layer->topk_ids()), 2, shp,
+                                                        owner, nullptr, nb::dtype<int32_t>(), kDLCUDA,
+                                                        device));
+    return nb::cast(nb::ndarray<nb::pytorch, float>(const_cast<float*>(cuda_layer->topk_weights()), 2, shp,
+                                                    owner, nullptr, nb::dtype<float>(), kDLCUDA, device));
 #else
     return nb::none();
 #endif
@@ -618,7 +631,8 @@ struct Layer {
     d["max_tokens"] = max_tokens;
     d["borrowed"] = !store;
     d["layer"] = layer;
-    d["weight_bytes"] = store ? store->layout(layer).total_bytes : MoeWeightLayout::compute(shape).total_bytes;
+    d["weight_bytes"] =
+        store ? store->layout(layer).total_bytes : MoeWeightLayout::compute(shape).total_bytes;
     d["shape"] = shape.describe();
     d["shared_workspace"] = bool(workspace);
 #if MEGAMOE_HAVE_CUDA
@@ -636,7 +650,8 @@ struct Layer {
 // w float32 [..., N, K] (host) -> E4M3 codes (uint8, same shape) and float32
 // [..., ceil(N/128), ceil(K/128)] scales, by num::quantize_block_fp8.
 std::pair<nb::ndarray<nb::numpy, uint8_t>, nb::ndarray<nb::numpy, float>> quantize_block_fp8(const In& w) {
-  if (w.device_type() != kDLCPU) value_error(fmt::format("w: expected a cpu array here, found {}", describe(w)));
+  if (w.device_type() != kDLCPU)
+    value_error(fmt::format("w: expected a cpu array here, found {}", describe(w)));
   if (!is_f32(w.dtype())) type_error(fmt::format("w: expected float32, found {}", describe(w)));
   if (w.ndim() < 2) value_error(fmt::format("w: expected [..., N, K], found {}", describe(w)));
   if (!contiguous(w)) value_error(fmt::format("w: expected a contiguous array, found {}", describe(w)));
