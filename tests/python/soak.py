@@ -16,8 +16,9 @@ Step after step it draws one of:
   expert once; int32 and int64 ids; a few rows of extreme finite values), with and without
   `out=` and a host token count;
 - replays: on CUDA, graphs captured once at max_tokens (own routing, external int32 and
-  int64 ids) replayed with the count changed in device memory before each replay; on the
-  CPU, the same buffers run with a host count. Each replay's rows are a fresh permutation of
+  int64 ids) replayed with the count changed in device memory before each replay, and now
+  and then the same call made eagerly with the device count; on the CPU, the same buffers
+  run with a host count. Each replay's rows are a fresh permutation of
   a block of tokens whose reference is computed once per weight version (a token's output
   depends only on its own row), which keeps a replay cheap;
 - reloads into NEW tensors each time (`megamoe.quantize_block_fp8`): direct calls of a few
@@ -691,18 +692,28 @@ class Soak:
         return [(name + ".weight", w), (name + ".weight_scale_inv", s)]
 
     def new_items(self, count):
-        """count random reloadable items: a weight with its scale, the router, the bias."""
+        """Up to count distinct reloadable items, new tensors: a weight with its scale, the
+        router, the bias."""
         projections = self.projections()
-        items = []
+        items, taken = [], set()
         for _ in range(count):
             r = self.rng.random()
             if r < 0.1:
-                router = self.new_router()
-                items.append([(self.names("gate.weight"), router)])
+                what = "gate.weight"
             elif r < 0.2 and self.cfg.correction_bias:
-                items.append([(self.names("gate.e_score_correction_bias"), self.new_bias())])
+                what = "gate.e_score_correction_bias"
             else:
-                items.append(self.new_pair(*self.rng.choice(projections)))
+                what = self.rng.choice(projections)
+            key = what if isinstance(what, str) else what[0]
+            if key in taken:
+                continue
+            taken.add(key)
+            if what == "gate.weight":
+                items.append([(self.names(what), self.new_router())])
+            elif what == "gate.e_score_correction_bias":
+                items.append([(self.names(what), self.new_bias())])
+            else:
+                items.append(self.new_pair(*what))
         return items
 
     def track_router(self, calls):
