@@ -170,6 +170,14 @@ class Epoch:
     w_dev: torch.Tensor = None
 
 
+def gather(t, idx):
+    """t[idx] as a new tensor; float8 through its uint8 codes (indexing kernels need not
+    cover float8)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8)[idx].view(t.dtype)
+    return t[idx]
+
+
 class FusedSet:
     """One set of stacked weights for fused_moe: device tensors, newly allocated, and the
     host tensors with the same bytes (the reference's)."""
@@ -810,19 +818,19 @@ class Soak:
             if k.startswith("shared"):
                 host[k], host[k + "_scale"] = w[j], s[j]
             else:
-                host[k], host[k + "_scale"] = w[idx], s[idx]
+                host[k], host[k + "_scale"] = gather(w, idx), s[idx]
         host["router"] = self.bank_router[ridx]
         if self.cfg.correction_bias:
             host["bias"] = self.new_bias()
-        # The device tensors are made apart from the host ones (index_select on the device),
-        # each a new allocation.
+        # The device tensors are made apart from the host ones (gathered on the device), each
+        # a new allocation.
         dev = {}
         idx_d, ridx_d = idx.to(self.dev), ridx.to(self.dev)
         for k, (w, s) in self.bank_dev.items():
             if k.startswith("shared"):
                 dev[k], dev[k + "_scale"] = w[j].clone(), s[j].clone()
             else:
-                dev[k], dev[k + "_scale"] = w[idx_d], s[idx_d]
+                dev[k], dev[k + "_scale"] = gather(w, idx_d), s[idx_d]
         dev["router"] = self.bank_router_dev[ridx_d]
         if "bias" in host:
             dev["bias"] = host["bias"].to(self.dev) if self.cuda else host["bias"].clone()
@@ -1071,13 +1079,16 @@ class Soak:
             d["device_other_growth"] = m1["device_other"] - m0["device_other"]
             d["device_free_drop"] = m0["device_free"] - m1["device_free"]
             d["device_other_bound"] = DEVICE_OTHER_BOUND
+            d["cuda_module_loading"] = os.environ.get("CUDA_MODULE_LOADING", "")
             memory["device"] = d
             if d["torch_allocated_growth"] != 0:
                 flat = False
                 self.note(f"torch's allocated device memory grew by {d['torch_allocated_growth']} bytes")
             if d["device_other_growth"] > DEVICE_OTHER_BOUND:
                 flat = False
-                self.note(f"device memory outside torch's allocator grew by {d['device_other_growth']} bytes")
+                self.note(f"device memory outside torch's allocator grew by {d['device_other_growth']} bytes (a "
+                          "kernel first loaded after the warm-up shows here too: CUDA_MODULE_LOADING=EAGER tells "
+                          "it from a leak)")
         errors = {k: dict(v) for k, v in sorted(self.errors.items())}
         ok = (st["mismatches"] == 0 and st["unexpected_errors"] == 0 and st["missing_errors"] == 0 and flat
               and all(v["expected"] == v["raised"] for v in errors.values()))
