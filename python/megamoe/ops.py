@@ -60,7 +60,11 @@ def _owner(t: Any) -> Any:
     is kept while any tensor uses the storage), the numpy array that owns the data; t itself
     where neither can be watched (a temporary view then costs a new layer per call)."""
     if _is_torch(t):
-        s = t.untyped_storage()
+        try:
+            s = t.untyped_storage()
+            weakref.ref(s)
+        except (RuntimeError, TypeError, NotImplementedError):  # (no storage, or not weakly referenceable)
+            return t
         return s if s is t.untyped_storage() else t  # (older torch: a new wrapper per call)
     base = t
     while isinstance(getattr(base, "base", None), type(t)):
