@@ -3,6 +3,7 @@
 # (tests/python/test_torch.py), megamoe.patch_moe on small models of
 # the four families (tests/python/test_transformers.py), bench/python/bench_moe.py on the
 # CPU backend with its deprecated alias `python -m megamoe.bench` (tests/python/test_bench.py),
+# the Python soak for a few seconds on the CPU backend (tests/python/test_soak.py),
 # and the docs' code blocks again, now with torch (tests/python/test_doc_examples.py).
 # Installs torch, transformers and matplotlib from
 # PyPI where missing: PyPI's torch wheel is the CUDA build (about 3.1 GB of downloads, 5.7 GB
@@ -24,4 +25,4 @@ fi
 py_require torch transformers matplotlib pytest ml_dtypes:ml-dtypes
 PYTHONPATH="$PWD/build/python-pkg" MEGAMOE_CLI="$PWD/build/megamoe" "$PY" -m pytest -q -p no:cacheprovider \
   tests/python/test_torch.py tests/python/test_transformers.py tests/python/test_bench.py \
-  tests/python/test_doc_examples.py
+  tests/python/test_soak.py tests/python/test_doc_examples.py

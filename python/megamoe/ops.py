@@ -18,9 +18,12 @@ with a set of weight tensors builds a borrowed layer, later calls with the same 
 its workspace for max(4096, T) tokens, rounded up to a power of two. With external
 routing the router is not read: a zero router is made once per (E, H, device).
 
-The cache does not keep the weight tensors alive: when one of a layer's tensors is freed
-(an engine that reloads into new tensors drops the old ones), its layer and workspace go
-with it. At most MAX_CACHED layers are kept besides (the least recently used goes first).
+The cache does not keep the weight tensors alive: when the memory of one of a layer's
+tensors is freed (an engine that reloads into new tensors drops the old ones), its layer and
+workspace go with it. What is watched is the memory's owner (a torch tensor's storage, a
+numpy array's base), not the tensor object passed, so a new view of the same memory on each
+call (`param.data`, `w13[layer]`, `.view(torch.uint8)`) finds its layer again. At most
+MAX_CACHED layers are kept besides (the least recently used goes first).
 """
 from __future__ import annotations
 
@@ -52,10 +55,27 @@ def _evict(key: Tuple, layer_ref: "weakref.ref[MoELayer]") -> None:
         _drop(key)
 
 
+def _owner(t: Any) -> Any:
+    """What lives exactly as long as t's memory: a torch tensor's storage (its Python object
+    is kept while any tensor uses the storage), the numpy array that owns the data; t itself
+    where neither can be watched (a temporary view then costs a new layer per call)."""
+    if _is_torch(t):
+        try:
+            s = t.untyped_storage()
+            weakref.ref(s)
+        except (RuntimeError, TypeError, NotImplementedError):  # (no storage, or not weakly referenceable)
+            return t
+        return s if s is t.untyped_storage() else t  # (older torch: a new wrapper per call)
+    base = t
+    while isinstance(getattr(base, "base", None), type(t)):
+        base = base.base
+    return base
+
+
 def _remember(key: Tuple, layer: MoELayer, tensors) -> None:
     _cache[key] = layer
     ref = weakref.ref(layer)
-    _finalizers[key] = [weakref.finalize(t, _evict, key, ref) for t in tensors if t is not None]
+    _finalizers[key] = [weakref.finalize(_owner(t), _evict, key, ref) for t in tensors if t is not None]
     while len(_cache) > MAX_CACHED:
         _drop(next(iter(_cache)))
 

@@ -365,6 +365,33 @@ def test_fused_moe_cache_is_bounded(ckpt_tensors, layer, x16):
     assert not megamoe.ops._cache and not megamoe.ops._finalizers
 
 
+def test_fused_moe_finds_its_layer_through_new_views(ckpt_tensors, layer, x16):
+    """An engine that hands over a new view of the same arrays on each call reuses the
+    cached layer (no setup per call); the layer goes when the arrays' memory does."""
+    import gc
+    import weakref
+
+    fresh = {k: v.copy() for k, v in stacked(ckpt_tensors, layer.config).items()}
+    y = layer(x16)
+    ids, w = layer.topk_ids, layer.topk_weights
+    megamoe.ops.clear_cache()
+
+    def call(view):
+        out = megamoe.ops.fused_moe(x16, ids, w, *(view(fresh[k]) for k in ("w13", "w13_scale", "w2", "w2_scale")),
+                                    config=layer.config, **{k: view(v) for k, v in fresh.items() if "shared" in k})
+        assert bits(out) == bits(y)
+        return next(reversed(megamoe.ops._cache.values()))
+
+    first = weakref.ref(call(lambda a: a[:]))
+    for view in (lambda a: a[:], lambda a: a.view(np.uint8) if a.itemsize == 1 else a[...], lambda a: a):
+        for _ in range(2):
+            assert call(view) is first()
+    assert len(megamoe.ops._cache) == 1
+    del fresh
+    gc.collect()
+    assert first() is None and not megamoe.ops._cache
+
+
 def test_workspace_device_default_matches_layer(layer):
     ws = megamoe.Workspace([layer.config], max_tokens=8)
     assert ws.device == ("cuda" if megamoe.cuda_available() else "cpu")

@@ -81,3 +81,37 @@ def test_quantize_torch_matches_numpy():
     assert q.dtype == torch.float8_e4m3fn
     assert np.array_equal(s.numpy(), sn)
     assert np.array_equal(q.view(torch.uint8).numpy(), qn)
+
+
+def test_fused_moe_finds_its_layer_through_new_views():
+    """An engine that passes a new tensor object over the same memory on each call
+    (param.data, a slice, a uint8 view) reuses the cached layer (no setup per call); the
+    layer goes when the memory does, not with the first call's object."""
+    import weakref
+
+    cfg = megamoe.MoEConfig(hidden=256, inter=128, experts=16, topk=4)
+    g = torch.Generator().manual_seed(5)
+    w13, s13 = megamoe.quantize_block_fp8(torch.randn(16, 256, 256, generator=g) * 0.05)
+    w2, s2 = megamoe.quantize_block_fp8(torch.randn(16, 256, 128, generator=g) * 0.05)
+    p13 = torch.nn.Parameter(w13, requires_grad=False)
+    del w13
+    x = torch.randn(4, 256, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(4)]).to(torch.int32)
+    w = torch.rand(4, 4, generator=g)
+    megamoe.ops.clear_cache()
+
+    def call(t13):
+        y = megamoe.ops.fused_moe(x, ids, w, t13, s13, w2, s2, config=cfg)
+        return y, next(reversed(megamoe.ops._cache.values()))
+
+    y, layer = call(p13.data)
+    first = weakref.ref(layer)
+    del layer
+    for view in (lambda: p13.data, lambda: p13[:], lambda: p13.data.view(torch.uint8), lambda: p13):
+        for _ in range(2):
+            y2, layer = call(view())
+            assert layer is first() and tbits(y2) == tbits(y)
+            del layer
+    assert len(megamoe.ops._cache) == 1
+    del p13
+    assert first() is None and not megamoe.ops._cache
