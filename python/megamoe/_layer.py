@@ -411,7 +411,9 @@ class MoELayer(_Base):
     def topk_ids(self) -> Any:
         """Expert ids [T, K] (int32) of the last forward: a numpy array (CPU; a torch
         tensor when that forward took torch tensors) or a view of the layer's device
-        buffer (CUDA, valid until the next forward)."""
+        buffer (CUDA, valid until the next forward). T is the token count (CUDA: the bound)
+        of the last call made from Python: a graph replay does not pass through Python, so
+        after one the first n rows (n: the count it read) are the replay's routing."""
         return self._routing(True)
 
     @property
