@@ -588,8 +588,13 @@ bool WeightStore::update(std::span<const io::TensorView> tensors) {
   const std::unique_lock w(impl_->bytes_mu);
   std::lock_guard g(impl_->mu);
   bool from_device = false;
-  for (const io::TensorView& v : tensors)  // (all of them checked before a byte is written)
+  std::unordered_set<std::string_view> names;
+  for (const io::TensorView& v : tensors) {  // (all of them checked before a byte is written)
+    if (!names.insert(v.name).second)
+      throw io::FormatError(fmt::format(
+          "WeightStore::update: tensor '{}' is given twice in one call (which one is meant?)", v.name));
     impl_->validate(v.name, v.dtype, v.shape, v.data, v.bytes, from_device);
+  }
   bool any = false;
   for (const io::TensorView& v : tensors)
     any = impl_->update(v.name, v.dtype, v.shape, v.data, v.bytes) || any;

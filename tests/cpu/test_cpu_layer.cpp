@@ -222,6 +222,20 @@ TEST(CpuLayer, RefusedReloadCallWritesNothing) {
     st.read_bytes(L, 0, after.size(), after.data());
     EXPECT_EQ(before, after) << to_string(mode);
   }
+  // A name given twice in one call is refused (which one was meant?), nothing written.
+  {
+    st.begin(ReloadMode::kDirect);
+    const io::TensorView twice[3] = {nw, sv, wv};
+    try {
+      st.update(std::span<const io::TensorView>(twice));
+      ADD_FAILURE() << "a name twice in one call";
+    } catch (const io::FormatError& e) {
+      EXPECT_NE(std::string(e.what()).find("given twice"), std::string::npos) << e.what();
+    }
+    st.finish();
+    st.read_bytes(L, 0, after.size(), after.data());
+    EXPECT_EQ(before, after);
+  }
   // validate() alone writes nothing, and names what it does not hold.
   st.begin(ReloadMode::kDirect);
   EXPECT_TRUE(st.validate(wn, nw.dtype, nw.shape, nw.data, nw.bytes));

@@ -323,6 +323,11 @@ def test_refused_load_writes_nothing(ckpt, ckpt_tensors, x16):
         lay.load_weights(p + "weight_scale_inv", s)
     with pytest.raises(RuntimeError, match="incomplete"):
         lay(x16)
+    # a name twice in one call: refused as a whole (which one was meant?)
+    with pytest.raises(ValueError, match="given twice"):
+        lay.load_weights([(p + "weight", new_w), (p + "weight_scale_inv", s), (p + "weight", w)])
+    with pytest.raises(RuntimeError, match="incomplete"):
+        lay(x16)
     # the recovery, and the documented form: the weight with its scale in one call
     lay.load_weights({p + "weight": new_w, p + "weight_scale_inv": s})
     assert bits(lay(x16)) != bits(y)

@@ -155,7 +155,8 @@ class WeightStore {
   bool validate(std::string_view name, io::Dtype dtype, std::span<const int64_t> shape, const void* data,
                 size_t bytes) const;
   // Several tensors as one step: every one validated before any is written, so a refused
-  // call (a bad scale beside its weight) leaves the store's bytes as they were. Returns
+  // call (a bad scale beside its weight, a name given twice) leaves the store's bytes as they
+  // were. Returns
   // whether any landed (names the store does not hold are passed over, as update()'s).
   bool update(std::span<const io::TensorView> tensors);
   // Closes the session. Throws io::NotFoundError listing every incomplete pair
