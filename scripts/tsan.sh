@@ -2,9 +2,9 @@
 # What docs/cpp.md ("Threads") says may run concurrently, under ThreadSanitizer: the CPU
 # suite's thread tests (separate layers at once, one layer from several threads, a store's
 # reloads beside the forwards over it, two threads feeding one session, the CUDA layers'
-# call gate) and the CPU layer and store tests (less the one that runs the command, not
-# built here), in a build folder of its own (build-tsan,
-# CUDA off). A data race fails the run. About 4 minutes on 2 cores, most of it the build.
+# call gate) and the CPU layer and store tests (less the one that runs the command, which
+# is not built here), in a build folder of its own (build-tsan, CUDA off). A data race
+# fails the run. About 4 minutes on 2 cores, most of it the build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMEGAMOE_CUDA=OFF \

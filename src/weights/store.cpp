@@ -202,9 +202,14 @@ struct WeightStore::Impl {
                                                         std::span<const int64_t> shape, const void* data,
                                                         size_t bytes, bool& from_device) const;
   bool mxfp8() const { return opt.kernel_format == KernelFormat::kMxfp8Blackwell; }
-  // update() with both locks held.
-  bool update(std::string_view name, io::Dtype dtype, std::span<const int64_t> shape, const void* data,
-              size_t bytes);
+  // Every writer's locks, in the one order: the readers' hold (bytes_mu), then mu.
+  struct WriteHold {
+    std::unique_lock<std::shared_mutex> bytes;
+    std::unique_lock<std::mutex> meta;
+  };
+  WriteHold write_hold() { return {std::unique_lock(bytes_mu), std::unique_lock(mu)}; }
+  // A validated tensor written into its slot (the write hold taken).
+  void write_slot(std::pair<uint32_t, uint32_t> target, const void* data, size_t bytes, bool from_device);
 
   void init(const ModelDesc& desc, const std::vector<MoeShape>& shapes) {
     layers.resize(layer_ids.size());
@@ -503,8 +508,7 @@ WeightStore WeightStore::for_checkpoint(const io::Checkpoint& ckpt, const ModelD
 }
 
 void WeightStore::begin(ReloadMode mode) {
-  const std::unique_lock w(impl_->bytes_mu);
-  std::lock_guard g(impl_->mu);
+  const auto hold = impl_->write_hold();
   if (impl_->session) throw std::logic_error("WeightStore::begin: a load session is already open");
   impl_->session = true;
   impl_->mode = mode;
@@ -562,49 +566,53 @@ bool WeightStore::validate(std::string_view name, io::Dtype dtype, std::span<con
   return impl_->validate(name, dtype, shape, data, bytes, from_device).has_value();
 }
 
-bool WeightStore::Impl::update(std::string_view name, io::Dtype dtype, std::span<const int64_t> shape,
-                               const void* data, size_t bytes) {
-  bool from_device = false;
-  const auto target = validate(name, dtype, shape, data, bytes, from_device);
-  if (!target) return false;
-  Layer& l = layers[target->first];
-  const TensorSlot& s = l.slots[target->second];
+void WeightStore::Impl::write_slot(std::pair<uint32_t, uint32_t> target, const void* data, size_t bytes,
+                                   bool from_device) {
+  Layer& l = layers[target.first];
+  const TensorSlot& s = l.slots[target.second];
   touch(l);
   write(l.base + s.at(l.layout), data, bytes, from_device);
   ++report.tensors, report.bytes += bytes;
-  arrived(l, target->second);
-  return true;
+  arrived(l, target.second);
 }
 
 bool WeightStore::update(std::string_view name, io::Dtype dtype, std::span<const int64_t> shape,
                          const void* data, size_t bytes) {
-  const std::unique_lock w(impl_->bytes_mu);
-  std::lock_guard g(impl_->mu);
-  return impl_->update(name, dtype, shape, data, bytes);
+  const auto hold = impl_->write_hold();
+  bool from_device = false;
+  const auto target = impl_->validate(name, dtype, shape, data, bytes, from_device);
+  if (target) impl_->write_slot(*target, data, bytes, from_device);
+  return target.has_value();
 }
 
 bool WeightStore::update(std::span<const io::TensorView> tensors) {
   // (one hold for the whole call: a reader sees all of its tensors or none)
-  const std::unique_lock w(impl_->bytes_mu);
-  std::lock_guard g(impl_->mu);
-  bool from_device = false;
+  const auto hold = impl_->write_hold();
+  struct Checked {
+    std::optional<std::pair<uint32_t, uint32_t>> target;
+    bool from_device = false;
+  };
+  std::vector<Checked> checked(tensors.size());
   std::unordered_set<std::string_view> names;
-  for (const io::TensorView& v : tensors) {  // (all of them checked before a byte is written)
+  for (size_t i = 0; i < tensors.size(); ++i) {  // (all of them checked before a byte is written)
+    const io::TensorView& v = tensors[i];
     if (!names.insert(v.name).second)
       throw io::FormatError(fmt::format(
           "WeightStore::update: tensor '{}' is given twice in one call (which one is meant?)", v.name));
-    impl_->validate(v.name, v.dtype, v.shape, v.data, v.bytes, from_device);
+    checked[i].target = impl_->validate(v.name, v.dtype, v.shape, v.data, v.bytes, checked[i].from_device);
   }
   bool any = false;
-  for (const io::TensorView& v : tensors)
-    any = impl_->update(v.name, v.dtype, v.shape, v.data, v.bytes) || any;
+  for (size_t i = 0; i < tensors.size(); ++i)
+    if (checked[i].target) {
+      impl_->write_slot(*checked[i].target, tensors[i].data, tensors[i].bytes, checked[i].from_device);
+      any = true;
+    }
   return any;
 }
 
 FinishReport WeightStore::finish() {
   Impl& m = *impl_;
-  const std::unique_lock w(m.bytes_mu);
-  std::lock_guard g(m.mu);
+  const auto hold = m.write_hold();
   if (!m.session) throw std::logic_error("WeightStore::finish: no session (call begin())");
   m.close_session();
   std::vector<std::string> problems;
@@ -693,8 +701,7 @@ FinishReport WeightStore::load(const io::Checkpoint& ckpt, const LoadOptions& op
         try {
           for (; i < items.size() && &ckpt.file(items[i].file) == &file; ++i) {
             const io::TensorInfo& t = *items[i].t;
-            const std::unique_lock w(m.bytes_mu);
-            std::lock_guard g(m.mu);
+            const auto hold = m.write_hold();
             const auto target = *m.resolve(t.name);
             Layer& l = m.layers[target.first];
             const TensorSlot& s = l.slots[target.second];
@@ -732,8 +739,7 @@ FinishReport WeightStore::load(const io::Checkpoint& ckpt, const LoadOptions& op
       }
     }
   } catch (...) {
-    const std::unique_lock w(m.bytes_mu);
-    std::lock_guard g(m.mu);
+    const auto hold = m.write_hold();
     m.close_session();
     throw;
   }
@@ -811,8 +817,7 @@ size_t WeightStore::total_bytes() const {
 
 void WeightStore::zero_experts(int layer) {
   Impl& m = *impl_;
-  const std::unique_lock w(m.bytes_mu);
-  std::lock_guard g(m.mu);
+  const auto hold = m.write_hold();
   Layer& l = m.layer(layer);
   const MoeWeightLayout& lo = l.layout;
   auto zero = [&](size_t off, size_t n) {

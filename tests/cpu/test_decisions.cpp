@@ -93,8 +93,6 @@ TEST(Decisions, TableMatchesGolden) {
                     << " (an intended change: MEGAMOE_REGEN_GOLDEN=1, docs/testing.md)";
 }
 
-// The function reads its inputs only: the process's switches (ScopedOverrides) change nothing,
-// the switches passed in do.
 // The rules docs/kernel.md states, checked on every row of the table without the snapshot:
 // a built token block, the grid within the card, the ring within shared memory, decode tiles
 // at 1 token and 128-token tiles at 16384, token blocks that never shrink as T grows, and at
@@ -139,6 +137,8 @@ TEST(Decisions, TableKeepsTheRules) {
   }
 }
 
+// The function reads its inputs only: the process's switches (ScopedOverrides) change nothing,
+// the switches passed in do.
 TEST(Decisions, PureOfItsInputs) {
   ConfigInputs in;
   in.shape = find_preset("glm-5").shape;

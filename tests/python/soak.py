@@ -193,8 +193,9 @@ class FusedSet:
 
 
 class Soak:
-    def __init__(self, a):
+    def __init__(self, a, argv):
         self.a = a
+        self.argv = argv  # (the replay command in the report)
         self.rng = random.Random(a.seed)
         self.gen = torch.Generator().manual_seed(a.seed)
         self.cuda = a.device == "cuda"
@@ -541,8 +542,12 @@ class Soak:
         self.stats["forwards_eager_external" if ext else "forwards_eager_own"] += 1
         self.stats["tokens"] += n
         routing = f"external {dist} {str(id_dtype).replace('torch.', '')}" if ext else "own"
-        what = f"eager forward ({mode}), {n} of {T} tokens, {routing} routing"
-        if ext:
+        self.check_dut(f"eager forward ({mode}), {n} of {T} tokens, {routing} routing", y, x, n, ids, w)
+
+    def check_dut(self, what, y, x, n, ids=None, w=None):
+        """The first n rows of a forward of the layer under test against the reference: on the
+        caller's routing (ids, w) or, with ids None, on the layer's own (as it came back)."""
+        if ids is not None:
             want = self.ref(x[:n], ids[:n], w[:n])
         else:
             want = self.expect_own(what, self.ref, x[:n], self.dut.topk_ids[:n], self.dut.topk_weights[:n],
@@ -899,7 +904,6 @@ class Soak:
         if not any(r() is layer for r in s.layers):
             s.layers.append(weakref.ref(layer))
             self.stats["fused_layers_built"] += 1
-        del layer
         if len(cache) > megamoe.ops.MAX_CACHED:
             self.fail(f"fused_moe's cache holds {len(cache)} layers, more than MAX_CACHED {megamoe.ops.MAX_CACHED}")
         self.stats["fused_calls"] += 1
@@ -908,12 +912,10 @@ class Soak:
         what = f"fused_moe set {s.id}, {T} tokens, {'external' if ext else 'own'} routing"
         if ext:
             want = ref(x, ids, w)
-        else:
-            # (the op's layer is the cache's; its routing is the last forward's)
-            op_layer = next(reversed(cache.values()))
-            want = self.expect_own(what, ref, x, op_layer.topk_ids[:T], op_layer.topk_weights[:T],
-                                   s.host["router"], s.host.get("bias"))
-            del op_layer
+        else:  # (the routing of the op's layer is this call's)
+            want = self.expect_own(what, ref, x, layer.topk_ids[:T], layer.topk_weights[:T], s.host["router"],
+                                   s.host.get("bias"))
+        del layer  # (no reference kept: a dropped set's layer must go with its tensors)
         self.compare(what, y, want)
 
     def step_fused(self, calls=None):
@@ -962,13 +964,8 @@ class Soak:
             y = torch.ops.megamoe.moe_forward(h, x_d, ids_d, w_d, count)
         self.stats["forwards_torch_op"] += 1
         self.stats["tokens"] += n
-        what = f"torch op ({variant}), {n} of {T} tokens, {'external' if ext else 'own'} routing"
-        if ext:
-            want = self.ref(x[:n], ids[:n], w[:n])
-        else:
-            want = self.expect_own(what, self.ref, x[:n], self.dut.topk_ids[:n], self.dut.topk_weights[:n],
-                                   self.router_host, self.bias_host)
-        self.compare(what, y[:n], want)
+        self.check_dut(f"torch op ({variant}), {n} of {T} tokens, {'external' if ext else 'own'} routing", y, x, n,
+                       ids, w)
         if self.cuda:
             self.dut.check()
 
@@ -1147,9 +1144,7 @@ def main(argv=None):
     # The tensors are small: torch's intra-op threads would cost more than they give, and
     # one thread keeps the run's pace independent of the machine's other load.
     torch.set_num_threads(1)
-    soak = Soak(a)
-    soak.argv = argv
-    r = soak.run()
+    r = Soak(a, argv).run()
     f = r["forwards"]
     print(f"soak: {'ok' if r['ok'] else 'FAILED'}: {r['steps']} steps in {r['seconds']} s ({r['device_name']}, "
           f"megamoe {r['megamoe_version']}, seed {r['seed']}), {r['tokens']} tokens; forwards: eager "

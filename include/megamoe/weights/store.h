@@ -156,8 +156,8 @@ class WeightStore {
                 size_t bytes) const;
   // Several tensors as one step: every one validated before any is written, so a refused
   // call (a bad scale beside its weight, a name given twice) leaves the store's bytes as they
-  // were. Returns
-  // whether any landed (names the store does not hold are passed over, as update()'s).
+  // were. Returns whether any landed (names the store does not hold are passed over, as
+  // update()'s).
   bool update(std::span<const io::TensorView> tensors);
   // Closes the session. Throws io::NotFoundError listing every incomplete pair
   // ("... arrived without its block scale '...'") and every missing tensor of a
