@@ -3,12 +3,12 @@
 # tests, the demo and the benchmark, logging everything under $OUT.
 # Usage (from the repo root there): scripts/device_run.sh BIN_DIR [tests] [sanitize] [example] [demo] [soak]
 #   [bench ARGS...]
-# soak: the GPU soak of docs/testing.md side by side on the card -- `megamoe soak` at GLM-5.3-Flash
-# (SOAK_FLASH_S seconds, default 480: a call lasts 10 minutes at most, so the 10 minutes of
-# docs/testing.md are two calls) and at GLM-5 (SOAK_GLM5_S, 300; 0 skips it), the Python soak
-# (SOAK_PY_S, 300; 0 skips it; needs torch and the package on PYTHONPATH) and 30 s of a small
-# soak under memcheck; each report is $OUT/soak_*.json (random seeds, printed and in the
-# report); SOAK_CHECK_TOKENS sets --check-tokens at real shapes.
+# soak: the GPU soak of docs/testing.md, one run after another on the card -- `megamoe soak` at
+# GLM-5.3-Flash (SOAK_FLASH_S seconds, default 480), at GLM-5 (SOAK_GLM5_S, 300), the Python
+# soak (SOAK_PY_S, 300; needs torch and the package on PYTHONPATH) and a small soak under
+# memcheck (SOAK_MEMCHECK_S, 30); 0 skips one. A call lasts 10 minutes at most: the runs of
+# docs/testing.md take more than one. Each report is $OUT/soak_*.json (random seeds, printed
+# and in the report); SOAK_CHECK_TOKENS sets --check-tokens at real shapes.
 # A failing test step ends the call (KEEP_GOING=1 runs the later steps anyway).
 set -uo pipefail
 bin=$1; shift
@@ -40,30 +40,32 @@ while [ $# -gt 0 ]; do
              timeout 120 "$bin/embed_layer" /tmp/megamoe_example_ckpt 64 >> "$out/example.log" 2>&1
              echo "example rc=$?"; tail -8 "$out/example.log" ;;
     soak) shift
-          fs=${SOAK_FLASH_S:-480} gs=${SOAK_GLM5_S:-300} ps=${SOAK_PY_S:-300}
-          logs=/tmp/megamoe_soak_logs; mkdir -p "$logs"  # (only the reports come back: 8 files a call)
+          # One after another, each alone on the card: a soak's device-memory figure is the
+          # card's free memory (cudaMemGetInfo), which another process's allocations would move.
+          fs=${SOAK_FLASH_S:-480} gs=${SOAK_GLM5_S:-300} ps=${SOAK_PY_S:-300} ms=${SOAK_MEMCHECK_S:-30}
           ck=()
           if [ -n "${SOAK_CHECK_TOKENS:-}" ]; then ck=(--check-tokens "$SOAK_CHECK_TOKENS"); fi
-          timeout $((fs + 90)) "$bin/megamoe" soak --backend cuda --preset glm-5.3-flash --seconds "$fs" "${ck[@]}" \
-            --json "$out/soak_glm-5.3-flash.json" > "$logs/soak_glm-5.3-flash.log" 2>&1 &
-          p1=$!
-          p2=
+          if [ "$fs" -gt 0 ]; then
+            timeout $((fs + 90)) "$bin/megamoe" soak --backend cuda --preset glm-5.3-flash --seconds "$fs" "${ck[@]}" \
+              --json "$out/soak_glm-5.3-flash.json" 2>&1 | tail -n 12
+            echo "soak glm-5.3-flash rc=${PIPESTATUS[0]}"
+          fi
           if [ "$gs" -gt 0 ]; then
             timeout $((gs + 180)) "$bin/megamoe" soak --backend cuda --preset glm-5 --seconds "$gs" "${ck[@]}" \
-              --json "$out/soak_glm-5.json" > "$logs/soak_glm-5.log" 2>&1 &
-            p2=$!
+              --json "$out/soak_glm-5.json" 2>&1 | tail -n 12
+            echo "soak glm-5 rc=${PIPESTATUS[0]}"
           fi
-          p3=
           if [ "$ps" -gt 0 ]; then
-            PYTHONUNBUFFERED=1 timeout $((ps + 300)) python3 tests/python/soak.py --device cuda --seconds "$ps" \
-              --reloads 1000 --fused-calls 10000 --replays 10000 --json "$out/soak_python.json" > "$logs/soak_python.log" 2>&1 &
-            p3=$!
+            PYTHONUNBUFFERED=1 timeout $((ps + 120)) python3 tests/python/soak.py --device cuda --seconds "$ps" \
+              --reloads 1000 --fused-calls 10000 --replays 10000 --json "$out/soak_python.json" 2>&1 | tail -n 6
+            echo "soak python rc=${PIPESTATUS[0]}"
           fi
-          timeout 240 compute-sanitizer --tool memcheck --leak-check full "$bin/megamoe" soak --backend cuda --seconds 30 \
-            --hidden 1024 --inter 512 --experts 32 --topk 4 --max-tokens 256 > "$out/soak_memcheck.log" 2>&1
-          echo "soak under memcheck rc=$?"; tail -3 "$out/soak_memcheck.log"
-          for p in $p1 $p2 $p3; do wait "$p"; echo "soak rc=$?"; done
-          tail -n 4 "$logs"/soak_*.log ;;
+          if [ "$ms" -gt 0 ]; then
+            timeout $((ms + 210)) compute-sanitizer --tool memcheck --leak-check full "$bin/megamoe" soak --backend cuda \
+              --seconds "$ms" --hidden 1024 --inter 512 --experts 32 --topk 4 --max-tokens 256 \
+              --json "$out/soak_memcheck.json" > "$out/soak_memcheck.log" 2>&1
+            echo "soak under memcheck rc=$?"; tail -n 6 "$out/soak_memcheck.log"
+          fi ;;
     demo) shift; timeout 200 "$bin/megamoe" demo --preset glm-5 --tokens 64 2>&1 | tee "$out/demo.log" ;;
     bench) shift; timeout 500 "$bin/megamoe" bench "$@" --json "$out/bench.json" 2>&1 | tee "$out/bench.log"; break ;;
     *) echo "unknown step $1"; exit 2 ;;

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "soak_routing.h"
 #include "megamoe/api/forward.h"
 #include "megamoe/api/moe_layer.h"
 #include "megamoe/io/safetensors.h"
@@ -162,7 +163,14 @@ struct DeviceBuffer {
 };
 struct PinnedBuffer {
   void* p = nullptr;
-  explicit PinnedBuffer(size_t bytes) { SOAK_CUDA(cudaMallocHost(&p, std::max<size_t>(bytes, 256))); }
+  // Touched once here: the driver maps pinned pages into the process on their first CPU
+  // access, so pages first read later (the rows past a replay's count) would count as RSS
+  // growth after the warm-up.
+  explicit PinnedBuffer(size_t bytes) {
+    bytes = std::max<size_t>(bytes, 256);
+    SOAK_CUDA(cudaMallocHost(&p, bytes));
+    std::memset(p, 0, bytes);
+  }
   ~PinnedBuffer() { cudaFreeHost(p); }
   PinnedBuffer(const PinnedBuffer&) = delete;
   PinnedBuffer& operator=(const PinnedBuffer&) = delete;
@@ -188,7 +196,8 @@ class CudaLayer final : public LayerUnderTest {
         hy_(size_t(M_) * H_ * 2),
         hids_(size_t(M_) * K_ * 4),
         hw_(size_t(M_) * K_ * 4) {
-    ids32_.reserve(size_t(M_) * K_);  // (sized once: host RSS is measured after the warm-up)
+    ids32_.resize(size_t(M_) * K_);  // (sized and touched once: host RSS is measured after the warm-up)
+    ids32_.clear();
   }
   ~CudaLayer() override {
     for (cudaGraphExec_t g : {own_graph_, ext_graph_})
@@ -473,7 +482,7 @@ class Reference {
     ids_.resize(size_t(max_tokens) * s.topk);
     w_.resize(ids_.size());
     logits_.resize(size_t(max_tokens) * s.experts);
-    yb_.reserve(x_.size());
+    yb_.resize(x_.size());  // (resized, not reserved: its pages touched before RSS is measured)
   }
   // y (BF16 bytes, [rows][H]) of `rows` of x on the routing ids / weights ([T][K], already
   // in the reference's terms: -1 a padding slot).
@@ -633,12 +642,15 @@ class Soak {
     // generation of T x H normals at real shapes).
     pool_ = make_random_tokens(std::max(size_t(1) << 22, size_t(s.hidden) * 64), seed + 3);
     x_.resize(size_t(M_) * s.hidden);
-    // Every per-step buffer at its largest once (host RSS is measured after the warm-up).
+    // Every per-step buffer at its largest once, its pages touched (host RSS is measured
+    // after the warm-up; a reserved page counts only once written).
     const size_t slots = size_t(M_) * s.topk;
-    routing_.ids.reserve(slots), routing_.weights.reserve(slots);
-    ref_ids_.reserve(slots), ref_w_.reserve(slots);
-    extreme_.reserve(size_t(M_)), nonfinite_.reserve(size_t(M_)), isolated_.reserve(size_t(M_));
-    rows_.reserve(size_t(M_));
+    const auto presize = [](auto& v, size_t n) { v.resize(n), v.clear(); };  // (keeps the capacity)
+    presize(routing_.ids, slots), presize(routing_.weights, slots);
+    presize(ref_ids_, slots), presize(ref_w_, slots);
+    presize(extreme_, size_t(M_)), presize(nonfinite_, size_t(M_)), presize(isolated_, size_t(M_));
+    presize(rows_, size_t(M_));
+    presize(pair_y_, size_t(M_) * s.hidden), presize(pair_ids_, slots), presize(pair_w_, slots);
     make_layers();
   }
   ~Soak() {
@@ -986,13 +998,14 @@ class Soak {
         layers_[0]->start(c0);
         layers_[other]->start(c1);
         const Output o0 = layers_[0]->finish();
-        const std::vector<bf16_t> y0(o0.y, o0.y + size_t(o0.rows) * s_.hidden);
-        const std::vector<int32_t> i0(o0.ids, o0.ids ? o0.ids + size_t(t0) * s_.topk : o0.ids);
-        const std::vector<float> w0(o0.weights, o0.weights ? o0.weights + size_t(t0) * s_.topk : o0.weights);
+        // (copies in buffers sized once: a fresh max_tokens x H vector a step can stay in the heap)
+        pair_y_.assign(o0.y, o0.y + size_t(o0.rows) * s_.hidden);
+        pair_ids_.assign(o0.ids, o0.ids ? o0.ids + size_t(t0) * s_.topk : o0.ids);
+        pair_w_.assign(o0.weights, o0.weights ? o0.weights + size_t(t0) * s_.topk : o0.weights);
         const Output& o1 = layers_[other]->finish();
         stats_.forwards += 2;
         stats_.tokens += t0 + t1;
-        verify(0, c0, Output{y0.data(), o0.rows, i0.data(), w0.data()}, t0, 0);
+        verify(0, c0, Output{pair_y_.data(), o0.rows, pair_ids_.data(), pair_w_.data()}, t0, 0);
         verify(other, c1, o1, t1, t0);
         check_clean(0);
         check_clean(other);
@@ -1231,9 +1244,9 @@ class Soak {
     if (!c.routing) verify_routing(li, L, o, first);
   }
 
-  // The layer's own routing against ref::route: the same experts, except where the reference's
-  // selection scores tie to within the last bits (the kernel rounds its logits differently,
-  // docs/numerics.md §6), and weights within 1e-5.
+  // The layer's own routing against ref::route (soak_routing.h): the same experts, except where
+  // the reference's selection scores tie to within the last bits (the kernel rounds its logits
+  // differently, docs/numerics.md §6), and where they agree weights within 1e-5.
   void verify_routing(int li, int L, const Output& o, int first) {
     const int K = s_.topk, E = s_.experts;
     std::vector<int> rows;
@@ -1249,34 +1262,12 @@ class Soak {
       const int32_t* want = reference_->route_ids() + r * K;
       const float* ww = reference_->route_weights() + r * K;
       const float* c = reference_->selection() + r * E;
-      float m_want = INFINITY, m_got = INFINITY;
-      for (int k = 0; k < K; ++k) {
-        m_want = std::min(m_want, c[want[k]]);
-        if (got[k] >= 0 && got[k] < E) m_got = std::min(m_got, c[got[k]]);
-      }
-      bool tie = false, bad = false;
-      for (int k = 0; k < K; ++k) {
-        const int32_t* at = std::find(want, want + K, got[k]);
-        if (at == want + K) {
-          const float tol = 1e-5f * std::max(1.0f, std::fabs(m_want));
-          if (got[k] < 0 || got[k] >= E || std::fabs(c[got[k]] - m_want) > tol) bad = true;
-          tie = true;
-          continue;
-        }
-        const float w = ww[at - want];
-        if (!(std::fabs(gw[k] - w) <= 1e-5f * std::max(1.0f, std::fabs(w)))) bad = true;
-      }
-      if (tie && !bad) {
-        for (int k = 0; k < K; ++k)
-          if (std::find(got, got + K, want[k]) == got + K &&
-              std::fabs(c[want[k]] - m_got) > 1e-5f * std::max(1.0f, std::fabs(m_got)))
-            bad = true;
-      }
-      if (bad)
+      const soak::RoutingVerdict v = soak::judge_routing(got, gw, want, ww, c, K, E);
+      if (v == soak::RoutingVerdict::kWrong)
         fail(fmt::format(
             "layer {}: token {}'s routing differs from the reference beyond ties: ids [{}] vs [{}]", li, t,
             fmt::join(got, got + K, " "), fmt::join(want, want + K, " ")));
-      else if (tie)
+      else if (v == soak::RoutingVerdict::kTie)
         ++stats_.routing_near_ties;
     }
   }
@@ -1389,6 +1380,9 @@ class Soak {
   std::vector<int> rows_;
   std::vector<int32_t> ref_ids_;
   std::vector<float> ref_w_;
+  std::vector<bf16_t> pair_y_;  // the first forward of a pair step, copied
+  std::vector<int32_t> pair_ids_;
+  std::vector<float> pair_w_;
   Stats stats_;
   Kind step_kind_ = Kind::kOwn;
   bool injected_ = false;

@@ -13,6 +13,7 @@
 #include "megamoe/weights/checkpoint_layout.h"
 #include "megamoe/weights/host_weights.h"
 #include "megamoe/weights/store.h"
+#include "../../tools/soak_routing.h"
 #include "store_support.h"
 
 namespace megamoe {
@@ -173,6 +174,25 @@ TEST(SoakFindings, FinishNamesALayerLeftIncompleteByAnEarlierSession) {
     EXPECT_NE(what.find("left incomplete by an earlier session"), std::string::npos) << what;
   }
   EXPECT_TRUE(st.ready(A));
+}
+
+// The soak's routing rule: a near tie may swap the last expert (and, normalized, every weight
+// moves with it); an expert scored clearly below the reference's pick, or a weight off where
+// the experts agree, is wrong.
+TEST(CliSoak, RoutingRuleTellsATieFromAWrongChoice) {
+  using soak::RoutingVerdict;
+  const float c[] = {0.9f, 0.8f, 0.7f, 0.5f, 0.5f + 1e-7f, 0.1f};  // selection scores
+  const int32_t want[] = {0, 1, 2, 3};
+  const float ww[] = {0.9f / 2.9f, 0.8f / 2.9f, 0.7f / 2.9f, 0.5f / 2.9f};
+  const auto judge = [&](std::vector<int32_t> got, std::vector<float> gw) {
+    return soak::judge_routing(got.data(), gw.data(), want, ww, c, 4, 6);
+  };
+  EXPECT_EQ(judge({0, 1, 2, 3}, {ww[0], ww[1], ww[2], ww[3]}), RoutingVerdict::kSame);
+  EXPECT_EQ(judge({3, 2, 1, 0}, {ww[3], ww[2], ww[1], ww[0]}), RoutingVerdict::kSame);  // (order free)
+  EXPECT_EQ(judge({0, 1, 2, 4}, {0.9f / 3, 0.8f / 3, 0.7f / 3, 0.6f / 3}), RoutingVerdict::kTie);
+  EXPECT_EQ(judge({0, 1, 2, 5}, {0.9f / 2.5f, 0.8f / 2.5f, 0.7f / 2.5f, 0.1f / 2.5f}), RoutingVerdict::kWrong);
+  EXPECT_EQ(judge({0, 1, 2, 3}, {ww[0], ww[1] + 1e-3f, ww[2], ww[3]}), RoutingVerdict::kWrong);
+  EXPECT_EQ(judge({0, 1, 2, 6}, {ww[0], ww[1], ww[2], ww[3]}), RoutingVerdict::kWrong);  // (no such expert)
 }
 
 }  // namespace

@@ -82,3 +82,46 @@ def test_cuda(tmp_path):
     assert fw["replays"] >= 1000 and fw["counted"] == 0
     d = rep["memory"]["device"]
     assert d["torch_allocated_growth"] == 0 and d["device_other_growth"] <= d["device_other_bound"]
+
+
+def test_routing_check_tells_a_tie_from_a_wrong_choice():
+    """A near tie may swap the last expert (and, normalized, every weight moves with it);
+    an expert scored clearly below the reference's choice, or a weight off where the
+    experts agree, is a mismatch."""
+    import collections
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("megamoe_soak", SOAK)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # (its dataclasses look their module up)
+    spec.loader.exec_module(mod)
+
+    c = torch.tensor([[0.9, 0.8, 0.7, 0.5, 0.5 + 1e-7, 0.1]], dtype=torch.float64)  # selection scores
+
+    class Stub:
+        E = 6
+        check_routing = mod.Soak.check_routing
+
+        def __init__(self):
+            self.stats, self.failures = collections.Counter(), []
+
+        def selection_scores(self, x, router, bias):
+            return c
+
+        def fail(self, what):
+            self.failures.append(what)
+
+    want_ids, want_w = torch.tensor([[0, 1, 2, 3]]), torch.tensor([[0.9, 0.8, 0.7, 0.5]]) / 2.9
+    cases = {  # got ids, got weights -> a mismatch?
+        "same": ([0, 1, 2, 3], want_w[0].tolist(), False),
+        "tie, weights renormalized": ([0, 1, 2, 4], [0.9 / 3.0, 0.8 / 3.0, 0.7 / 3.0, 0.6 / 3.0], False),
+        "a clearly lower expert": ([0, 1, 2, 5], [0.9 / 2.5, 0.8 / 2.5, 0.7 / 2.5, 0.1 / 2.5], True),
+        "a weight off": ([0, 1, 2, 3], [w + (1e-3 if k == 1 else 0) for k, w in enumerate(want_w[0].tolist())], True),
+    }
+    for name, (ids, w, bad) in cases.items():
+        s = Stub()
+        s.check_routing(name, None, torch.tensor([ids]), torch.tensor([w]), want_ids, want_w, None, None)
+        assert bool(s.failures) == bad, (name, s.failures)
+        assert s.stats["routing_near_ties"] == (name.startswith("tie")), name
