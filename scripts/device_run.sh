@@ -4,8 +4,9 @@
 # Usage (from the repo root there): scripts/device_run.sh BIN_DIR [tests] [sanitize] [example] [demo] [soak]
 #   [bench ARGS...]
 # soak: the GPU soak of docs/testing.md, one run after another on the card -- `megamoe soak` at
-# GLM-5.3-Flash (SOAK_FLASH_S seconds, default 480), at GLM-5 (SOAK_GLM5_S, 300), the Python
-# soak (SOAK_PY_S, 300; needs torch and the package on PYTHONPATH) and a small soak under
+# GLM-5.3-Flash (SOAK_FLASH_S seconds, default 480), at GLM-5 (SOAK_GLM5_S, 300), at a small
+# shape (SOAK_SMALL_S, 240: the many short forwards real shapes cannot afford), the Python soak
+# (SOAK_PY_S, 300; needs torch and the package on PYTHONPATH) and the small shape under
 # memcheck (SOAK_MEMCHECK_S, 30); 0 skips one. A call lasts 10 minutes at most: the runs of
 # docs/testing.md take more than one. Each report is $OUT/soak_*.json (random seeds, printed
 # and in the report); SOAK_CHECK_TOKENS sets --check-tokens at real shapes.
@@ -42,7 +43,9 @@ while [ $# -gt 0 ]; do
     soak) shift
           # One after another, each alone on the card: a soak's device-memory figure is the
           # card's free memory (cudaMemGetInfo), which another process's allocations would move.
-          fs=${SOAK_FLASH_S:-480} gs=${SOAK_GLM5_S:-300} ps=${SOAK_PY_S:-300} ms=${SOAK_MEMCHECK_S:-30}
+          fs=${SOAK_FLASH_S:-480} gs=${SOAK_GLM5_S:-300} ss=${SOAK_SMALL_S:-240} ps=${SOAK_PY_S:-300}
+          ms=${SOAK_MEMCHECK_S:-30}
+          small=(--preset glm-5.3-flash --hidden 1024 --inter 512 --experts 32 --topk 4 --max-tokens 256)
           ck=()
           if [ -n "${SOAK_CHECK_TOKENS:-}" ]; then ck=(--check-tokens "$SOAK_CHECK_TOKENS"); fi
           if [ "$fs" -gt 0 ]; then
@@ -55,6 +58,11 @@ while [ $# -gt 0 ]; do
               --json "$out/soak_glm-5.json" 2>&1 | tail -n 12
             echo "soak glm-5 rc=${PIPESTATUS[0]}"
           fi
+          if [ "$ss" -gt 0 ]; then
+            timeout $((ss + 90)) "$bin/megamoe" soak --backend cuda "${small[@]}" --seconds "$ss" \
+              --json "$out/soak_small.json" 2>&1 | tail -n 12
+            echo "soak small rc=${PIPESTATUS[0]}"
+          fi
           if [ "$ps" -gt 0 ]; then
             PYTHONUNBUFFERED=1 timeout $((ps + 120)) python3 tests/python/soak.py --device cuda --seconds "$ps" \
               --reloads 1000 --fused-calls 10000 --replays 10000 --json "$out/soak_python.json" 2>&1 | tail -n 6
@@ -62,8 +70,7 @@ while [ $# -gt 0 ]; do
           fi
           if [ "$ms" -gt 0 ]; then
             timeout $((ms + 210)) compute-sanitizer --tool memcheck --leak-check full "$bin/megamoe" soak --backend cuda \
-              --seconds "$ms" --hidden 1024 --inter 512 --experts 32 --topk 4 --max-tokens 256 \
-              --json "$out/soak_memcheck.json" > "$out/soak_memcheck.log" 2>&1
+              "${small[@]}" --seconds "$ms" --json "$out/soak_memcheck.json" > "$out/soak_memcheck.log" 2>&1
             echo "soak under memcheck rc=$?"; tail -n 6 "$out/soak_memcheck.log"
           fi ;;
     demo) shift; timeout 200 "$bin/megamoe" demo --preset glm-5 --tokens 64 2>&1 | tee "$out/demo.log" ;;
