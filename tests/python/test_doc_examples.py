@@ -172,7 +172,8 @@ def test_doc_block(b: Block, doc_env, tmp_path):
         _run([sys.executable, str(tmp_path / "block.py")], tmp_path, env, b, script)
     elif b.lang == "bash":
         if not (ROOT / "build" / "CMakeCache.txt").is_file():
-            pytest.skip("no build tree (build/) here: the docs' shell blocks run in one (a GPU machine gets binaries alone)")
+            # (a GPU machine gets the binaries alone; CI and a checkout have the build tree)
+            pytest.skip("no build tree (build/) here: the docs' shell blocks run in one")
         venv_bin = ROOT / "build" / "venv" / "bin"
         env.update(DOC_TMP=str(tmp_path), TMPDIR=str(tmp_path), HOME=str(tmp_path),
                    PATH=f"{venv_bin}:{env['PATH']}" if venv_bin.is_dir() else env["PATH"])
