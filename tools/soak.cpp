@@ -28,7 +28,6 @@
 #include <vector>
 
 #include "commands.h"
-#include "soak_routing.h"
 #include "megamoe/api/forward.h"
 #include "megamoe/api/moe_layer.h"
 #include "megamoe/io/safetensors.h"
@@ -39,6 +38,7 @@
 #include "megamoe/weights/host_weights.h"
 #include "megamoe/weights/store.h"
 #include "megamoe_git_commit.h"
+#include "soak_routing.h"
 
 #if defined(MEGAMOE_HAVE_CUDA)
 #include <cuda_runtime_api.h>

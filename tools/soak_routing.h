@@ -30,7 +30,8 @@ inline RoutingVerdict judge_routing(const int32_t* got, const float* gw, const i
   }
   if (tie) {  // ... and each expert it picked that the layer did not scores as the layer's last
     for (int k = 0; k < K; ++k)
-      if (std::find(got, got + K, want[k]) == got + K && !near(c[want[k]], m_got)) return RoutingVerdict::kWrong;
+      if (std::find(got, got + K, want[k]) == got + K && !near(c[want[k]], m_got))
+        return RoutingVerdict::kWrong;
     // (no weights compared: normalized, they all move with the swapped expert's score; the
     // output is compared with the reference on the layer's own routing)
     return RoutingVerdict::kTie;

@@ -10,10 +10,10 @@
 #include <string>
 #include <vector>
 
+#include "../../tools/soak_routing.h"
 #include "megamoe/weights/checkpoint_layout.h"
 #include "megamoe/weights/host_weights.h"
 #include "megamoe/weights/store.h"
-#include "../../tools/soak_routing.h"
 #include "store_support.h"
 
 namespace megamoe {
@@ -190,7 +190,8 @@ TEST(CliSoak, RoutingRuleTellsATieFromAWrongChoice) {
   EXPECT_EQ(judge({0, 1, 2, 3}, {ww[0], ww[1], ww[2], ww[3]}), RoutingVerdict::kSame);
   EXPECT_EQ(judge({3, 2, 1, 0}, {ww[3], ww[2], ww[1], ww[0]}), RoutingVerdict::kSame);  // (order free)
   EXPECT_EQ(judge({0, 1, 2, 4}, {0.9f / 3, 0.8f / 3, 0.7f / 3, 0.6f / 3}), RoutingVerdict::kTie);
-  EXPECT_EQ(judge({0, 1, 2, 5}, {0.9f / 2.5f, 0.8f / 2.5f, 0.7f / 2.5f, 0.1f / 2.5f}), RoutingVerdict::kWrong);
+  EXPECT_EQ(judge({0, 1, 2, 5}, {0.9f / 2.5f, 0.8f / 2.5f, 0.7f / 2.5f, 0.1f / 2.5f}),
+            RoutingVerdict::kWrong);
   EXPECT_EQ(judge({0, 1, 2, 3}, {ww[0], ww[1] + 1e-3f, ww[2], ww[3]}), RoutingVerdict::kWrong);
   EXPECT_EQ(judge({0, 1, 2, 6}, {ww[0], ww[1], ww[2], ww[3]}), RoutingVerdict::kWrong);  // (no such expert)
 }
