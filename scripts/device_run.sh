@@ -26,6 +26,16 @@ sanitize_run() {
   timeout 300 compute-sanitizer --tool "$1" "$bin/megamoe_gpu_tests" --gtest_filter="$2" > "$out/$3.log" 2>&1
   tail -3 "$out/$3.log"
 }
+# soak_run NAME SECONDS SETUP_S ARGS...: one C++ soak on CUDA, its report $out/soak_NAME.json
+# (SETUP_S: the time it may take beside SECONDS, building its weights); 0 seconds skips it.
+soak_run() {
+  local name=$1 secs=$2 setup=$3
+  shift 3
+  [ "$secs" -gt 0 ] || return 0
+  timeout $((secs + setup)) "$bin/megamoe" soak --backend cuda "$@" --seconds "$secs" \
+    --json "$out/soak_$name.json" 2>&1 | tail -n 12
+  echo "soak $name rc=${PIPESTATUS[0]}"
+}
 while [ $# -gt 0 ]; do
   case $1 in
     tests) shift; timeout "${TEST_TIMEOUT:-180}" "$bin/megamoe_gpu_tests" ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} > "$out/gpu_tests.log" 2>&1
@@ -48,21 +58,9 @@ while [ $# -gt 0 ]; do
           small=(--preset glm-5.3-flash --hidden 1024 --inter 512 --experts 32 --topk 4 --max-tokens 256)
           ck=()
           if [ -n "${SOAK_CHECK_TOKENS:-}" ]; then ck=(--check-tokens "$SOAK_CHECK_TOKENS"); fi
-          if [ "$fs" -gt 0 ]; then
-            timeout $((fs + 90)) "$bin/megamoe" soak --backend cuda --preset glm-5.3-flash --seconds "$fs" "${ck[@]}" \
-              --json "$out/soak_glm-5.3-flash.json" 2>&1 | tail -n 12
-            echo "soak glm-5.3-flash rc=${PIPESTATUS[0]}"
-          fi
-          if [ "$gs" -gt 0 ]; then
-            timeout $((gs + 180)) "$bin/megamoe" soak --backend cuda --preset glm-5 --seconds "$gs" "${ck[@]}" \
-              --json "$out/soak_glm-5.json" 2>&1 | tail -n 12
-            echo "soak glm-5 rc=${PIPESTATUS[0]}"
-          fi
-          if [ "$ss" -gt 0 ]; then
-            timeout $((ss + 90)) "$bin/megamoe" soak --backend cuda "${small[@]}" --seconds "$ss" \
-              --json "$out/soak_small.json" 2>&1 | tail -n 12
-            echo "soak small rc=${PIPESTATUS[0]}"
-          fi
+          soak_run glm-5.3-flash "$fs" 90 --preset glm-5.3-flash "${ck[@]}"
+          soak_run glm-5 "$gs" 180 --preset glm-5 "${ck[@]}"
+          soak_run small "$ss" 90 "${small[@]}"
           if [ "$ps" -gt 0 ]; then
             PYTHONUNBUFFERED=1 timeout $((ps + 120)) python3 tests/python/soak.py --device cuda --seconds "$ps" \
               --reloads 1000 --fused-calls 10000 --replays 10000 --json "$out/soak_python.json" 2>&1 | tail -n 6

@@ -2,7 +2,7 @@
 # The test command: build, then the CPU test suite (ctest), the end-to-end
 # forward check against an independent float64 implementation, both again under
 # ASan + UBSan (scripts/sanitize.sh), the thread tests under ThreadSanitizer
-# (scripts/tsan.sh), and bounded
+# (scripts/sanitize.sh thread), and bounded
 # fuzzing runs of the two untrusted-input parsers (safetensors headers,
 # config.json). GPU tests are a separate
 # binary (build/megamoe_gpu_tests) run on a machine with an H100/H200.
@@ -67,8 +67,8 @@ soak=(build/megamoe soak --backend cpu --preset glm-5.3-flash --hidden 256 --int
 "${soak[@]}" --seconds 20
 step "ASan + UBSan (scripts/sanitize.sh, about 4 minutes)"
 if [ -x scripts/sanitize.sh ]; then scripts/sanitize.sh; fi
-step "ThreadSanitizer: what may run concurrently (scripts/tsan.sh, about 4 minutes)"
-if [ -x scripts/tsan.sh ]; then scripts/tsan.sh; fi
+step "ThreadSanitizer: what may run concurrently (scripts/sanitize.sh thread, about 4 minutes)"
+if [ -x scripts/sanitize.sh ]; then scripts/sanitize.sh thread; fi
 step "fuzzing the two parsers (scripts/fuzz.sh, 2 minutes)"
 if [ -x scripts/fuzz.sh ]; then scripts/fuzz.sh; fi
 step "OK"

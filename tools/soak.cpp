@@ -57,6 +57,14 @@ constexpr bf16_t kPoison = 0xFFFF;  // what an output row holds before the layer
 int uniform_int(Rng& rng, int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); }
 double uniform01(Rng& rng) { return std::uniform_real_distribution<double>(0.0, 1.0)(rng); }
 
+// An empty vector with room for n, its pages touched: host RSS is measured after the
+// warm-up, and a reserved page counts only once written.
+template <class V>
+void presize(V& v, size_t n) {
+  v.resize(n);
+  v.clear();  // (keeps the capacity)
+}
+
 // ---------------------------------------------------------------- options
 struct SoakArgs {
   std::string preset = "glm-5.3-flash", backend = "cpu", json;
@@ -196,8 +204,7 @@ class CudaLayer final : public LayerUnderTest {
         hy_(size_t(M_) * H_ * 2),
         hids_(size_t(M_) * K_ * 4),
         hw_(size_t(M_) * K_ * 4) {
-    ids32_.resize(size_t(M_) * K_);  // (sized and touched once: host RSS is measured after the warm-up)
-    ids32_.clear();
+    presize(ids32_, size_t(M_) * K_);
   }
   ~CudaLayer() override {
     for (cudaGraphExec_t g : {own_graph_, ext_graph_})
@@ -642,10 +649,8 @@ class Soak {
     // generation of T x H normals at real shapes).
     pool_ = make_random_tokens(std::max(size_t(1) << 22, size_t(s.hidden) * 64), seed + 3);
     x_.resize(size_t(M_) * s.hidden);
-    // Every per-step buffer at its largest once, its pages touched (host RSS is measured
-    // after the warm-up; a reserved page counts only once written).
+    // Every per-step buffer at its largest once.
     const size_t slots = size_t(M_) * s.topk;
-    const auto presize = [](auto& v, size_t n) { v.resize(n), v.clear(); };  // (keeps the capacity)
     presize(routing_.ids, slots), presize(routing_.weights, slots);
     presize(ref_ids_, slots), presize(ref_w_, slots);
     presize(extreme_, size_t(M_)), presize(nonfinite_, size_t(M_)), presize(isolated_, size_t(M_));

@@ -1,5 +1,5 @@
 // What may run concurrently (docs/cpp.md, "Threads"), exercised from several threads: the
-// suite ThreadSanitizer runs in CI (scripts/tsan.sh). Separate CPU layers run at once; one
+// suite ThreadSanitizer runs in CI (scripts/sanitize.sh thread). Separate CPU layers run at once; one
 // CPU layer's forwards from several threads run one at a time; a host store's reloads and the
 // forwards over it on other threads each see the other whole; two threads feed one load
 // session. And what may not: overlapping calls of one CUDA layer (or of the layers sharing a
