@@ -378,10 +378,14 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// One warp per token.
+// One warp per token; a warp's tokens in a software pipeline: the next token's partial
+// logits load while this one is ranked, and a token's row positions (atomics whose return
+// their stores wait for) are stored one token later.
+// kPerLane: experts a lane holds (E <= 32 * kPerLane), so registers follow the expert count.
+template <int kPerLane>
 __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a, MoeShape s) {
-  __shared__ float score_s[kTopkWarps][kMaxE];
-  __shared__ float sel_s[kTopkWarps][kMaxE];
+  __shared__ float score_s[kTopkWarps][32 * kPerLane];
+  __shared__ float sel_s[kTopkWarps][32 * kPerLane];
   __shared__ float group_s[kTopkWarps][32];
   // The fused kernel may be scheduled from here on (its CTAs wait for this grid's end before
   // reading the routing). Launched programmatically (launch_route), route_logits' partials
@@ -393,31 +397,49 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
   const int E = s.experts, K = s.topk;
   float* score = score_s[warp];
   float* sel = sel_s[warp];
-  for (int t = blockIdx.x * kTopkWarps + warp; t < T; t += gridDim.x * kTopkWarps) {
-    // Logits: sum the split-K partials in split order.
-    // NOTE: all loads of a token first (unrolled, up to kMaxE / 32 experts a lane):
-    // one round trip instead of one per expert and slice (~30 us at T=1).
-    float zmax = -FLT_MAX;
-    float part[kMaxE / 32][kRouterGroups];
-    float bias[kMaxE / 32];  // with the partials: one round trip (not one load per expert below)
+  const int t_step = gridDim.x * kTopkWarps;
+  // The lane's experts' correction bias: the same for every token.
+  float bias[kPerLane];
 #pragma unroll
-    for (int i = 0; i < kMaxE / 32; ++i) {
+  for (int i = 0; i < kPerLane; ++i)
+    bias[i] = lane + 32 * i < E && a.bias ? __ldg(a.bias + lane + 32 * i) : 0.0f;
+  // NOTE: all loads of a token at once (unrolled, kPerLane experts a lane): one
+  // round trip instead of one per expert and slice (~30 us at T=1).
+  float part[kPerLane][kRouterGroups];
+  auto load_partials = [&](int t) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
       const int e = lane + 32 * i;
 #pragma unroll
       for (int k = 0; k < kRouterGroups; ++k)
-        part[i][k] = e < E ? __ldcg(a.partial + (size_t(k) * a.max_tokens + t) * E + e) : 0.0f;
-      bias[i] = e < E && a.bias ? __ldg(a.bias + e) : 0.0f;
+        part[i][k] = e < E && t < T ? __ldcg(a.partial + (size_t(k) * a.max_tokens + t) * E + e) : 0.0f;
     }
+  };
+  // Logits: the split-K partials summed in split order.
+  float z[kPerLane];
+  auto sum_partials = [&] {
 #pragma unroll
-    for (int i = 0; i < kMaxE / 32; ++i) {
+    for (int i = 0; i < kPerLane; ++i) {
+      z[i] = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kRouterGroups; ++k) z[i] += part[i][k];
+    }
+  };
+  int32_t* pos_dst = nullptr;  // the previous token's row position, stored once its atomic returned
+  int pos_val = 0;
+  int t = blockIdx.x * kTopkWarps + warp;
+  load_partials(t);
+  for (; t < T; t += t_step) {
+    sum_partials();             // this token's logits (loaded one token earlier)
+    load_partials(t + t_step);  // the next token's: in flight while this one is ranked
+    float zmax = -FLT_MAX;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
       const int e = lane + 32 * i;
       if (e < E) {
-        float z = 0.0f;
-#pragma unroll
-        for (int k = 0; k < kRouterGroups; ++k) z += part[i][k];
-        score[e] = z;
+        score[e] = z[i];
         sel[e] = bias[i];
-        zmax = fmaxf(zmax, z);
+        zmax = fmaxf(zmax, z[i]);
       }
     }
     __syncwarp();
@@ -479,14 +501,14 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
     // order-preserving keys (a lane's experts lane, lane + 32, ...) with each lane's best
     // kept: a pick is two warp reductions (the largest key, then the lowest id holding it)
     // and a rescan by the one lane that gave it (the earlier five shuffle rounds a pick were slower).
-    uint32_t cand[kMaxE / 32];
+    uint32_t cand[kPerLane];
 #pragma unroll
-    for (int i = 0; i < kMaxE / 32; ++i)
+    for (int i = 0; i < kPerLane; ++i)
       cand[i] = order_key(lane + 32 * i < E ? sel[lane + 32 * i] : -INFINITY);
     auto lane_best = [&](uint32_t& key, int& at) {  // the first of the largest: the lowest id
       key = cand[0], at = 0;
 #pragma unroll
-      for (int i = 1; i < kMaxE / 32; ++i)
+      for (int i = 1; i < kPerLane; ++i)
         if (cand[i] > key) key = cand[i], at = i;
     };
     uint32_t best;
@@ -506,21 +528,25 @@ __global__ void __launch_bounds__(kTopkWarps * 32) route_topk_kernel(RouteArgs a
       }
       if (lane == id % 32) {
 #pragma unroll
-        for (int i = 0; i < kMaxE / 32; ++i)
+        for (int i = 0; i < kPerLane; ++i)
           if (i == best_at) cand[i] = 0u;  // below every key of a number
         lane_best(best, best_at);
       }
     }
+    if (pos_dst) *pos_dst = pos_val;  // (the atomic returned while this token was ranked)
+    pos_dst = nullptr;
     if (lane < K) {
       float w = my_w;
       if (s.norm_topk_prob) w = w / (wsum + 1e-20f);
       w *= s.routed_scaling;
       a.ids[size_t(t) * K + lane] = my_id;
       a.weights[size_t(t) * K + lane] = w;
-      a.pos[size_t(t) * K + lane] = atomicAdd(&a.expert_counts[my_id], 1);
+      pos_val = atomicAdd(&a.expert_counts[my_id], 1);
+      pos_dst = &a.pos[size_t(t) * K + lane];
     }
     __syncwarp();
   }
+  if (pos_dst) *pos_dst = pos_val;
 }
 
 // ============================================================================
@@ -647,15 +673,27 @@ void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, i
 
 void set_route_parts_for_timing(int parts) { g_route_parts = parts; }
 
+// Blocks of route_topk resident on one SM (registers and shared memory).
+static int topk_blocks_per_sm(void (*kernel)(RouteArgs, MoeShape)) {
+  int n = 0;
+  MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kTopkWarps * 32, 0));
+  return std::max(1, n);
+}
+
 void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms, bool programmatic,
                 cudaStream_t stream) {
+  const auto kernel = s.experts <= 32 * 8 ? route_topk_kernel<8> : route_topk_kernel<kMaxE / 32>;
+  // One wave of resident blocks at most: a warp's later tokens run in its pipeline.
+  static const int per_sm_8 = topk_blocks_per_sm(route_topk_kernel<8>);
+  static const int per_sm_max = topk_blocks_per_sm(route_topk_kernel<kMaxE / 32>);
+  const int per_sm = s.experts <= 32 * 8 ? per_sm_8 : per_sm_max;
   const int topk_blocks =
-      std::max(1, std::min((host_tokens_hint + kTopkWarps - 1) / kTopkWarps, num_sms * 8));
+      std::max(1, std::min((host_tokens_hint + kTopkWarps - 1) / kTopkWarps, num_sms * per_sm));
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr = sm90::programmatic_serialization();
   cfg.gridDim = dim3(topk_blocks), cfg.blockDim = dim3(kTopkWarps * 32), cfg.stream = stream;
   cfg.attrs = &attr, cfg.numAttrs = programmatic ? 1 : 0;
-  MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, route_topk_kernel, a, s));
+  MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, s));
 }
 
 }  // namespace megamoe::kernels
