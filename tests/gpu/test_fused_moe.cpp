@@ -181,6 +181,15 @@ TEST_F(FusedMoe, ReducedShapeLargeT) {
   for (int T : {512, 2048, 2600}) check_against_reference(reduced_shape(), T, 200 + T);
 }
 
+TEST_F(FusedMoe, TopkWarpsTakeSeveralTokens) {
+  // route_topk runs one wave of resident blocks: past ~2,600 tokens (132 SMs x 5 blocks x 4
+  // warps at 32 experts) a warp ranks several tokens in its pipeline, each token's row
+  // positions stored one token later; a wrong or lost position moves a slot's row.
+  MoeShape s = reduced_shape();
+  s.hidden = 256, s.inter = 128;
+  check_against_reference(s, 6001, 300);
+}
+
 TEST_F(FusedMoe, PairTilesSmall) {
   // 128-token tiles in CTA pairs (clusters of two) against the reference, with half tiles
   // and without: a small case for compute-sanitizer (PairTilesByTheRule runs them by the
