@@ -3,20 +3,24 @@
 // measure what a stage costs in cycles with and without the scale fold, with two or
 // three consumer warpgroups, with and without the ring's mbarriers and loads, and with
 // the stage handed back before or after the fold, and (v24) in clusters of two or four
-// CTAs whose stages are filled by TMA multicast. Timing only: the bytes are random, the
-// sums unchecked. The variant list reproduces the K-loop tables of
+// CTAs whose stages are filled by TMA multicast, and (v49) a wide stage whose 128 token
+// rows are gathered, one TMA box of one row each, as a GEMM1 reading one quantized copy of
+// each token (in place of phase 0's slot copies) would load them. Timing only: the bytes
+// are random, the sums unchecked; but first a check that one-row boxes land in the
+// 128-byte swizzle exactly as one 8-row box does. The variant list reproduces the K-loop tables of
 // docs/performance-history.md (prefill tiles; the raw logs are in git history, 91dccce).
 //
 // Build (here or on the device machine):
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Isrc/kernels \
 //        bench/probes/kloop_probe.cu -o kloop_probe
-// Run: ./kloop_probe [stages per CTA, default 4000]
+// Run: ./kloop_probe [stages per CTA, default 4000] [a substring of the variants to run]
 #include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -72,6 +76,8 @@ enum Loads : int {
   kMc = 7,      // kCl = 2: the v23 pair (tokens multicast, 24 KB from L2); kCl = 4: a 2 x 2 cluster
                 // (weight halves and token halves multicast, 16 KB from L2); 32 KB into each CTA
   kMcW = 8,     // kCl = 2, the weights shared instead: weight half `rank` to both, own 128 token rows
+  kGather = 9,  // wide stages: the weights by one box, the 128 token rows by 128 one-row boxes (random
+                // rows, the same for a tile's 64 K blocks), issued by the producer warp's 32 lanes
 };
 
 // One poll of an mbarrier phase (test_wait: no suspension), for the backing-off producer.
@@ -149,7 +155,7 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
       }
       return;
     }
-    if (kBars == kNoBars || tid != 0) return;
+    if (kBars == kNoBars || tid >= (kBars == kGather ? 32 : 1)) return;
     const size_t span = src_bytes / 65536;
     size_t blk = blockIdx.x * 7 % span;
     for (int k = 0; k < nstages; ++k) {
@@ -165,6 +171,22 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
       }
       if (kBars == kArrive) {
         sm90::mbar_arrive(&full[s]);
+      } else if (kBars == kGather) {  // xmap: one-row boxes
+        const int kc = (k % 64) * 128;
+        uint8_t* st = smem + s * kStageBytes;
+        if (tid == 0) {
+          sm90::mbar_arrive_expect_tx(&full[s], kWBytes + kXBytes);
+          const int wr = int((blockIdx.x * 37 + k / 64) * (kWBytes / 128) % wrows);
+          sm90::tma_load_2d(st, &wmap, &full[s], kc, wr);
+        }
+        __syncwarp();  // (the expected bytes are set before any row can land)
+#pragma unroll
+        for (int i = 0; i < kXBytes / 128 / 32; ++i) {
+          const int r = i * 32 + tid;
+          uint32_t h = uint32_t(blockIdx.x * 131 + k / 64) * 2654435761u ^ uint32_t(r) * 40503u;
+          h ^= h >> 15, h *= 0x2c1b3c6du, h ^= h >> 12;
+          sm90::tma_load_2d(st + kWBytes + r * 128, &xmap, &full[s], kc, int(h % uint32_t(xrows)));
+        }
       } else if (kBars == kTmaW) {
         sm90::mbar_arrive_expect_tx(&full[s], kWBytes);
         const int wr = int((blockIdx.x * 37 + k / 64) * 128 % wrows);
@@ -437,6 +459,38 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
   if (kCl > 1) sm90::cluster_arrive(), sm90::cluster_wait();
 }
 
+// One-row boxes against one 8-row box of the same rows r0..r0+7 (columns 0..127): the
+// gathered stage is right only if the 128-byte swizzle follows the shared-memory address,
+// so that row r's box at offset r * 128 lands as row r of a full box. bad[0]: bytes where
+// the two differ; bad[1]: bytes where the 8-row box differs from the swizzle computed here
+// (chunk j of row r at chunk j ^ (r % 8)) from the rows' pattern.
+__global__ void gather_layout_check(const __grid_constant__ CUtensorMap rows1,
+                                    const __grid_constant__ CUtensorMap rows8, int r0, int* bad) {
+  __shared__ __align__(1024) uint8_t a[1024];
+  __shared__ __align__(1024) uint8_t b[1024];
+  __shared__ uint64_t bar;
+  const int lane = threadIdx.x;
+  if (lane == 0) sm90::mbar_init(&bar, 1);
+  sm90::mbar_init_fence();
+  __syncwarp();
+  if (lane == 0) {
+    sm90::mbar_arrive_expect_tx(&bar, 2048);
+    sm90::tma_load_2d(a, &rows8, &bar, 0, r0);
+  }
+  __syncwarp();
+  if (lane < 8) sm90::tma_load_2d(b + lane * 128, &rows1, &bar, 0, r0 + lane);
+  sm90::mbar_wait(&bar, 0);
+  int n0 = 0, n1 = 0;
+  for (int i = lane; i < 1024; i += 32) {
+    const int r = i / 128, chunk = (i % 128) / 16, j = i % 16;
+    const int c = ((chunk ^ (r % 8)) * 16) + j;  // the source column that lands at byte i
+    n0 += a[i] != b[i];
+    n1 += a[i] != uint8_t(((r0 + r) * 131 + c * 7) & 0x77);
+  }
+  for (int o = 16; o > 0; o >>= 1) n0 += __shfl_xor_sync(~0u, n0, o), n1 += __shfl_xor_sync(~0u, n1, o);
+  if (lane == 0) bad[0] = n0, bad[1] = n1;
+}
+
 struct Variant2 {
   const char* name;
   void (*fn)(const uint8_t*, size_t, const float*, int, long long*, float*, CUtensorMap, CUtensorMap, int,
@@ -550,6 +604,12 @@ int main(int argc, char** argv) {
       make<kWide1n64, 2, kTma, 2, 0>("wide n64 x2, TMA 48K L2 (per unit)"),
       make<kWide2n64, 2, kArrive, 2, 0>("wide GEMM2 n64 x2, bars (per unit)"),
       make<kWide2n64, 2, kTma, 2, 0>("wide GEMM2 n64 x2, TMA 48K L2 (per unit)"),
+      // v49: token rows gathered by one-row boxes (L2: from 2048 rows; HBM: weights and rows
+      // from the 1 GB buffer's 131072 rows), against the same stages loaded by two boxes above.
+      make<kWide, 2, kGather, 2, 0>("wide, gather 128 rows L2, rel before (per unit)"),
+      make<kWide, 2, kGather, 2, 0>("wide, gather 128 rows HBM, rel before (per unit)", true),
+      make<kWide2, 2, kGather, 2, 0>("wide GEMM2, gather 128 rows L2, rel before (per unit)"),
+      make<kWide2, 2, kGather, 2, 0>("wide GEMM2, gather 128 rows HBM, rel before (per unit)", true),
   };
   // Tensor maps with the kernel's box geometry (128-byte rows, 128-byte swizzle): an
   // L2-resident 16 MB [2048][8192] and an HBM-sized 1 GB [131072][8192] source.
@@ -585,14 +645,37 @@ int main(int argc, char** argv) {
   const CUtensorMap w_hbm_64 = make_map(big, 131072, 64, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
   const CUtensorMap w_l2_256 = make_map(src, 2048, 256, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
   const CUtensorMap w_hbm_256 = make_map(big, 131072, 256, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+  const CUtensorMap x1 = make_map(src, 2048, 1, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+  const CUtensorMap x1_hbm = make_map(big, 131072, 1, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+  const CUtensorMap x8 = make_map(src, 2048, 8, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+  {  // rows 0..15 of src carry a pattern for the layout check (the timing ignores the bytes)
+    std::vector<uint8_t> pat(16 * 8192);
+    for (int r = 0; r < 16; ++r)
+      for (int c = 0; c < 8192; ++c) pat[size_t(r) * 8192 + c] = uint8_t((r * 131 + c * 7) & 0x77);
+    CK(cudaMemcpy(src, pat.data(), pat.size(), cudaMemcpyHostToDevice));
+    int* bad;
+    CK(cudaMalloc(&bad, 2 * sizeof(int)));
+    for (int r0 : {0, 5}) {
+      int h[2] = {-1, -1};
+      gather_layout_check<<<1, 32>>>(x1, x8, r0, bad);
+      CK(cudaGetLastError());
+      CK(cudaMemcpy(h, bad, sizeof(h), cudaMemcpyDeviceToHost));
+      std::printf("one-row boxes from row %d: %d of 1024 bytes differ from one 8-row box; the 8-row box "
+                  "differs from the address-based 128-byte swizzle in %d\n",
+                  r0, h[0], h[1]);
+    }
+    CK(cudaFree(bad));
+  }
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   std::printf(
       "%d stages a CTA, %d CTAs; cycles a stage (median / max over CTAs), ms, TFLOP/s of the CTA tiles\n",
       nstages, sms);
+  const char* only = argc > 2 ? argv[2] : nullptr;
   for (int round = 0; round < 2; ++round)
     for (const Variant2& v : vs) {
+      if (only && !std::strstr(v.name, only)) continue;
       const int smem = v.wide      ? Geo<2, true>::kSmem
                        : v.nw == 3 ? Geo<3>::kSmem
                                    : Geo<2>::kSmem,
@@ -602,8 +685,11 @@ int main(int argc, char** argv) {
       const CUtensorMap& wm = v.wide  ? (v.hbm ? w_hbm_256 : w_l2_256)
                               : v.hbm ? (w64 ? w_hbm_64 : w_hbm)
                                       : (w64 ? w_l2_64 : w_l2);
-      const CUtensorMap& xm = v.bars == kTma64 || v.bars == kMc ? x64 : v.nw == 3 ? x3 : x2;  // kMcW: x2
-      const int wrows = v.hbm ? 131072 : 2048;
+      const CUtensorMap& xm = v.bars == kGather           ? (v.hbm ? x1_hbm : x1)
+                              : v.bars == kTma64 || v.bars == kMc ? x64
+                              : v.nw == 3                         ? x3
+                                                                  : x2;  // kMcW: x2
+      const int wrows = v.hbm ? 131072 : 2048, xrows = v.bars == kGather && v.hbm ? 131072 : 2048;
       // A cluster launch runs as many CTAs as the clusters that fit at once.
       cudaLaunchConfig_t cfg{};
       cudaLaunchAttribute at[1];
@@ -623,11 +709,11 @@ int main(int argc, char** argv) {
       }
       cfg.gridDim = dim3(grid);
       CK(cudaLaunchKernelEx(&cfg, v.fn, (const uint8_t*)src, src_bytes, (const float*)wscale, nstages / 10,
-                            cycles, sink, wm, xm, wrows, 2048));  // warm-up
+                            cycles, sink, wm, xm, wrows, xrows));  // warm-up
       CK(cudaGetLastError());
       CK(cudaEventRecord(e0));
       CK(cudaLaunchKernelEx(&cfg, v.fn, (const uint8_t*)src, src_bytes, (const float*)wscale, nstages, cycles,
-                            sink, wm, xm, wrows, 2048));
+                            sink, wm, xm, wrows, xrows));
       CK(cudaEventRecord(e1));
       CK(cudaEventSynchronize(e1));
       float ms = 0;
