@@ -3,6 +3,7 @@
 // are summed in a fixed order by the top-k kernel, so the logits (and thus ids
 // and weights) are bit-identical from run to run and across tile configurations.
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <climits>
 #include <cstdlib>
@@ -647,10 +648,24 @@ void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int
 // Which routing kernels launch_route launches (set_route_parts_for_timing; all in a forward).
 static int g_route_parts = kRoutePartLogits | kRoutePartTopk;
 
+// Blocks of route_topk resident on one SM (registers and shared memory): 8 and 16 experts a
+// lane. Found at plan creation (route_prepare), never inside a graph capture; until then 1.
+namespace {
+std::atomic<int> g_topk_per_sm_8{0}, g_topk_per_sm_16{0};
+
+int topk_blocks_per_sm(void (*kernel)(RouteArgs, MoeShape)) {
+  int n = 0;
+  MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kTopkWarps * 32, 0));
+  return std::max(1, n);
+}
+}  // namespace
+
 void route_prepare() {
   RouteSmall<float>::prepare(), RouteMedium<float>::prepare(), RouteLarge<float>::prepare();
   RouteSmall<uint16_t>::prepare(), RouteMedium<uint16_t>::prepare(), RouteLarge<uint16_t>::prepare();
   RouteMediumWide<float>::prepare(), RouteMediumWide<uint16_t>::prepare();
+  g_topk_per_sm_8 = topk_blocks_per_sm(route_topk_kernel<8>);
+  g_topk_per_sm_16 = topk_blocks_per_sm(route_topk_kernel<kMaxE / 32>);
 }
 
 void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms, bool programmatic,
@@ -673,20 +688,12 @@ void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, i
 
 void set_route_parts_for_timing(int parts) { g_route_parts = parts; }
 
-// Blocks of route_topk resident on one SM (registers and shared memory).
-static int topk_blocks_per_sm(void (*kernel)(RouteArgs, MoeShape)) {
-  int n = 0;
-  MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kTopkWarps * 32, 0));
-  return std::max(1, n);
-}
-
 void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms, bool programmatic,
                 cudaStream_t stream) {
-  const auto kernel = s.experts <= 32 * 8 ? route_topk_kernel<8> : route_topk_kernel<kMaxE / 32>;
+  const bool narrow = s.experts <= 32 * 8;
+  const auto kernel = narrow ? route_topk_kernel<8> : route_topk_kernel<kMaxE / 32>;
   // One wave of resident blocks at most: a warp's later tokens run in its pipeline.
-  static const int per_sm_8 = topk_blocks_per_sm(route_topk_kernel<8>);
-  static const int per_sm_max = topk_blocks_per_sm(route_topk_kernel<kMaxE / 32>);
-  const int per_sm = s.experts <= 32 * 8 ? per_sm_8 : per_sm_max;
+  const int per_sm = std::max(1, narrow ? g_topk_per_sm_8.load() : g_topk_per_sm_16.load());
   const int topk_blocks =
       std::max(1, std::min((host_tokens_hint + kTopkWarps - 1) / kTopkWarps, num_sms * per_sm));
   cudaLaunchConfig_t cfg{};
