@@ -190,6 +190,14 @@ TEST_F(FusedMoe, TopkWarpsTakeSeveralTokens) {
   check_against_reference(s, 6001, 300);
 }
 
+TEST_F(FusedMoe, MoreThan256Experts) {
+  // route_topk holds 16 experts a lane past 256 experts (8 up to 256): 320 experts, top-8,
+  // at a count where a warp ranks one token and at one where it ranks several.
+  MoeShape s = reduced_shape();
+  s.hidden = 256, s.inter = 128, s.experts = 320, s.topk = 8;
+  for (int T : {64, 6001}) check_against_reference(s, T, 400 + T);
+}
+
 TEST_F(FusedMoe, PairTilesSmall) {
   // 128-token tiles in CTA pairs (clusters of two) against the reference, with half tiles
   // and without: a small case for compute-sanitizer (PairTilesByTheRule runs them by the
