@@ -66,18 +66,19 @@ enum Fold : int {
 
 // What fills a stage.
 enum Loads : int {
-  kNoBars = 0,  // nothing: the consumers cycle over the ring without mbarriers
-  kArrive = 1,  // the ring's mbarriers, a producer that only arrives (no bytes)
-  kBulk = 2,    // two bulk copies (weights, tokens) from an L2-resident buffer
-  kTma = 3,     // TMA boxes of 128-byte rows with the kernel's geometry
-  kTma64 = 4,   // the same with 64 token rows a stage (24 KB: a two-CTA multicast's L2 reads)
-  kTmaW = 5,    // the weights' 16 KB only (the token rows stay): 16 KB from L2 into shared memory
-  kSts = 6,     // the producer warpgroup stores 32 KB with st.shared (shared-memory bytes, no L2)
-  kMc = 7,      // kCl = 2: the v23 pair (tokens multicast, 24 KB from L2); kCl = 4: a 2 x 2 cluster
-                // (weight halves and token halves multicast, 16 KB from L2); 32 KB into each CTA
-  kMcW = 8,     // kCl = 2, the weights shared instead: weight half `rank` to both, own 128 token rows
-  kGather = 9,  // wide stages: the weights by one box, the 128 token rows by 128 one-row boxes (random
-                // rows, the same for a tile's 64 K blocks), issued by the producer warp's 32 lanes
+  kNoBars = 0,    // nothing: the consumers cycle over the ring without mbarriers
+  kArrive = 1,    // the ring's mbarriers, a producer that only arrives (no bytes)
+  kBulk = 2,      // two bulk copies (weights, tokens) from an L2-resident buffer
+  kTma = 3,       // TMA boxes of 128-byte rows with the kernel's geometry
+  kTma64 = 4,     // the same with 64 token rows a stage (24 KB: a two-CTA multicast's L2 reads)
+  kTmaW = 5,      // the weights' 16 KB only (the token rows stay): 16 KB from L2 into shared memory
+  kSts = 6,       // the producer warpgroup stores 32 KB with st.shared (shared-memory bytes, no L2)
+  kMc = 7,        // kCl = 2: the v23 pair (tokens multicast, 24 KB from L2); kCl = 4: a 2 x 2 cluster
+                  // (weight halves and token halves multicast, 16 KB from L2); 32 KB into each CTA
+  kMcW = 8,       // kCl = 2, the weights shared instead: weight half `rank` to both, own 128 token rows
+  kGather = 9,    // wide stages: the weights by one box, the 128 token rows by 128 one-row boxes (random
+                  // rows, the same for a tile's 64 K blocks), issued by the producer warp's 32 lanes
+  kGather1 = 10,  // the same boxes, all issued by the producer thread alone (as the kernel's producer is)
 };
 
 // One poll of an mbarrier phase (test_wait: no suspension), for the backing-off producer.
@@ -155,7 +156,7 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
       }
       return;
     }
-    if (kBars == kNoBars || tid >= (kBars == kGather ? 32 : 1)) return;
+    if (kBars == kNoBars || tid >= (kBars == kGather ? 32 : 1)) return;  // (kGather1: thread 0)
     const size_t span = src_bytes / 65536;
     size_t blk = blockIdx.x * 7 % span;
     for (int k = 0; k < nstages; ++k) {
@@ -171,7 +172,7 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
       }
       if (kBars == kArrive) {
         sm90::mbar_arrive(&full[s]);
-      } else if (kBars == kGather) {  // xmap: one-row boxes
+      } else if (kBars == kGather || kBars == kGather1) {  // xmap: one-row boxes
         const int kc = (k % 64) * 128;
         uint8_t* st = smem + s * kStageBytes;
         if (tid == 0) {
@@ -179,10 +180,11 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
           const int wr = int((blockIdx.x * 37 + k / 64) * (kWBytes / 128) % wrows);
           sm90::tma_load_2d(st, &wmap, &full[s], kc, wr);
         }
-        __syncwarp();  // (the expected bytes are set before any row can land)
-#pragma unroll
-        for (int i = 0; i < kXBytes / 128 / 32; ++i) {
-          const int r = i * 32 + tid;
+        if (kBars == kGather) __syncwarp();  // (the expected bytes are set before any row can land)
+        constexpr int kIssuers = kBars == kGather ? 32 : 1;
+#pragma unroll 4
+        for (int i = 0; i < kXBytes / 128 / kIssuers; ++i) {
+          const int r = i * kIssuers + tid;
           uint32_t h = uint32_t(blockIdx.x * 131 + k / 64) * 2654435761u ^ uint32_t(r) * 40503u;
           h ^= h >> 15, h *= 0x2c1b3c6du, h ^= h >> 12;
           sm90::tma_load_2d(st + kWBytes + r * 128, &xmap, &full[s], kc, int(h % uint32_t(xrows)));
@@ -503,8 +505,10 @@ struct Variant2 {
 
 template <int F, int W, int B, int NW = 2, int R = 0, int CL = 1, int X = 0>
 Variant2 make(const char* name, bool hbm = false) {
-  return {name, kloop<F, W, B, NW, R, CL, X>, W, NW, B, hbm, CL,
-          F == kWide || F == kWide2 || F == kWide1n64 || F == kWide2n64};
+  return {name, kloop<F, W, B, NW, R, CL, X>,
+          W,    NW,
+          B,    hbm,
+          CL,   F == kWide || F == kWide2 || F == kWide1n64 || F == kWide2n64};
 }
 
 int main(int argc, char** argv) {
@@ -610,6 +614,8 @@ int main(int argc, char** argv) {
       make<kWide, 2, kGather, 2, 0>("wide, gather 128 rows HBM, rel before (per unit)", true),
       make<kWide2, 2, kGather, 2, 0>("wide GEMM2, gather 128 rows L2, rel before (per unit)"),
       make<kWide2, 2, kGather, 2, 0>("wide GEMM2, gather 128 rows HBM, rel before (per unit)", true),
+      make<kWide, 2, kGather1, 2, 0>("wide, gather 128 rows L2 by 1 thread, rel before (per unit)"),
+      make<kWide, 2, kGather1, 2, 0>("wide, gather 128 rows HBM by 1 thread, rel before (per unit)", true),
   };
   // Tensor maps with the kernel's box geometry (128-byte rows, 128-byte swizzle): an
   // L2-resident 16 MB [2048][8192] and an HBM-sized 1 GB [131072][8192] source.
@@ -660,9 +666,10 @@ int main(int argc, char** argv) {
       gather_layout_check<<<1, 32>>>(x1, x8, r0, bad);
       CK(cudaGetLastError());
       CK(cudaMemcpy(h, bad, sizeof(h), cudaMemcpyDeviceToHost));
-      std::printf("one-row boxes from row %d: %d of 1024 bytes differ from one 8-row box; the 8-row box "
-                  "differs from the address-based 128-byte swizzle in %d\n",
-                  r0, h[0], h[1]);
+      std::printf(
+          "one-row boxes from row %d: %d of 1024 bytes differ from one 8-row box; the 8-row box "
+          "differs from the address-based 128-byte swizzle in %d\n",
+          r0, h[0], h[1]);
     }
     CK(cudaFree(bad));
   }
@@ -685,11 +692,12 @@ int main(int argc, char** argv) {
       const CUtensorMap& wm = v.wide  ? (v.hbm ? w_hbm_256 : w_l2_256)
                               : v.hbm ? (w64 ? w_hbm_64 : w_hbm)
                                       : (w64 ? w_l2_64 : w_l2);
-      const CUtensorMap& xm = v.bars == kGather           ? (v.hbm ? x1_hbm : x1)
+      const bool gather = v.bars == kGather || v.bars == kGather1;
+      const CUtensorMap& xm = gather                              ? (v.hbm ? x1_hbm : x1)
                               : v.bars == kTma64 || v.bars == kMc ? x64
                               : v.nw == 3                         ? x3
                                                                   : x2;  // kMcW: x2
-      const int wrows = v.hbm ? 131072 : 2048, xrows = v.bars == kGather && v.hbm ? 131072 : 2048;
+      const int wrows = v.hbm ? 131072 : 2048, xrows = gather && v.hbm ? 131072 : 2048;
       // A cluster launch runs as many CTAs as the clusters that fit at once.
       cudaLaunchConfig_t cfg{};
       cudaLaunchAttribute at[1];
