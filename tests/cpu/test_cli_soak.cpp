@@ -194,6 +194,9 @@ TEST(CliSoak, RoutingRuleTellsATieFromAWrongChoice) {
             RoutingVerdict::kWrong);
   EXPECT_EQ(judge({0, 1, 2, 3}, {ww[0], ww[1] + 1e-3f, ww[2], ww[3]}), RoutingVerdict::kWrong);
   EXPECT_EQ(judge({0, 1, 2, 6}, {ww[0], ww[1], ww[2], ww[3]}), RoutingVerdict::kWrong);  // (no such expert)
+  // (the swap ties the reference's last pick, but the layer dropped its first)
+  EXPECT_EQ(judge({1, 2, 3, 4}, {0.8f / 2.5f, 0.7f / 2.5f, 0.5f / 2.5f, 0.5f / 2.5f}),
+            RoutingVerdict::kWrong);
 }
 
 }  // namespace

@@ -448,8 +448,10 @@ class Soak:
         return sel
 
     def check_routing(self, what, x, got_ids, got_w, want_ids, want_w, router, bias):
-        """The layer's own routing against the reference's: the same experts except where
-        their selection scores tie to within 1e-5, and weights within 1e-5."""
+        """The layer's own routing against the reference's, by tools/soak_routing.h's rule: the
+        same experts except where their selection scores tie to within 1e-5 (both ways: an
+        expert only the layer picked scores as the reference's last pick, and one only the
+        reference picked as the layer's last), and where they agree weights within 1e-5."""
         c = None
         for t in range(got_ids.shape[0]):
             gi, wi = got_ids[t].tolist(), want_ids[t].tolist()
@@ -463,6 +465,9 @@ class Soak:
                 tie = True
                 if not 0 <= e < self.E or abs(float(c[t, e]) - m_want) > 1e-5 * max(1.0, abs(m_want)):
                     bad = True
+            if tie and not bad:  # ... and each expert it picked that the layer did not scores as the layer's last
+                m_got = min(float(c[t, e]) for e in gi)
+                bad = any(e not in gi and abs(float(c[t, e]) - m_got) > 1e-5 * max(1.0, abs(m_got)) for e in wi)
             # The weights where the experts agree: after a tie swapped one, the normalized
             # weights of the others differ too (their sum holds the swapped expert's score).
             if not tie:

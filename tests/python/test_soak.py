@@ -118,6 +118,7 @@ def test_routing_check_tells_a_tie_from_a_wrong_choice():
         "same": ([0, 1, 2, 3], want_w[0].tolist(), False),
         "tie, weights renormalized": ([0, 1, 2, 4], [0.9 / 3.0, 0.8 / 3.0, 0.7 / 3.0, 0.6 / 3.0], False),
         "a clearly lower expert": ([0, 1, 2, 5], [0.9 / 2.5, 0.8 / 2.5, 0.7 / 2.5, 0.1 / 2.5], True),
+        "a top expert dropped for a tie": ([1, 2, 3, 4], [0.8 / 2.5, 0.7 / 2.5, 0.5 / 2.5, 0.5 / 2.5], True),
         "a weight off": ([0, 1, 2, 3], [w + (1e-3 if k == 1 else 0) for k, w in enumerate(want_w[0].tolist())], True),
     }
     for name, (ids, w, bad) in cases.items():
