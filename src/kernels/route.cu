@@ -648,24 +648,27 @@ void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int
 // Which routing kernels launch_route launches (set_route_parts_for_timing; all in a forward).
 static int g_route_parts = kRoutePartLogits | kRoutePartTopk;
 
-// Blocks of route_topk resident on one SM (registers and shared memory): 8 and 16 experts a
-// lane. Found at plan creation (route_prepare), never inside a graph capture; until then 1.
+// route_topk's instantiations, 8 experts a lane up to 256 experts and 16 past them, with
+// their blocks resident on one SM (registers and shared memory): found at plan creation
+// (route_prepare), never inside a graph capture; until then 0 (read as 1).
 namespace {
-std::atomic<int> g_topk_per_sm_8{0}, g_topk_per_sm_16{0};
-
-int topk_blocks_per_sm(void (*kernel)(RouteArgs, MoeShape)) {
-  int n = 0;
-  MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kTopkWarps * 32, 0));
-  return std::max(1, n);
-}
+struct TopkKernel {
+  void (*fn)(RouteArgs, MoeShape);
+  std::atomic<int> per_sm;
+};
+TopkKernel g_topk[2] = {{route_topk_kernel<8>, 0}, {route_topk_kernel<kMaxE / 32>, 0}};
+TopkKernel& topk_kernel(int experts) { return g_topk[experts > 32 * 8]; }
 }  // namespace
 
 void route_prepare() {
   RouteSmall<float>::prepare(), RouteMedium<float>::prepare(), RouteLarge<float>::prepare();
   RouteSmall<uint16_t>::prepare(), RouteMedium<uint16_t>::prepare(), RouteLarge<uint16_t>::prepare();
   RouteMediumWide<float>::prepare(), RouteMediumWide<uint16_t>::prepare();
-  g_topk_per_sm_8 = topk_blocks_per_sm(route_topk_kernel<8>);
-  g_topk_per_sm_16 = topk_blocks_per_sm(route_topk_kernel<kMaxE / 32>);
+  for (TopkKernel& k : g_topk) {
+    int n = 0;
+    MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k.fn, kTopkWarps * 32, 0));
+    k.per_sm = n;
+  }
 }
 
 void launch_route(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms, bool programmatic,
@@ -690,17 +693,16 @@ void set_route_parts_for_timing(int parts) { g_route_parts = parts; }
 
 void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int num_sms, bool programmatic,
                 cudaStream_t stream) {
-  const bool narrow = s.experts <= 32 * 8;
-  const auto kernel = narrow ? route_topk_kernel<8> : route_topk_kernel<kMaxE / 32>;
+  const TopkKernel& kernel = topk_kernel(s.experts);
   // One wave of resident blocks at most: a warp's later tokens run in its pipeline.
-  const int per_sm = std::max(1, narrow ? g_topk_per_sm_8.load() : g_topk_per_sm_16.load());
+  const int per_sm = std::max(1, kernel.per_sm.load());
   const int topk_blocks =
       std::max(1, std::min((host_tokens_hint + kTopkWarps - 1) / kTopkWarps, num_sms * per_sm));
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr = sm90::programmatic_serialization();
   cfg.gridDim = dim3(topk_blocks), cfg.blockDim = dim3(kTopkWarps * 32), cfg.stream = stream;
   cfg.attrs = &attr, cfg.numAttrs = programmatic ? 1 : 0;
-  MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, s));
+  MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel.fn, a, s));
 }
 
 }  // namespace megamoe::kernels
