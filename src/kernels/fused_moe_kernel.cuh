@@ -203,10 +203,13 @@ __device__ __noinline__ int schedule_unit(const KernelArgs& a, int csh) {
 
 // The compile-time shape of one kernel instantiation: its template arguments and what
 // follows from them, shared by every role below.
-template <int BN_, bool kEp_, bool kClusterPairs_, bool kWide_>
+template <int BN_, bool kEp_, bool kClusterPairs_, bool kWide_, bool kGather_>
 struct KernelShape {
   static constexpr int BN = BN_;
   static constexpr bool kEp = kEp_, kClusterPairs = kClusterPairs_, kWide = kWide_;
+  // Gathered tokens (FusedMoeConfig::gather_tokens): GEMM1's token rows come from the one
+  // quantized copy of each token, one TMA box a row, issued by the whole producer warp.
+  static constexpr bool kGather = kGather_;
   static constexpr int kStages = stages_for(BN, kWide);
   static constexpr int kStageBytes = stage_bytes(BN, kWide);
   static constexpr int kWBytes = (kWide ? 2 : 1) * kBlockM * kBlockK;  // a stage's weight rows
@@ -232,6 +235,7 @@ struct KernelShape {
   static_assert(!kClusterPairs || (!kEp && (BN == 128 || BN <= kDecodePairsMaxBlockN)),
                 "pair tiles: one device");
   static_assert(!kWide || (BN == 128 && !kClusterPairs), "wide tiles: 128-token tiles, no cluster");
+  static_assert(!kGather || (kWide && !kEp), "gathered tokens: wide tiles on one device");
 };
 
 // The CTA's shared memory: the stage ring (`ring`, kStages stages) and the regions of
@@ -516,14 +520,51 @@ __device__ __forceinline__ void issue_weights(WTag, GTag, const KernelArgs& a, c
   }
 }
 
-// A stage's token rows and their scales (K block kb of the tile).
+// Gathered tokens (S::kGather): the rows of x_q (one quantized copy a token, phase 0) that a
+// GEMM1 tile's sorted rows read, this lane's four: row lane + 32 j of the tile is token
+// r[j], or rows_cap past its valid rows (out of the map: TMA fills the row with zeros and
+// still counts its bytes, so every stage expects the same bytes).
+struct GatherRows {
+  int r[4];
+};
+static_assert(4 * 32 == kBlockM, "a lane gathers four of a tile's 128 token rows");
+
+__device__ __forceinline__ GatherRows gather_rows(const KernelArgs& a, const Tile& tl, int lane) {
+  GatherRows g;
+  const int slots = a.K + a.has_shared;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int i = j * 32 + lane;
+    // (row_src: written by phase 0 before its grid barrier; a plain load, not the read-only path)
+    g.r[j] = i < tl.rows ? a.row_src[tl.row0 + i] / slots : a.rows_cap;
+  }
+  return g;
+}
+
+// A stage's token rows and their scales (K block kb of the tile). Gathered tokens: every lane
+// of the producer warp issues its four GEMM1 rows (gr), lane 0 the rest.
 template <class S, class WTag, class GTag>
 __device__ __forceinline__ void issue_tokens(WTag, GTag, const TensorMaps& tm, const CtaSmem<S>& sm,
-                                             bool no_loads, const Tile& tl, int kb, int stage) {
+                                             bool no_loads, const Tile& tl, int kb, int stage,
+                                             const GatherRows& gr, int lane) {
   if (no_loads) return;
   uint8_t* x_s = sm.ring + stage * S::kStageBytes + S::kWBytes;
   uint8_t* s_s = x_s + S::kXBytes;
   uint64_t* full = &sm.full_bar[stage];
+  if constexpr (S::kGather) {
+    if constexpr (GTag::value == 1) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sm90::tma_load_2d(x_s + (j * 32 + lane) * 128, &tm.xg, full, kb * 128, gr.r[j]);
+    }
+    if (lane != 0) return;
+    if constexpr (GTag::value == 1) {
+      sm90::tma_load_2d(s_s, &tm.xs, full, tl.row0, kb);
+    } else {
+      sm90::tma_load_2d(x_s, &tm.a2, full, kb * 128, tl.row0);
+      sm90::tma_load_2d(s_s, &tm.a2s, full, tl.row0, kb);
+    }
+    return;
+  }
   // Pair tiles: this CTA's 64 of the tile's token rows into both CTAs' stage (the
   // peer loads the other 64); the scales each CTA loads for itself.
   auto rows = [&](const CUtensorMap* map, const CUtensorMap* part_map) {
@@ -544,12 +585,19 @@ __device__ __forceinline__ void issue_tokens(WTag, GTag, const TensorMaps& tm, c
 }
 
 // A CTA's next tile: its own list's, then claims of the pool (TileSchedule).
+// (gathered tokens: every lane of the producer warp walks the schedule; lane 0 claims)
 template <class S>
 __device__ __forceinline__ int claim_next_tile(const KernelArgs& a, TileSchedule& sch, int tiles) {
   const int t = sch.next();
   if constexpr (S::kClusterPairs) return t;  // (no pool)
-  return t == sch.pool_begin() && t < tiles ? t + atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterPool], 1)
-                                            : t;
+  if (t != sch.pool_begin() || t >= tiles) return t;
+  int* pool = &a.counters[MoeWorkspaceLayout::kCounterPool];
+  if constexpr (S::kGather) {
+    int c = 0;
+    if (threadIdx.x % 32 == 0) c = atomicAdd(pool, 1);
+    return t + __shfl_sync(0xffffffffu, c, 0);
+  }
+  return t + atomicAdd(pool, 1);
 }
 
 // What the producer's functions share: the kernel's arguments and tensor maps, the CTA's
@@ -564,6 +612,9 @@ struct ProducerCtx {
   bool no_loads;
   uint32_t stage_tx;
   Prof& pf;
+  int lane;  // gathered tokens: the producer warp's lane (0 where one thread produces)
+  // The lane that issues what one thread issues (a stage's arrival, its weights, the tile records).
+  __device__ __forceinline__ bool leader() const { return !S::kGather || lane == 0; }
 };
 
 // The producer's loads of one tile's stages. ready: the tile's dependency (done1[unit] >=
@@ -571,7 +622,8 @@ struct ProducerCtx {
 // issued once it is (at most kStages of them deferred).
 template <class S, class WTag, class GTag>
 __device__ __forceinline__ void fill_tile(WTag w_tag, GTag g_tag, const ProducerCtx<S>& p, const Tile& tl,
-                                          RingPos<S::kStages>& rp, bool& ready, int need) {
+                                          const GatherRows& gr, RingPos<S::kStages>& rp, bool& ready,
+                                          int need) {
   const KernelArgs& a = p.a;
   const TensorMaps& tm = p.tm;
   const CtaSmem<S>& sm = p.sm;
@@ -615,7 +667,7 @@ __device__ __forceinline__ void fill_tile(WTag w_tag, GTag g_tag, const Producer
         if constexpr (kEp) sm90::mbar_arrive_expect_tx(&sm.full_bar[st], stage_tx - weight_tx);
         // (on one device only GEMM2 tiles defer: their stage is their K block)
         issue_tokens<S>(w_tag, g_tag, tm, sm, no_loads, tl,
-                        kEp ? kblock_of(i - deferred + d) : i - deferred + d, st);
+                        kEp ? kblock_of(i - deferred + d) : i - deferred + d, st, gr, p.lane);
       }
       deferred = 0;
     }
@@ -624,21 +676,25 @@ __device__ __forceinline__ void fill_tile(WTag w_tag, GTag g_tag, const Producer
     const uint32_t t0 = pf.now();
     sm90::mbar_wait(&sm.empty_bar[stage], rp.phase ^ 1);
     pf.add(kPfProdEmpty, t0);
-    if (i == 0) sm.stage_tile[stage] = tl;  // published by the full barrier's completion
+    if (i == 0 && p.leader()) sm.stage_tile[stage] = tl;  // published by the full barrier's completion
     // Expert parallelism: a stage arrives with its tokens (below, or when deferred ones
     // go out), so the arrival follows the acquire of their unit's count and the
     // consumers' generic reads of what the pull wrote beside the TMA data (row weights,
     // sources) are ordered after it. (One device defers only GEMM2 tiles, whose generic
     // reads phase 0 wrote before its grid barrier: one arrival with every byte.)
-    if constexpr (kEp)
-      sm90::mbar_expect_tx(&sm.full_bar[stage], weight_tx);
-    else
-      sm90::mbar_arrive_expect_tx(&sm.full_bar[stage], stage_tx);
     const int h = half_of(i), kb = kblock_of(i);
-    issue_weights<S>(w_tag, g_tag, a, tm, sm, no_loads, tl, kb, h, stage);
+    if (p.leader()) {
+      if constexpr (kEp)
+        sm90::mbar_expect_tx(&sm.full_bar[stage], weight_tx);
+      else
+        sm90::mbar_arrive_expect_tx(&sm.full_bar[stage], stage_tx);
+      issue_weights<S>(w_tag, g_tag, a, tm, sm, no_loads, tl, kb, h, stage);
+    }
+    // (gathered tokens: the stage expects its bytes before the other lanes' rows can land)
+    if constexpr (S::kGather) __syncwarp();
     if (ready) {
       if constexpr (kEp) sm90::mbar_arrive_expect_tx(&sm.full_bar[stage], stage_tx - weight_tx);
-      issue_tokens<S>(w_tag, g_tag, tm, sm, no_loads, tl, kb, stage);
+      issue_tokens<S>(w_tag, g_tag, tm, sm, no_loads, tl, kb, stage, gr, p.lane);
     } else {
       ++deferred;
     }
@@ -665,10 +721,12 @@ __device__ __forceinline__ void producer_thread(const ProducerCtx<S>& p, const T
     if (tile >= tiles) {
       // Sentinel stage: tells the consumers there is no further tile.
       sm90::mbar_wait(&sm.empty_bar[rp.stage], rp.phase ^ 1);
-      sm.stage_tile[rp.stage].gemm = 0;
-      sm90::mbar_arrive(&sm.full_bar[rp.stage]);
-      pf.add(kPfProdTotal, t_prod);
-      pf.store(kPfProdTotal, kPfSlots);
+      if (p.leader()) {
+        sm.stage_tile[rp.stage].gemm = 0;
+        sm90::mbar_arrive(&sm.full_bar[rp.stage]);
+        pf.add(kPfProdTotal, t_prod);
+        pf.store(kPfProdTotal, kPfSlots);
+      }
       break;
     }
     // (wide GEMM2 tiles: the pair's rank-0 tile, nblk even; the consumers add block nblk + 1)
@@ -694,11 +752,14 @@ __device__ __forceinline__ void producer_thread(const ProducerCtx<S>& p, const T
     pf.add(kPfProdDep, t0);
     // The tile's stages: the pairing and the GEMM are chosen once a tile, so a stage's path
     // has no branch on them.
+    GatherRows gr{};
+    if constexpr (S::kGather)
+      if (tl.gemm == 1) gr = gather_rows(a, tl, p.lane);
     auto fill_gemm = [&](auto w_tag) {
       if (tl.gemm == 1)
-        fill_tile<S>(w_tag, std::integral_constant<int, 1>{}, p, tl, rp, ready, need);
+        fill_tile<S>(w_tag, std::integral_constant<int, 1>{}, p, tl, gr, rp, ready, need);
       else
-        fill_tile<S>(w_tag, std::integral_constant<int, 2>{}, p, tl, rp, ready, need);
+        fill_tile<S>(w_tag, std::integral_constant<int, 2>{}, p, tl, gr, rp, ready, need);
     };
     if constexpr (S::kPairTile) {
       if (tl.pair_weights)
@@ -740,7 +801,7 @@ __device__ __forceinline__ void producer_warpgroup(const ProducerCtx<S>& p, cons
   const KernelArgs& a = p.a;
   const CtaSmem<S>& sm = p.sm;
   sm90::setmaxnreg_dec<kProducerRegs>();
-  if (tid == kProducerThread)
+  if (S::kGather ? warp == kProducerThread / 32 : tid == kProducerThread)
     producer_thread<S>(p, ids, sched, first_tile);
   else if (S::kEp && a.ep_overlap && warp >= kPullFirstWarp)
     ep_pull_overlapped<S::BN>(a, sm.sc, p.done1, warp - kPullFirstWarp,
@@ -1298,6 +1359,7 @@ __device__ __forceinline__ void init_cta(const TensorMaps& tm, const CtaSmem<S>&
     sm90::tma_prefetch_desc(&tm.a2);
     if (S::kPairTile) sm90::tma_prefetch_desc(&tm.x_part), sm90::tma_prefetch_desc(&tm.a2_part);
     if (S::kWide) sm90::tma_prefetch_desc(&tm.w13w), sm90::tma_prefetch_desc(&tm.w2w);
+    if (S::kGather) sm90::tma_prefetch_desc(&tm.xg);
   }
 }
 
@@ -1385,12 +1447,17 @@ __device__ __forceinline__ void phase0_scatter(const KernelArgs& a, const Sched&
     quantize_group<8>(raw, qw, scale);
     const uint4 q = make_uint4(qw[0], qw[1], qw[2], qw[3]);
     const bool mine = cur.g < hb;
+    // Gathered tokens: the token's one copy, x_q row t (GEMM1 gathers it); else a copy in each
+    // of its sorted rows. The scales go to the sorted rows either way.
+    if (S::kGather && mine)
+      *reinterpret_cast<uint4*>(a.x_sorted + size_t(cur.t) * a.H + cur.g * 128 + (lane % 8) * 16) = q;
     for (int k = 0; k < slots; ++k) {
       const int r = __shfl_sync(0xffffffffu, cur.row, k);
       const float w = __shfl_sync(0xffffffffu, cur.w, k);
       if (r < 0) continue;
       if (mine) {
-        *reinterpret_cast<uint4*>(a.x_sorted + size_t(r) * a.H + cur.g * 128 + (lane % 8) * 16) = q;
+        if (!S::kGather)
+          *reinterpret_cast<uint4*>(a.x_sorted + size_t(r) * a.H + cur.g * 128 + (lane % 8) * 16) = q;
         if (lane % 8 == 0) a.x_sorted_scale[size_t(cur.g) * a.rows_cap + r] = scale;
       }
       if (lane == 0 && cur.g == 0) {
@@ -1443,10 +1510,10 @@ __device__ __forceinline__ bool phase0_grid_barrier(const KernelArgs& a, int tid
 // there (nvcc 13.0): a value of the consumers' start, reloaded at each tile, never in the
 // K loops (checked in the SASS). Chosen: the K loops are what the wide tiles are for.
 // (The expert-parallel wide kernel, kEpWideTiles, allocates without a spill.)
-template <int BN, bool kEp, bool kClusterPairs = false, bool kWide = false>
+template <int BN, bool kEp, bool kClusterPairs = false, bool kWide = false, bool kGather = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
-  using S = KernelShape<BN, kEp, kClusterPairs, kWide>;
+  using S = KernelShape<BN, kEp, kClusterPairs, kWide, kGather>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // NOTE: offset the __shared__ array itself (not a cast integer) so the compiler keeps
   // the shared address space and emits LDS for the scale reads.
@@ -1484,7 +1551,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t stage_tx = no_loads ? 0 : S::kWBytes + S::kXBytes + S::BN * 4;
   TileSchedule sched;
   int first_tile = tiles;
-  if (tid == kProducerThread) first_tile = start_schedule<S>(a, ids, sched);
+  // (gathered tokens: the producer's whole warp)
+  if (S::kGather ? warp == kProducerThread / 32 : tid == kProducerThread)
+    first_tile = start_schedule<S>(a, ids, sched);
 
   // ---- Phase 0 ----
   if (!kEp)
@@ -1500,8 +1569,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- Producer warpgroup ----
   if (warp < kProducerWarps) {
-    producer_warpgroup<S>(ProducerCtx<S>{a, tm, sm, done1, no_loads, stage_tx, pf}, ids, sched, first_tile, T,
-                          E_total, tid, warp, lane);
+    producer_warpgroup<S>(ProducerCtx<S>{a, tm, sm, done1, no_loads, stage_tx, pf, S::kGather ? lane : 0}, ids,
+                          sched, first_tile, T, E_total, tid, warp, lane);
     return;
   }
 

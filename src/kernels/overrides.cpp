@@ -81,6 +81,7 @@ Overrides Overrides::parse(const std::function<const char*(const char*)>& get) {
   }
   o.half_tiles = flag("MEGAMOE_HALF_TILES");
   o.wide_tiles = flag("MEGAMOE_WIDE_TILES");
+  o.gather_tokens = flag("MEGAMOE_GATHER_TOKENS");
   o.pair_tiles = flag("MEGAMOE_PAIR_TILES");
   o.pair_weights = flag("MEGAMOE_PAIR_WEIGHTS");
   o.decode_pairs = flag("MEGAMOE_DECODE_PAIRS");
@@ -155,6 +156,7 @@ std::string Overrides::describe() const {
   add("MEGAMOE_BLOCK_N", block_n);
   add_flag("MEGAMOE_HALF_TILES", half_tiles);
   add_flag("MEGAMOE_WIDE_TILES", wide_tiles);
+  add_flag("MEGAMOE_GATHER_TOKENS", gather_tokens);
   add_flag("MEGAMOE_PAIR_TILES", pair_tiles);
   add_flag("MEGAMOE_PAIR_WEIGHTS", pair_weights);
   add_flag("MEGAMOE_DECODE_PAIRS", decode_pairs);

@@ -19,6 +19,7 @@ struct Overrides {
   std::optional<int> block_n;               // MEGAMOE_BLOCK_N: 8, 16, 32, 48, 64 or 128 tokens a tile
   std::optional<bool> half_tiles;           // MEGAMOE_HALF_TILES=0|1
   std::optional<bool> wide_tiles;           // MEGAMOE_WIDE_TILES=0|1
+  std::optional<bool> gather_tokens;        // MEGAMOE_GATHER_TOKENS=0|1 (wide tiles on one device only)
   std::optional<bool> pair_tiles;           // MEGAMOE_PAIR_TILES=0|1 (128-token tiles only)
   std::optional<bool> pair_weights;         // MEGAMOE_PAIR_WEIGHTS=0|1 (what a pair tile shares)
   std::optional<bool> decode_pairs;         // MEGAMOE_DECODE_PAIRS=0|1 (block_n 8 and 16 only)
