@@ -600,6 +600,25 @@ __device__ __forceinline__ int claim_next_tile(const KernelArgs& a, TileSchedule
   return t + atomicAdd(pool, 1);
 }
 
+// The CTA's place in the tile schedule (the producer: thread 0, or with gathered tokens its
+// warp): TileSchedule's balanced list of its unit, then the pool's claims; returns its first
+// tile.
+// NOTE: no weight load goes out before phase 0: with the ring full, the grid barrier's L2
+// round trips waited behind them, and early stages measured slower at few tokens, level
+// above (see docs/performance-history.md).
+template <class S>
+__device__ __forceinline__ int start_schedule(const KernelArgs& a, const TileIds& ids, TileSchedule& sched) {
+  // (no tail pool for pairs: both CTAs of a cluster would have to claim the same tile)
+  // (costs in weight bytes: a GEMM1 tile reads 256 rows x H, a GEMM2 tile 128 x I, a wide
+  // GEMM2 tile 256 x I; a CTA of decode pairs half a GEMM1 tile)
+  const int G = gridDim.x >> S::csh;
+  const int t2 = ids.t2;
+  sched.init(schedule_unit(a, S::csh), G, ids.t1, t2, a.H / 128 * (S::kWide || S::kDecodePair ? 1 : 2),
+             a.I / 128, !a.debug.round_robin,
+             a.debug.round_robin || S::kClusterPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
+  return claim_next_tile<S>(a, sched, ids.tiles());
+}
+
 // What the producer's functions share: the kernel's arguments and tensor maps, the CTA's
 // shared memory, the GEMM1-done counters, whether loads are skipped (kSkipLoads) and a
 // stage's bytes (stage_tx: computed by the kernel before phase 0), and the profile.
@@ -801,8 +820,11 @@ __device__ __forceinline__ void producer_warpgroup(const ProducerCtx<S>& p, cons
   const KernelArgs& a = p.a;
   const CtaSmem<S>& sm = p.sm;
   sm90::setmaxnreg_dec<kProducerRegs>();
-  if (S::kGather ? warp == kProducerThread / 32 : tid == kProducerThread)
+  if (S::kGather ? warp == kProducerThread / 32 : tid == kProducerThread) {
+    // (gathered tokens: here, not before phase 0, the schedule's state stays out of phase 0's registers)
+    if constexpr (S::kGather) first_tile = start_schedule<S>(a, ids, sched);
     producer_thread<S>(p, ids, sched, first_tile);
+  }
   else if (S::kEp && a.ep_overlap && warp >= kPullFirstWarp)
     ep_pull_overlapped<S::BN>(a, sm.sc, p.done1, warp - kPullFirstWarp,
                               kPullWarps);  // step 3, beside the tiles
@@ -1384,24 +1406,6 @@ __device__ __forceinline__ bool build_tables(const KernelArgs& a, const CtaSmem<
   return ep_exchange(a, sm.sc, et, T, a.ep.state[0], S::BN);
 }
 
-// The CTA's place in the tile schedule (thread 0): TileSchedule's balanced list of its
-// unit, then the pool's claims; returns its first tile.
-// NOTE: no weight load goes out before phase 0: with the ring full, the grid barrier's L2
-// round trips waited behind them, and early stages measured slower at few tokens, level
-// above (see docs/performance-history.md).
-template <class S>
-__device__ __forceinline__ int start_schedule(const KernelArgs& a, const TileIds& ids, TileSchedule& sched) {
-  // (no tail pool for pairs: both CTAs of a cluster would have to claim the same tile)
-  // (costs in weight bytes: a GEMM1 tile reads 256 rows x H, a GEMM2 tile 128 x I, a wide
-  // GEMM2 tile 256 x I; a CTA of decode pairs half a GEMM1 tile)
-  const int G = gridDim.x >> S::csh;
-  const int t2 = ids.t2;
-  sched.init(schedule_unit(a, S::csh), G, ids.t1, t2, a.H / 128 * (S::kWide || S::kDecodePair ? 1 : 2),
-             a.I / 128, !a.debug.round_robin,
-             a.debug.round_robin || S::kClusterPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
-  return claim_next_tile<S>(a, sched, ids.tiles());
-}
-
 // Phase 0 on one device: quantize x (1x128 E4M3) and scatter each token to its rows.
 // A warp task is 512 columns (four 128-column groups) of one token: each lane loads 16
 // columns (32 bytes), eight lanes make a group (amax in three shuffles), and each slot
@@ -1510,6 +1514,11 @@ __device__ __forceinline__ bool phase0_grid_barrier(const KernelArgs& a, int tid
 // there (nvcc 13.0): a value of the consumers' start, reloaded at each tile, never in the
 // K loops (checked in the SASS). Chosen: the K loops are what the wide tiles are for.
 // (The expert-parallel wide kernel, kEpWideTiles, allocates without a spill.)
+// kGather: gathered tokens (FusedMoeConfig::gather_tokens), the wide kernel whose producer is a
+// warp. NOTE: beside the wide kernel's 4 bytes, ptxas spills 12 bytes of the producer's
+// schedule state (nvcc 13.0), stored and reloaded once a tile where the next tile is chosen,
+// never in the stage loop (checked in the SASS). Chosen: the producer's 56 registers are the
+// consumers' 224 (heuristics.h).
 template <int BN, bool kEp, bool kClusterPairs = false, bool kWide = false, bool kGather = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
@@ -1551,9 +1560,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t stage_tx = no_loads ? 0 : S::kWBytes + S::kXBytes + S::BN * 4;
   TileSchedule sched;
   int first_tile = tiles;
-  // (gathered tokens: the producer's whole warp)
-  if (S::kGather ? warp == kProducerThread / 32 : tid == kProducerThread)
-    first_tile = start_schedule<S>(a, ids, sched);
+  // (gathered tokens: the producer's whole warp, after phase 0: producer_warpgroup)
+  if (!S::kGather && tid == kProducerThread) first_tile = start_schedule<S>(a, ids, sched);
 
   // ---- Phase 0 ----
   if (!kEp)
