@@ -764,6 +764,8 @@ __device__ __forceinline__ void producer_thread(const ProducerCtx<S>& p, const T
     if (a.debug.skip & kSkipDeps) need = 0;
     const uint32_t t0 = pf.now();
     bool ready = need == 0 || (!S::kEp && tl.gemm == 1) || sm90::ld_acquire_gpu(&done1[tl.unit]) >= need;
+    // (gathered tokens: the lanes walk the stages in step, so lane 0's reading decides for all)
+    if constexpr (S::kGather) ready = __shfl_sync(0xffffffffu, ready, 0);
     if (!a.debug.early_weights && !ready) {
       sm90::wait_geq_acquire_gpu(&done1[tl.unit], need);
       ready = true;
