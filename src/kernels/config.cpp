@@ -120,6 +120,7 @@ DebugArgs resolve_debug(const ConfigInputs& in) {
   d.skip = ov.debug_skip;
   d.round_robin = ov.round_robin.value_or(false) ? 1 : 0;
   d.early_weights = ov.early_weights.value_or(true) ? 1 : 0;
+  d.wg_skew_ns = ov.wg_skew_ns;
   if (ov.unit_stride) {
     const int grid = resolve_grid(in);
     d.unit_stride = *ov.unit_stride;

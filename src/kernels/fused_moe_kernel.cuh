@@ -1311,6 +1311,10 @@ __device__ __forceinline__ void consumer_tiles(const KernelArgs& a, const CtaSme
                                                Prof& pf) {
   float acc[S::kAcc];
   RingPos<S::kStages> rp;
+  if (a.debug.wg_skew_ns && cs.wg == 1) {  // (measurement: DebugArgs::wg_skew_ns)
+    const uint64_t until = sm90::globaltimer_ns() + uint64_t(a.debug.wg_skew_ns);
+    while (sm90::globaltimer_ns() < until) __nanosleep(256);
+  }
   for (;;) {
     const uint32_t t_tile = pf.now();
     sm90::mbar_wait(&sm.full_bar[rp.stage], rp.phase);

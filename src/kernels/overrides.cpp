@@ -133,6 +133,8 @@ Overrides Overrides::parse(const std::function<const char*(const char*)>& get) {
         return parse_bool(n, v);
       });
   o.early_weights = flag("MEGAMOE_EARLY_WEIGHTS");
+  if (const char* v = get("MEGAMOE_WG_SKEW_NS"))
+    o.wg_skew_ns = parse_int("MEGAMOE_WG_SKEW_NS", v, 0, 1000000, "a delay in ns, 0 to 1000000");
 
   o.print_config = flag("MEGAMOE_PRINT_CONFIG").value_or(false);
   if (const char* v = get("MEGAMOE_NCCL_LIB")) {
@@ -177,6 +179,7 @@ std::string Overrides::describe() const {
   add("MEGAMOE_DEBUG_SKIP", debug_skip ? std::optional<int>(debug_skip) : std::nullopt);
   add_flag("MEGAMOE_ROUND_ROBIN", round_robin);
   add_flag("MEGAMOE_EARLY_WEIGHTS", early_weights);
+  add("MEGAMOE_WG_SKEW_NS", wg_skew_ns ? std::optional<int>(wg_skew_ns) : std::nullopt);
   if (print_config) add_flag("MEGAMOE_PRINT_CONFIG", std::optional<bool>(true));
   add("MEGAMOE_NCCL_LIB", nccl_lib);
   add("VIRTUAL_ENV", virtual_env);

@@ -37,6 +37,7 @@ TEST(Overrides, NothingSetLeavesEveryChoiceToTheRule) {
                o.virtual_env || o.conda_prefix);
   EXPECT_EQ(o.debug_stop, 0);
   EXPECT_EQ(o.debug_skip, 0);
+  EXPECT_EQ(o.wg_skew_ns, 0);
   EXPECT_FALSE(o.print_config);
   EXPECT_EQ(o.describe(), "");
 }
@@ -64,6 +65,7 @@ TEST(Overrides, EverySwitchParses) {
                                  {"MEGAMOE_DEBUG_SKIP", "13"},
                                  {"MEGAMOE_ROUND_ROBIN", "1"},
                                  {"MEGAMOE_EARLY_WEIGHTS", "0"},
+                                 {"MEGAMOE_WG_SKEW_NS", "3000"},
                                  {"MEGAMOE_PRINT_CONFIG", "1"},
                                  {"MEGAMOE_NCCL_LIB", "/opt/nccl/lib/libnccl.so.2"},
                                  {"VIRTUAL_ENV", "/opt/venv"},
@@ -90,6 +92,7 @@ TEST(Overrides, EverySwitchParses) {
   EXPECT_EQ(o.debug_skip, 13);
   EXPECT_EQ(o.round_robin, true);
   EXPECT_EQ(o.early_weights, false);
+  EXPECT_EQ(o.wg_skew_ns, 3000);
   EXPECT_TRUE(o.print_config);
   EXPECT_EQ(o.nccl_lib, "/opt/nccl/lib/libnccl.so.2");
   EXPECT_EQ(o.virtual_env, "/opt/venv");

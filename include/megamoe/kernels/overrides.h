@@ -42,6 +42,7 @@ struct Overrides {
   int debug_skip = 0;                 // MEGAMOE_DEBUG_SKIP: bits 1|4|8|16, WRONG outputs unless 0
   std::optional<bool> round_robin;    // MEGAMOE_ROUND_ROBIN=0|1 (alias MEGAMOE_SCHEDULE=rr)
   std::optional<bool> early_weights;  // MEGAMOE_EARLY_WEIGHTS=0|1
+  int wg_skew_ns = 0;                 // MEGAMOE_WG_SKEW_NS: consumer warpgroup 1 starts this much later
 
   // ---- reports and the NCCL transport ----
   bool print_config = false;            // MEGAMOE_PRINT_CONFIG=0|1
