@@ -120,7 +120,6 @@ DebugArgs resolve_debug(const ConfigInputs& in) {
   d.skip = ov.debug_skip;
   d.round_robin = ov.round_robin.value_or(false) ? 1 : 0;
   d.early_weights = ov.early_weights.value_or(true) ? 1 : 0;
-  d.wg_skew_ns = ov.wg_skew_ns;
   if (ov.unit_stride) {
     const int grid = resolve_grid(in);
     d.unit_stride = *ov.unit_stride;
@@ -151,7 +150,6 @@ FusedMoeConfig resolve_config(const ConfigInputs& in, int tokens) {
   const bool pairs_ok = pairs_allowed(in, grid, c.block_n);
   c.pair_tiles = c.pair_tiles && c.block_n == 128 && pairs_ok && !c.wide_tiles;
   c.pair_weights = c.pair_weights && c.pair_tiles;
-  c.gather_tokens = ov.gather_tokens.value_or(kGatherTokens) && c.wide_tiles && !in.ep_ranks;
   c.decode_pairs = c.decode_pairs && c.block_n <= kDecodePairsMaxBlockN && pairs_ok;
   c.stages = stages_for(c.block_n, c.wide_tiles);
   c.ep_overlap = ep_overlap_for(in);
@@ -167,7 +165,6 @@ ConfigInputs with_forward_switches(const ConfigInputs& plan, const Overrides& no
   ConfigInputs in = plan;
   Overrides& o = in.switches;
   o.block_n = now.block_n, o.half_tiles = now.half_tiles, o.wide_tiles = now.wide_tiles;
-  o.gather_tokens = now.gather_tokens;
   o.pair_tiles = now.pair_tiles, o.pair_weights = now.pair_weights, o.decode_pairs = now.decode_pairs;
   o.programmatic_launch = now.programmatic_launch, o.read_gbps_per_sm = now.read_gbps_per_sm;
   o.route_tile = now.route_tile;
@@ -179,10 +176,10 @@ std::string describe(const FusedMoeConfig& c) {
   // (each mechanism under its one name: docs/kernel.md's glossary)
   return fmt::format(
       "block_m={} block_n={} block_k={} stages={} smem={}B num_sms={} read_gbps_per_sm={:.0f} "
-      "router_ksplit={}{}{}{}{}{}{}{}{}{}{}",
+      "router_ksplit={}{}{}{}{}{}{}{}{}{}",
       kBlockM, c.block_n, kBlockK, c.stages, smem_bytes(c.block_n, c.wide_tiles), c.num_sms,
       c.read_gbps_per_sm, c.router_ksplit, c.half_tiles ? " half_tiles" : "",
-      c.wide_tiles ? " wide_tiles" : "", c.gather_tokens ? " gather_tokens" : "", c.pair_tiles ? " pair_tiles" : "",
+      c.wide_tiles ? " wide_tiles" : "", c.pair_tiles ? " pair_tiles" : "",
       c.pair_tiles && c.pair_weights ? " pair_weights" : "", c.decode_pairs ? " decode_pairs" : "",
       c.ep_overlap ? " ep_overlap" : "", c.programmatic_launch ? " programmatic_launch" : "",
       c.sm_units ? " sm_units" : "",

@@ -50,10 +50,6 @@ struct DebugArgs {
   // (unit + turn * epoch mod G, epoch = the routing's forward count), as a plain launch's
   // starting SM moves from launch to launch.
   int unit_turn = 0;
-  // MEGAMOE_WG_SKEW_NS: consumer warpgroup 1 starts its first tile this many ns after
-  // warpgroup 0 (tokens-in-M tiles, where nothing else holds the two in step), so that one
-  // warpgroup's epilogue runs beside the other's last wgmma (the stage ring bounds the lead).
-  int wg_skew_ns = 0;
 };
 
 // The persistent grid: every SM, or fewer (grid_cap, MEGAMOE_NUM_SMS).

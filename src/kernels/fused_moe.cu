@@ -155,9 +155,6 @@ void set_smem_attr() {
     MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<128, true, false, true>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             smem_bytes(128, true)));
-    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(fused_moe_kernel<128, false, false, true, true>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            smem_bytes(128, true)));
   }
 }
 
@@ -192,8 +189,6 @@ void launch_fused(const KernelArgs& args, const TensorMaps& maps, int grid, cons
       FusedLaunch launch(grid, smem_bytes(128, true), false, pdl, stream);
       if (args.ep.ranks)
         launch(fused_moe_kernel<128, true, false, true>, args, maps);
-      else if (cfg.gather_tokens)
-        launch(fused_moe_kernel<128, false, false, true, true>, args, maps);
       else
         launch(fused_moe_kernel<128, false, false, true>, args, maps);
       return;
@@ -397,10 +392,6 @@ void make_tensor_maps(const MoeShape& s, const MoeWeightsView& w, const MoeWorks
                           {H, R}, {H}, {128, 64}, CU_TENSOR_MAP_SWIZZLE_128B);
       m.a2_part = make_map("act2 (pair part)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base + ws.act2.offset,
                            {P, R}, {P}, {128, 64}, CU_TENSOR_MAP_SWIZZLE_128B);
-      // (gathered tokens: each box one token's 128 columns, landing as that row of the stage's
-      // 128-row swizzled tile: the 128-byte swizzle follows the shared-memory address)
-      m.xg = make_map("x_q (gathered rows)", CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base + ws.x_sorted.offset, {H, R},
-                      {H}, {128, 1}, CU_TENSOR_MAP_SWIZZLE_128B);
     }
     maps[i] = m;
   }

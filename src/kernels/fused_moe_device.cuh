@@ -95,7 +95,6 @@ struct TensorMaps {
   CUtensorMap x_part, a2_part;
   CUtensorMap w13_part, sw13_part, w2_part, sw2_part;
   CUtensorMap w13w, sw13w, w2w, sw2w;  // the weights in 256-row boxes (wide tiles: two output blocks)
-  CUtensorMap xg;  // gathered tokens: x_q (x_sorted's buffer, a row a token) in one-row boxes
 };
 
 struct Tile {

@@ -203,13 +203,10 @@ __device__ __noinline__ int schedule_unit(const KernelArgs& a, int csh) {
 
 // The compile-time shape of one kernel instantiation: its template arguments and what
 // follows from them, shared by every role below.
-template <int BN_, bool kEp_, bool kClusterPairs_, bool kWide_, bool kGather_>
+template <int BN_, bool kEp_, bool kClusterPairs_, bool kWide_>
 struct KernelShape {
   static constexpr int BN = BN_;
   static constexpr bool kEp = kEp_, kClusterPairs = kClusterPairs_, kWide = kWide_;
-  // Gathered tokens (FusedMoeConfig::gather_tokens): GEMM1's token rows come from the one
-  // quantized copy of each token, one TMA box a row, issued by the whole producer warp.
-  static constexpr bool kGather = kGather_;
   static constexpr int kStages = stages_for(BN, kWide);
   static constexpr int kStageBytes = stage_bytes(BN, kWide);
   static constexpr int kWBytes = (kWide ? 2 : 1) * kBlockM * kBlockK;  // a stage's weight rows
@@ -235,7 +232,6 @@ struct KernelShape {
   static_assert(!kClusterPairs || (!kEp && (BN == 128 || BN <= kDecodePairsMaxBlockN)),
                 "pair tiles: one device");
   static_assert(!kWide || (BN == 128 && !kClusterPairs), "wide tiles: 128-token tiles, no cluster");
-  static_assert(!kGather || (kWide && !kEp), "gathered tokens: wide tiles on one device");
 };
 
 // The CTA's shared memory: the stage ring (`ring`, kStages stages) and the regions of
@@ -520,51 +516,14 @@ __device__ __forceinline__ void issue_weights(WTag, GTag, const KernelArgs& a, c
   }
 }
 
-// Gathered tokens (S::kGather): the rows of x_q (one quantized copy a token, phase 0) that a
-// GEMM1 tile's sorted rows read, this lane's four: row lane + 32 j of the tile is token
-// r[j], or rows_cap past its valid rows (out of the map: TMA fills the row with zeros and
-// still counts its bytes, so every stage expects the same bytes).
-struct GatherRows {
-  int r[4];
-};
-static_assert(4 * 32 == kBlockM, "a lane gathers four of a tile's 128 token rows");
-
-__device__ __forceinline__ GatherRows gather_rows(const KernelArgs& a, const Tile& tl, int lane) {
-  GatherRows g;
-  const int slots = a.K + a.has_shared;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int i = j * 32 + lane;
-    // (row_src: written by phase 0 before its grid barrier; a plain load, not the read-only path)
-    g.r[j] = i < tl.rows ? a.row_src[tl.row0 + i] / slots : a.rows_cap;
-  }
-  return g;
-}
-
-// A stage's token rows and their scales (K block kb of the tile). Gathered tokens: every lane
-// of the producer warp issues its four GEMM1 rows (gr), lane 0 the rest.
+// A stage's token rows and their scales (K block kb of the tile).
 template <class S, class WTag, class GTag>
 __device__ __forceinline__ void issue_tokens(WTag, GTag, const TensorMaps& tm, const CtaSmem<S>& sm,
-                                             bool no_loads, const Tile& tl, int kb, int stage,
-                                             const GatherRows& gr, int lane) {
+                                             bool no_loads, const Tile& tl, int kb, int stage) {
   if (no_loads) return;
   uint8_t* x_s = sm.ring + stage * S::kStageBytes + S::kWBytes;
   uint8_t* s_s = x_s + S::kXBytes;
   uint64_t* full = &sm.full_bar[stage];
-  if constexpr (S::kGather) {
-    if constexpr (GTag::value == 1) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) sm90::tma_load_2d(x_s + (j * 32 + lane) * 128, &tm.xg, full, kb * 128, gr.r[j]);
-    }
-    if (lane != 0) return;
-    if constexpr (GTag::value == 1) {
-      sm90::tma_load_2d(s_s, &tm.xs, full, tl.row0, kb);
-    } else {
-      sm90::tma_load_2d(x_s, &tm.a2, full, kb * 128, tl.row0);
-      sm90::tma_load_2d(s_s, &tm.a2s, full, tl.row0, kb);
-    }
-    return;
-  }
   // Pair tiles: this CTA's 64 of the tile's token rows into both CTAs' stage (the
   // peer loads the other 64); the scales each CTA loads for itself.
   auto rows = [&](const CUtensorMap* map, const CUtensorMap* part_map) {
@@ -585,38 +544,12 @@ __device__ __forceinline__ void issue_tokens(WTag, GTag, const TensorMaps& tm, c
 }
 
 // A CTA's next tile: its own list's, then claims of the pool (TileSchedule).
-// (gathered tokens: every lane of the producer warp walks the schedule; lane 0 claims)
 template <class S>
 __device__ __forceinline__ int claim_next_tile(const KernelArgs& a, TileSchedule& sch, int tiles) {
   const int t = sch.next();
   if constexpr (S::kClusterPairs) return t;  // (no pool)
-  if (t != sch.pool_begin() || t >= tiles) return t;
-  int* pool = &a.counters[MoeWorkspaceLayout::kCounterPool];
-  if constexpr (S::kGather) {
-    int c = 0;
-    if (threadIdx.x % 32 == 0) c = atomicAdd(pool, 1);
-    return t + __shfl_sync(0xffffffffu, c, 0);
-  }
-  return t + atomicAdd(pool, 1);
-}
-
-// The CTA's place in the tile schedule (the producer: thread 0, or with gathered tokens its
-// warp): TileSchedule's balanced list of its unit, then the pool's claims; returns its first
-// tile.
-// NOTE: no weight load goes out before phase 0: with the ring full, the grid barrier's L2
-// round trips waited behind them, and early stages measured slower at few tokens, level
-// above (see docs/performance-history.md).
-template <class S>
-__device__ __forceinline__ int start_schedule(const KernelArgs& a, const TileIds& ids, TileSchedule& sched) {
-  // (no tail pool for pairs: both CTAs of a cluster would have to claim the same tile)
-  // (costs in weight bytes: a GEMM1 tile reads 256 rows x H, a GEMM2 tile 128 x I, a wide
-  // GEMM2 tile 256 x I; a CTA of decode pairs half a GEMM1 tile)
-  const int G = gridDim.x >> S::csh;
-  const int t2 = ids.t2;
-  sched.init(schedule_unit(a, S::csh), G, ids.t1, t2, a.H / 128 * (S::kWide || S::kDecodePair ? 1 : 2),
-             a.I / 128, !a.debug.round_robin,
-             a.debug.round_robin || S::kClusterPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
-  return claim_next_tile<S>(a, sched, ids.tiles());
+  return t == sch.pool_begin() && t < tiles ? t + atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterPool], 1)
+                                            : t;
 }
 
 // What the producer's functions share: the kernel's arguments and tensor maps, the CTA's
@@ -631,9 +564,6 @@ struct ProducerCtx {
   bool no_loads;
   uint32_t stage_tx;
   Prof& pf;
-  int lane;  // gathered tokens: the producer warp's lane (0 where one thread produces)
-  // The lane that issues what one thread issues (a stage's arrival, its weights, the tile records).
-  __device__ __forceinline__ bool leader() const { return !S::kGather || lane == 0; }
 };
 
 // The producer's loads of one tile's stages. ready: the tile's dependency (done1[unit] >=
@@ -641,8 +571,7 @@ struct ProducerCtx {
 // issued once it is (at most kStages of them deferred).
 template <class S, class WTag, class GTag>
 __device__ __forceinline__ void fill_tile(WTag w_tag, GTag g_tag, const ProducerCtx<S>& p, const Tile& tl,
-                                          const GatherRows& gr, RingPos<S::kStages>& rp, bool& ready,
-                                          int need) {
+                                          RingPos<S::kStages>& rp, bool& ready, int need) {
   const KernelArgs& a = p.a;
   const TensorMaps& tm = p.tm;
   const CtaSmem<S>& sm = p.sm;
@@ -686,7 +615,7 @@ __device__ __forceinline__ void fill_tile(WTag w_tag, GTag g_tag, const Producer
         if constexpr (kEp) sm90::mbar_arrive_expect_tx(&sm.full_bar[st], stage_tx - weight_tx);
         // (on one device only GEMM2 tiles defer: their stage is their K block)
         issue_tokens<S>(w_tag, g_tag, tm, sm, no_loads, tl,
-                        kEp ? kblock_of(i - deferred + d) : i - deferred + d, st, gr, p.lane);
+                        kEp ? kblock_of(i - deferred + d) : i - deferred + d, st);
       }
       deferred = 0;
     }
@@ -695,25 +624,21 @@ __device__ __forceinline__ void fill_tile(WTag w_tag, GTag g_tag, const Producer
     const uint32_t t0 = pf.now();
     sm90::mbar_wait(&sm.empty_bar[stage], rp.phase ^ 1);
     pf.add(kPfProdEmpty, t0);
-    if (i == 0 && p.leader()) sm.stage_tile[stage] = tl;  // published by the full barrier's completion
+    if (i == 0) sm.stage_tile[stage] = tl;  // published by the full barrier's completion
     // Expert parallelism: a stage arrives with its tokens (below, or when deferred ones
     // go out), so the arrival follows the acquire of their unit's count and the
     // consumers' generic reads of what the pull wrote beside the TMA data (row weights,
     // sources) are ordered after it. (One device defers only GEMM2 tiles, whose generic
     // reads phase 0 wrote before its grid barrier: one arrival with every byte.)
+    if constexpr (kEp)
+      sm90::mbar_expect_tx(&sm.full_bar[stage], weight_tx);
+    else
+      sm90::mbar_arrive_expect_tx(&sm.full_bar[stage], stage_tx);
     const int h = half_of(i), kb = kblock_of(i);
-    if (p.leader()) {
-      if constexpr (kEp)
-        sm90::mbar_expect_tx(&sm.full_bar[stage], weight_tx);
-      else
-        sm90::mbar_arrive_expect_tx(&sm.full_bar[stage], stage_tx);
-      issue_weights<S>(w_tag, g_tag, a, tm, sm, no_loads, tl, kb, h, stage);
-    }
-    // (gathered tokens: the stage expects its bytes before the other lanes' rows can land)
-    if constexpr (S::kGather) __syncwarp();
+    issue_weights<S>(w_tag, g_tag, a, tm, sm, no_loads, tl, kb, h, stage);
     if (ready) {
       if constexpr (kEp) sm90::mbar_arrive_expect_tx(&sm.full_bar[stage], stage_tx - weight_tx);
-      issue_tokens<S>(w_tag, g_tag, tm, sm, no_loads, tl, kb, stage, gr, p.lane);
+      issue_tokens<S>(w_tag, g_tag, tm, sm, no_loads, tl, kb, stage);
     } else {
       ++deferred;
     }
@@ -740,12 +665,10 @@ __device__ __forceinline__ void producer_thread(const ProducerCtx<S>& p, const T
     if (tile >= tiles) {
       // Sentinel stage: tells the consumers there is no further tile.
       sm90::mbar_wait(&sm.empty_bar[rp.stage], rp.phase ^ 1);
-      if (p.leader()) {
-        sm.stage_tile[rp.stage].gemm = 0;
-        sm90::mbar_arrive(&sm.full_bar[rp.stage]);
-        pf.add(kPfProdTotal, t_prod);
-        pf.store(kPfProdTotal, kPfSlots);
-      }
+      sm.stage_tile[rp.stage].gemm = 0;
+      sm90::mbar_arrive(&sm.full_bar[rp.stage]);
+      pf.add(kPfProdTotal, t_prod);
+      pf.store(kPfProdTotal, kPfSlots);
       break;
     }
     // (wide GEMM2 tiles: the pair's rank-0 tile, nblk even; the consumers add block nblk + 1)
@@ -764,8 +687,6 @@ __device__ __forceinline__ void producer_thread(const ProducerCtx<S>& p, const T
     if (a.debug.skip & kSkipDeps) need = 0;
     const uint32_t t0 = pf.now();
     bool ready = need == 0 || (!S::kEp && tl.gemm == 1) || sm90::ld_acquire_gpu(&done1[tl.unit]) >= need;
-    // (gathered tokens: the lanes walk the stages in step, so lane 0's reading decides for all)
-    if constexpr (S::kGather) ready = __shfl_sync(0xffffffffu, ready, 0);
     if (!a.debug.early_weights && !ready) {
       sm90::wait_geq_acquire_gpu(&done1[tl.unit], need);
       ready = true;
@@ -773,14 +694,11 @@ __device__ __forceinline__ void producer_thread(const ProducerCtx<S>& p, const T
     pf.add(kPfProdDep, t0);
     // The tile's stages: the pairing and the GEMM are chosen once a tile, so a stage's path
     // has no branch on them.
-    GatherRows gr{};
-    if constexpr (S::kGather)
-      if (tl.gemm == 1) gr = gather_rows(a, tl, p.lane);
     auto fill_gemm = [&](auto w_tag) {
       if (tl.gemm == 1)
-        fill_tile<S>(w_tag, std::integral_constant<int, 1>{}, p, tl, gr, rp, ready, need);
+        fill_tile<S>(w_tag, std::integral_constant<int, 1>{}, p, tl, rp, ready, need);
       else
-        fill_tile<S>(w_tag, std::integral_constant<int, 2>{}, p, tl, gr, rp, ready, need);
+        fill_tile<S>(w_tag, std::integral_constant<int, 2>{}, p, tl, rp, ready, need);
     };
     if constexpr (S::kPairTile) {
       if (tl.pair_weights)
@@ -822,11 +740,8 @@ __device__ __forceinline__ void producer_warpgroup(const ProducerCtx<S>& p, cons
   const KernelArgs& a = p.a;
   const CtaSmem<S>& sm = p.sm;
   sm90::setmaxnreg_dec<kProducerRegs>();
-  if (S::kGather ? warp == kProducerThread / 32 : tid == kProducerThread) {
-    // (gathered tokens: here, not before phase 0, the schedule's state stays out of phase 0's registers)
-    if constexpr (S::kGather) first_tile = start_schedule<S>(a, ids, sched);
+  if (tid == kProducerThread)
     producer_thread<S>(p, ids, sched, first_tile);
-  }
   else if (S::kEp && a.ep_overlap && warp >= kPullFirstWarp)
     ep_pull_overlapped<S::BN>(a, sm.sc, p.done1, warp - kPullFirstWarp,
                               kPullWarps);  // step 3, beside the tiles
@@ -1311,10 +1226,6 @@ __device__ __forceinline__ void consumer_tiles(const KernelArgs& a, const CtaSme
                                                Prof& pf) {
   float acc[S::kAcc];
   RingPos<S::kStages> rp;
-  if (a.debug.wg_skew_ns && cs.wg == 1) {  // (measurement: DebugArgs::wg_skew_ns)
-    const uint64_t until = sm90::globaltimer_ns() + uint64_t(a.debug.wg_skew_ns);
-    while (sm90::globaltimer_ns() < until) __nanosleep(256);
-  }
   for (;;) {
     const uint32_t t_tile = pf.now();
     sm90::mbar_wait(&sm.full_bar[rp.stage], rp.phase);
@@ -1387,7 +1298,6 @@ __device__ __forceinline__ void init_cta(const TensorMaps& tm, const CtaSmem<S>&
     sm90::tma_prefetch_desc(&tm.a2);
     if (S::kPairTile) sm90::tma_prefetch_desc(&tm.x_part), sm90::tma_prefetch_desc(&tm.a2_part);
     if (S::kWide) sm90::tma_prefetch_desc(&tm.w13w), sm90::tma_prefetch_desc(&tm.w2w);
-    if (S::kGather) sm90::tma_prefetch_desc(&tm.xg);
   }
 }
 
@@ -1410,6 +1320,24 @@ __device__ __forceinline__ bool build_tables(const KernelArgs& a, const CtaSmem<
     return true;
   }
   return ep_exchange(a, sm.sc, et, T, a.ep.state[0], S::BN);
+}
+
+// The CTA's place in the tile schedule (thread 0): TileSchedule's balanced list of its
+// unit, then the pool's claims; returns its first tile.
+// NOTE: no weight load goes out before phase 0: with the ring full, the grid barrier's L2
+// round trips waited behind them, and early stages measured slower at few tokens, level
+// above (see docs/performance-history.md).
+template <class S>
+__device__ __forceinline__ int start_schedule(const KernelArgs& a, const TileIds& ids, TileSchedule& sched) {
+  // (no tail pool for pairs: both CTAs of a cluster would have to claim the same tile)
+  // (costs in weight bytes: a GEMM1 tile reads 256 rows x H, a GEMM2 tile 128 x I, a wide
+  // GEMM2 tile 256 x I; a CTA of decode pairs half a GEMM1 tile)
+  const int G = gridDim.x >> S::csh;
+  const int t2 = ids.t2;
+  sched.init(schedule_unit(a, S::csh), G, ids.t1, t2, a.H / 128 * (S::kWide || S::kDecodePair ? 1 : 2),
+             a.I / 128, !a.debug.round_robin,
+             a.debug.round_robin || S::kClusterPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
+  return claim_next_tile<S>(a, sched, ids.tiles());
 }
 
 // Phase 0 on one device: quantize x (1x128 E4M3) and scatter each token to its rows.
@@ -1457,17 +1385,12 @@ __device__ __forceinline__ void phase0_scatter(const KernelArgs& a, const Sched&
     quantize_group<8>(raw, qw, scale);
     const uint4 q = make_uint4(qw[0], qw[1], qw[2], qw[3]);
     const bool mine = cur.g < hb;
-    // Gathered tokens: the token's one copy, x_q row t (GEMM1 gathers it); else a copy in each
-    // of its sorted rows. The scales go to the sorted rows either way.
-    if (S::kGather && mine)
-      *reinterpret_cast<uint4*>(a.x_sorted + size_t(cur.t) * a.H + cur.g * 128 + (lane % 8) * 16) = q;
     for (int k = 0; k < slots; ++k) {
       const int r = __shfl_sync(0xffffffffu, cur.row, k);
       const float w = __shfl_sync(0xffffffffu, cur.w, k);
       if (r < 0) continue;
       if (mine) {
-        if (!S::kGather)
-          *reinterpret_cast<uint4*>(a.x_sorted + size_t(r) * a.H + cur.g * 128 + (lane % 8) * 16) = q;
+        *reinterpret_cast<uint4*>(a.x_sorted + size_t(r) * a.H + cur.g * 128 + (lane % 8) * 16) = q;
         if (lane % 8 == 0) a.x_sorted_scale[size_t(cur.g) * a.rows_cap + r] = scale;
       }
       if (lane == 0 && cur.g == 0) {
@@ -1520,15 +1443,10 @@ __device__ __forceinline__ bool phase0_grid_barrier(const KernelArgs& a, int tid
 // there (nvcc 13.0): a value of the consumers' start, reloaded at each tile, never in the
 // K loops (checked in the SASS). Chosen: the K loops are what the wide tiles are for.
 // (The expert-parallel wide kernel, kEpWideTiles, allocates without a spill.)
-// kGather: gathered tokens (FusedMoeConfig::gather_tokens), the wide kernel whose producer is a
-// warp. NOTE: beside the wide kernel's 4 bytes, ptxas spills 12 bytes of the producer's
-// schedule state (nvcc 13.0), stored and reloaded once a tile where the next tile is chosen,
-// never in the stage loop (checked in the SASS). Chosen: the producer's 56 registers are the
-// consumers' 224 (heuristics.h).
-template <int BN, bool kEp, bool kClusterPairs = false, bool kWide = false, bool kGather = false>
+template <int BN, bool kEp, bool kClusterPairs = false, bool kWide = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_moe_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ TensorMaps tm) {
-  using S = KernelShape<BN, kEp, kClusterPairs, kWide, kGather>;
+  using S = KernelShape<BN, kEp, kClusterPairs, kWide>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // NOTE: offset the __shared__ array itself (not a cast integer) so the compiler keeps
   // the shared address space and emits LDS for the scale reads.
@@ -1566,8 +1484,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t stage_tx = no_loads ? 0 : S::kWBytes + S::kXBytes + S::BN * 4;
   TileSchedule sched;
   int first_tile = tiles;
-  // (gathered tokens: the producer's whole warp, after phase 0: producer_warpgroup)
-  if (!S::kGather && tid == kProducerThread) first_tile = start_schedule<S>(a, ids, sched);
+  if (tid == kProducerThread) first_tile = start_schedule<S>(a, ids, sched);
 
   // ---- Phase 0 ----
   if (!kEp)
@@ -1583,8 +1500,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- Producer warpgroup ----
   if (warp < kProducerWarps) {
-    producer_warpgroup<S>(ProducerCtx<S>{a, tm, sm, done1, no_loads, stage_tx, pf, S::kGather ? lane : 0}, ids,
-                          sched, first_tile, T, E_total, tid, warp, lane);
+    producer_warpgroup<S>(ProducerCtx<S>{a, tm, sm, done1, no_loads, stage_tx, pf}, ids, sched, first_tile, T,
+                          E_total, tid, warp, lane);
     return;
   }
 

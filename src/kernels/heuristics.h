@@ -124,11 +124,6 @@ constexpr int kDecodePairsMaxTilesPerCta = 2;
 // stage for two blocks' work: faster than pairs at prefill sizes. Chosen where half tiles are
 // not (level with them below kHalfTileMaxAvgRows). (docs/performance-history.md, "Prefill tiles")
 constexpr bool kWideTiles = true;
-// Gathered tokens (FusedMoeConfig::gather_tokens): phase 0 writes each token's quantized row
-// once and GEMM1's stages gather a tile's 128 rows from it (one-row TMA boxes, four a lane of
-// the producer warp), so phase 0 stores a ninth of the bytes. Wide tiles on one device only.
-// Off until measured against the copies on the card.
-constexpr bool kGatherTokens = false;
 
 // Expert parallelism, the row pull beside the tiles (KernelArgs::ep_overlap): warps 2-3 of the
 // producer warpgroup pull the rows in the GEMM1 tiles' order and count them into the units'

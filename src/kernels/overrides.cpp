@@ -81,7 +81,6 @@ Overrides Overrides::parse(const std::function<const char*(const char*)>& get) {
   }
   o.half_tiles = flag("MEGAMOE_HALF_TILES");
   o.wide_tiles = flag("MEGAMOE_WIDE_TILES");
-  o.gather_tokens = flag("MEGAMOE_GATHER_TOKENS");
   o.pair_tiles = flag("MEGAMOE_PAIR_TILES");
   o.pair_weights = flag("MEGAMOE_PAIR_WEIGHTS");
   o.decode_pairs = flag("MEGAMOE_DECODE_PAIRS");
@@ -133,8 +132,6 @@ Overrides Overrides::parse(const std::function<const char*(const char*)>& get) {
         return parse_bool(n, v);
       });
   o.early_weights = flag("MEGAMOE_EARLY_WEIGHTS");
-  if (const char* v = get("MEGAMOE_WG_SKEW_NS"))
-    o.wg_skew_ns = parse_int("MEGAMOE_WG_SKEW_NS", v, 0, 1000000, "a delay in ns, 0 to 1000000");
 
   o.print_config = flag("MEGAMOE_PRINT_CONFIG").value_or(false);
   if (const char* v = get("MEGAMOE_NCCL_LIB")) {
@@ -158,7 +155,6 @@ std::string Overrides::describe() const {
   add("MEGAMOE_BLOCK_N", block_n);
   add_flag("MEGAMOE_HALF_TILES", half_tiles);
   add_flag("MEGAMOE_WIDE_TILES", wide_tiles);
-  add_flag("MEGAMOE_GATHER_TOKENS", gather_tokens);
   add_flag("MEGAMOE_PAIR_TILES", pair_tiles);
   add_flag("MEGAMOE_PAIR_WEIGHTS", pair_weights);
   add_flag("MEGAMOE_DECODE_PAIRS", decode_pairs);
@@ -179,7 +175,6 @@ std::string Overrides::describe() const {
   add("MEGAMOE_DEBUG_SKIP", debug_skip ? std::optional<int>(debug_skip) : std::nullopt);
   add_flag("MEGAMOE_ROUND_ROBIN", round_robin);
   add_flag("MEGAMOE_EARLY_WEIGHTS", early_weights);
-  add("MEGAMOE_WG_SKEW_NS", wg_skew_ns ? std::optional<int>(wg_skew_ns) : std::nullopt);
   if (print_config) add_flag("MEGAMOE_PRINT_CONFIG", std::optional<bool>(true));
   add("MEGAMOE_NCCL_LIB", nccl_lib);
   add("VIRTUAL_ENV", virtual_env);

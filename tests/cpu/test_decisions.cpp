@@ -122,8 +122,6 @@ TEST(Decisions, TableKeepsTheRules) {
                     kSmemBudget)
               << at;
           EXPECT_FALSE(cfg.pair_tiles && cfg.wide_tiles) << at;
-          // (gathered tokens: wide tiles on one device only)
-          EXPECT_FALSE(cfg.gather_tokens && (!cfg.wide_tiles || ranks)) << at;
           if (cfg.block_n < 128) {
             EXPECT_FALSE(cfg.pair_tiles || cfg.wide_tiles || cfg.half_tiles) << at;
           }
@@ -156,17 +154,6 @@ TEST(Decisions, PureOfItsInputs) {
   const FusedMoeConfig forced = resolve_config(in, 4096);
   EXPECT_EQ(forced.block_n, 64);
   EXPECT_FALSE(forced.pair_tiles || forced.wide_tiles);
-  // Gathered tokens where wide tiles run on one device, never elsewhere, whatever the switch says.
-  in.switches = Overrides{};
-  in.switches.gather_tokens = true;
-  EXPECT_TRUE(resolve_config(in, 4096).gather_tokens);
-  EXPECT_FALSE(resolve_config(in, 1).gather_tokens);
-  ConfigInputs ep = in;
-  ep.ep_ranks = 8;
-  EXPECT_FALSE(resolve_config(ep, 4096).gather_tokens);
-  in.switches.gather_tokens = std::nullopt;
-  EXPECT_EQ(resolve_config(in, 4096).gather_tokens, kGatherTokens);
-  in.switches = ov;
   // A forward's tile switches come from the call, the plan's (the grid) from the plan.
   Overrides now;
   now.block_n = 16;

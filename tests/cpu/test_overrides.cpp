@@ -30,14 +30,13 @@ std::string error_of(const std::map<std::string, std::string>& env) {
 
 TEST(Overrides, NothingSetLeavesEveryChoiceToTheRule) {
   const Overrides o = parse_env({});
-  EXPECT_FALSE(o.block_n || o.half_tiles || o.wide_tiles || o.gather_tokens || o.pair_tiles || o.pair_weights ||
+  EXPECT_FALSE(o.block_n || o.half_tiles || o.wide_tiles || o.pair_tiles || o.pair_weights ||
                o.decode_pairs || o.programmatic_launch || o.read_gbps_per_sm || o.num_sms || o.sm_units ||
                o.sm_units_max_tokens || o.unit_stride || o.unit_turn || o.tail_pool || o.ep_wide_tiles ||
                o.ep_overlap || o.route_tile || o.round_robin || o.early_weights || o.nccl_lib ||
                o.virtual_env || o.conda_prefix);
   EXPECT_EQ(o.debug_stop, 0);
   EXPECT_EQ(o.debug_skip, 0);
-  EXPECT_EQ(o.wg_skew_ns, 0);
   EXPECT_FALSE(o.print_config);
   EXPECT_EQ(o.describe(), "");
 }
@@ -46,7 +45,6 @@ TEST(Overrides, EverySwitchParses) {
   const Overrides o = parse_env({{"MEGAMOE_BLOCK_N", "48"},
                                  {"MEGAMOE_HALF_TILES", "0"},
                                  {"MEGAMOE_WIDE_TILES", "1"},
-                                 {"MEGAMOE_GATHER_TOKENS", "1"},
                                  {"MEGAMOE_PAIR_TILES", "0"},
                                  {"MEGAMOE_PAIR_WEIGHTS", "1"},
                                  {"MEGAMOE_DECODE_PAIRS", "0"},
@@ -65,7 +63,6 @@ TEST(Overrides, EverySwitchParses) {
                                  {"MEGAMOE_DEBUG_SKIP", "13"},
                                  {"MEGAMOE_ROUND_ROBIN", "1"},
                                  {"MEGAMOE_EARLY_WEIGHTS", "0"},
-                                 {"MEGAMOE_WG_SKEW_NS", "3000"},
                                  {"MEGAMOE_PRINT_CONFIG", "1"},
                                  {"MEGAMOE_NCCL_LIB", "/opt/nccl/lib/libnccl.so.2"},
                                  {"VIRTUAL_ENV", "/opt/venv"},
@@ -73,7 +70,6 @@ TEST(Overrides, EverySwitchParses) {
   EXPECT_EQ(o.block_n, 48);
   EXPECT_EQ(o.half_tiles, false);
   EXPECT_EQ(o.wide_tiles, true);
-  EXPECT_EQ(o.gather_tokens, true);
   EXPECT_EQ(o.pair_tiles, false);
   EXPECT_EQ(o.pair_weights, true);
   EXPECT_EQ(o.decode_pairs, false);
@@ -92,14 +88,13 @@ TEST(Overrides, EverySwitchParses) {
   EXPECT_EQ(o.debug_skip, 13);
   EXPECT_EQ(o.round_robin, true);
   EXPECT_EQ(o.early_weights, false);
-  EXPECT_EQ(o.wg_skew_ns, 3000);
   EXPECT_TRUE(o.print_config);
   EXPECT_EQ(o.nccl_lib, "/opt/nccl/lib/libnccl.so.2");
   EXPECT_EQ(o.virtual_env, "/opt/venv");
   EXPECT_FALSE(o.conda_prefix);  // (empty: unset)
   // describe() names every set switch as it is spelled in the environment.
   const std::string d = o.describe();
-  for (const char* part : {"MEGAMOE_BLOCK_N=48", "MEGAMOE_WIDE_TILES=1", "MEGAMOE_GATHER_TOKENS=1", "MEGAMOE_PROGRAMMATIC_LAUNCH=1",
+  for (const char* part : {"MEGAMOE_BLOCK_N=48", "MEGAMOE_WIDE_TILES=1", "MEGAMOE_PROGRAMMATIC_LAUNCH=1",
                            "MEGAMOE_ROUTE_TILE=wide", "MEGAMOE_DEBUG_SKIP=13", "MEGAMOE_EARLY_WEIGHTS=0",
                            "MEGAMOE_NCCL_LIB=/opt/nccl/lib/libnccl.so.2"})
     EXPECT_NE(d.find(part), std::string::npos) << part << " not in " << d;

@@ -276,28 +276,6 @@ TEST_F(FusedMoe, WideTilesSmall) {
   check_against_reference(few, 300, 503);
 }
 
-TEST_F(FusedMoe, GatheredTokens) {
-  // Wide tiles whose GEMM1 gathers its token rows from one quantized copy a token (one-row TMA
-  // boxes by the producer warp) instead of phase 0's copy in each sorted row: bit-exact against
-  // the reference, with half tiles and without, at one to many token blocks an expert (2600:
-  // the tail pool's claims, the shared expert's 21 blocks), and at 8 experts.
-  ov.block_n = 128, ov.wide_tiles = true, ov.gather_tokens = true;
-  const TestCase tc = make_case(reduced_shape(), 504, 200, 2600);
-  for (const bool half : {true, false}) {
-    ov.half_tiles = half;
-    set();
-    for (int T : {200, 2600}) check_against_reference(reduced_shape(), T, 504 + T);
-    const std::string cfg = tc.layer->config_for(200);
-    EXPECT_NE(cfg.find("wide_tiles gather_tokens"), std::string::npos) << "gathered tokens did not run: " << cfg;
-  }
-  MoeShape few = reduced_shape();
-  few.experts = 8;
-  check_against_reference(few, 300, 505);
-  MoeShape no_shared = reduced_shape();
-  no_shared.shared_experts = 0;
-  check_against_reference(no_shared, 1000, 506);
-}
-
 TEST_F(FusedMoe, WideTilesWhereHalfTilesAreOff) {
   // The heuristic's choice (reduced shape: T / 8 rows an expert on average): wide tiles (four
   // stages) above 96 rows, where half tiles stop; below, from 60 rows (32 experts: heuristics.h

@@ -31,10 +31,6 @@ struct FusedMoeConfig {
   // halves or two neighbouring GEMM2 output blocks, the token rows once. Takes the pair
   // tiles' place where the shape allows it (resolve_config).
   bool wide_tiles = false;
-  // Wide tiles on one device: GEMM1 reads each token's one quantized copy, its 128 rows a stage
-  // gathered by one-row TMA boxes that the producer warp issues, instead of the copy phase 0
-  // writes into each of the token's sorted rows (nine a token at top-8 plus the shared expert).
-  bool gather_tokens = false;
   // Expert parallelism: the rank's row pull runs beside its tiles (a property of the plan,
   // reported here with the rest).
   bool ep_overlap = false;

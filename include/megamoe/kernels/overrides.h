@@ -19,7 +19,6 @@ struct Overrides {
   std::optional<int> block_n;               // MEGAMOE_BLOCK_N: 8, 16, 32, 48, 64 or 128 tokens a tile
   std::optional<bool> half_tiles;           // MEGAMOE_HALF_TILES=0|1
   std::optional<bool> wide_tiles;           // MEGAMOE_WIDE_TILES=0|1
-  std::optional<bool> gather_tokens;        // MEGAMOE_GATHER_TOKENS=0|1 (wide tiles on one device only)
   std::optional<bool> pair_tiles;           // MEGAMOE_PAIR_TILES=0|1 (128-token tiles only)
   std::optional<bool> pair_weights;         // MEGAMOE_PAIR_WEIGHTS=0|1 (what a pair tile shares)
   std::optional<bool> decode_pairs;         // MEGAMOE_DECODE_PAIRS=0|1 (block_n 8 and 16 only)
@@ -42,7 +41,6 @@ struct Overrides {
   int debug_skip = 0;                 // MEGAMOE_DEBUG_SKIP: bits 1|4|8|16, WRONG outputs unless 0
   std::optional<bool> round_robin;    // MEGAMOE_ROUND_ROBIN=0|1 (alias MEGAMOE_SCHEDULE=rr)
   std::optional<bool> early_weights;  // MEGAMOE_EARLY_WEIGHTS=0|1
-  int wg_skew_ns = 0;                 // MEGAMOE_WG_SKEW_NS: consumer warpgroup 1 starts this much later
 
   // ---- reports and the NCCL transport ----
   bool print_config = false;            // MEGAMOE_PRINT_CONFIG=0|1
