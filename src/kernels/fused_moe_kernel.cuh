@@ -8,9 +8,9 @@
 // layout, tensor maps, the SM-unit probe, the plan and the launches) is fused_moe.cu.
 //
 // The kernel's layout (warp-specialized, one function a role and phase):
-//   fused_moe_kernel     setup (init_cta, build_tables), phase 0 (phase0_scatter or ep_pull,
-//                        phase0_grid_barrier), then the roles
-//   producer_warpgroup   start_schedule, producer_thread (fill_tile: issue_weights, issue_tokens),
+//   fused_moe_kernel     setup (init_cta, build_tables, start_schedule), phase 0
+//                        (phase0_scatter or ep_pull, phase0_grid_barrier), then the roles
+//   producer_warpgroup   producer_thread (fill_tile: issue_weights, issue_tokens),
 //                        signal_thread, ep_pull_overlapped, combine_load_rows
 //   consumer_tiles       per tile gemm1_tile (gemm1_swap_ab / gemm1_tokens_m and their
 //                        epilogues) or gemm2_tile (gemm2_swap_ab / gemm2_tokens_m)
@@ -552,26 +552,6 @@ __device__ __forceinline__ int claim_next_tile(const KernelArgs& a, TileSchedule
                                             : t;
 }
 
-// The CTA's place in the tile schedule (the producer thread, after phase 0: computed before,
-// its state stayed live through phase 0 in the registers the producer keeps, and ptxas spilled
-// it): TileSchedule's balanced list of its unit, then the pool's claims; returns its first
-// tile.
-// NOTE: no weight load goes out before phase 0: with the ring full, the grid barrier's L2
-// round trips waited behind them, and early stages measured slower at few tokens, level
-// above (see docs/performance-history.md).
-template <class S>
-__device__ __forceinline__ int start_schedule(const KernelArgs& a, const TileIds& ids, TileSchedule& sched) {
-  // (no tail pool for pairs: both CTAs of a cluster would have to claim the same tile)
-  // (costs in weight bytes: a GEMM1 tile reads 256 rows x H, a GEMM2 tile 128 x I, a wide
-  // GEMM2 tile 256 x I; a CTA of decode pairs half a GEMM1 tile)
-  const int G = gridDim.x >> S::csh;
-  const int t2 = ids.t2;
-  sched.init(schedule_unit(a, S::csh), G, ids.t1, t2, a.H / 128 * (S::kWide || S::kDecodePair ? 1 : 2),
-             a.I / 128, !a.debug.round_robin,
-             a.debug.round_robin || S::kClusterPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
-  return claim_next_tile<S>(a, sched, ids.tiles());
-}
-
 // What the producer's functions share: the kernel's arguments and tensor maps, the CTA's
 // shared memory, the GEMM1-done counters, whether loads are skipped (kSkipLoads) and a
 // stage's bytes (stage_tx: computed by the kernel before phase 0), and the profile.
@@ -754,16 +734,14 @@ __device__ __forceinline__ void signal_thread(const KernelArgs& a, const CtaSmem
 // the expert-parallel pull overlapped warps 2-3 the pull; then warp kCombineWarp the bulk
 // combine's loads. The other threads leave.
 template <class S>
-__device__ __forceinline__ void producer_warpgroup(const ProducerCtx<S>& p, const TileIds& ids, int T,
-                                                   int E_total, int tid, int warp, int lane) {
+__device__ __forceinline__ void producer_warpgroup(const ProducerCtx<S>& p, const TileIds& ids,
+                                                   TileSchedule& sched, int first_tile, int T, int E_total,
+                                                   int tid, int warp, int lane) {
   const KernelArgs& a = p.a;
   const CtaSmem<S>& sm = p.sm;
   sm90::setmaxnreg_dec<kProducerRegs>();
-  if (tid == kProducerThread) {
-    TileSchedule sched;
-    const int first_tile = start_schedule<S>(a, ids, sched);
+  if (tid == kProducerThread)
     producer_thread<S>(p, ids, sched, first_tile);
-  }
   else if (S::kEp && a.ep_overlap && warp >= kPullFirstWarp)
     ep_pull_overlapped<S::BN>(a, sm.sc, p.done1, warp - kPullFirstWarp,
                               kPullWarps);  // step 3, beside the tiles
@@ -1344,42 +1322,52 @@ __device__ __forceinline__ bool build_tables(const KernelArgs& a, const CtaSmem<
   return ep_exchange(a, sm.sc, et, T, a.ep.state[0], S::BN);
 }
 
+// The CTA's place in the tile schedule (thread 0): TileSchedule's balanced list of its
+// unit, then the pool's claims; returns its first tile.
+// NOTE: no weight load goes out before phase 0: with the ring full, the grid barrier's L2
+// round trips waited behind them, and early stages measured slower at few tokens, level
+// above (see docs/performance-history.md).
+template <class S>
+__device__ __forceinline__ int start_schedule(const KernelArgs& a, const TileIds& ids, TileSchedule& sched) {
+  // (no tail pool for pairs: both CTAs of a cluster would have to claim the same tile)
+  // (costs in weight bytes: a GEMM1 tile reads 256 rows x H, a GEMM2 tile 128 x I, a wide
+  // GEMM2 tile 256 x I; a CTA of decode pairs half a GEMM1 tile)
+  const int G = gridDim.x >> S::csh;
+  const int t2 = ids.t2;
+  sched.init(schedule_unit(a, S::csh), G, ids.t1, t2, a.H / 128 * (S::kWide || S::kDecodePair ? 1 : 2),
+             a.I / 128, !a.debug.round_robin,
+             a.debug.round_robin || S::kClusterPairs ? 0 : min(t2, a.tail_pool * int(gridDim.x)));
+  return claim_next_tile<S>(a, sched, ids.tiles());
+}
+
 // Phase 0 on one device: quantize x (1x128 E4M3) and scatter each token to its rows.
-// A warp task is kTaskGroups 128-column groups of one token: lane l takes 16 columns (32
-// bytes) of groups 4j + l / 8 for j < kGroupsPerLane, eight lanes make a group (amax in three
-// shuffles), and each slot row gets one 16-byte store a lane and group. The next task's loads
-// (its x columns and its slot rows) are issued before this task is quantized and stored, so a
-// warp keeps kGroupsPerLane KB of x in flight besides its stores: phase 0 writes nine times
-// the bytes it reads, and with one group a lane it waited on its loads at half the card's
-// bandwidth (docs/performance-history.md, v50).
+// A warp task is 512 columns (four 128-column groups) of one token: each lane loads 16
+// columns (32 bytes), eight lanes make a group (amax in three shuffles), and each slot
+// row gets one 16-byte store a lane. The next task's loads (its x columns and its slot
+// rows) are issued before this task is quantized and stored.
 template <class S>
 __device__ __forceinline__ void phase0_scatter(const KernelArgs& a, const Sched& sc, int T, int warp,
                                                int lane) {
-  constexpr int kGroupsPerLane = 4;
-  constexpr int kTaskGroups = 4 * kGroupsPerLane;  // 32 lanes x 16 columns, kGroupsPerLane times
+  constexpr int kTaskGroups = 4;  // 32 lanes x 16 columns
   const int hb = a.H / 128;
   const int warps_total = gridDim.x * (kThreads / 32);
   const int chunks = (hb + kTaskGroups - 1) / kTaskGroups;
   const int tasks = T * chunks;
   const int slots = a.K + a.has_shared;
-  const int lg = lane / 8;  // this lane's group within each four of the task
+  const int lg = lane / 8;  // this lane's group within the task
   struct Task {
-    int t, g0;  // token; this lane's first group (group j: g0 + 4 j; >= hb: none)
-    uint4 raw[kGroupsPerLane][2];
+    int t, g;  // token; this lane's group (>= hb: none)
+    uint4 raw[2];
     int row;  // this lane's slot row (-1: none)
     float w;  // its routing weight
   };
   auto load_task = [&](int task) {
     Task k;
     k.t = task / chunks;
-    k.g0 = (task - k.t * chunks) * kTaskGroups + lg;
-    const uint4* src = reinterpret_cast<const uint4*>(a.x + size_t(k.t) * a.H + k.g0 * 128 + (lane % 8) * 16);
-#pragma unroll
-    for (int j = 0; j < kGroupsPerLane; ++j) {
-      const bool in = k.g0 + 4 * j < hb;
-      k.raw[j][0] = in ? src[j * 4 * 128 / 8] : make_uint4(0, 0, 0, 0);
-      k.raw[j][1] = in ? src[j * 4 * 128 / 8 + 1] : make_uint4(0, 0, 0, 0);
-    }
+    k.g = (task - k.t * chunks) * kTaskGroups + lg;
+    const uint4* src = reinterpret_cast<const uint4*>(a.x + size_t(k.t) * a.H + k.g * 128 + (lane % 8) * 16);
+    k.raw[0] = k.g < hb ? src[0] : make_uint4(0, 0, 0, 0);
+    k.raw[1] = k.g < hb ? src[1] : make_uint4(0, 0, 0, 0);
     k.row = slot_row<S::kEp>(a, sc, k.t, lane, k.w);
     return k;
   };
@@ -1390,29 +1378,22 @@ __device__ __forceinline__ void phase0_scatter(const KernelArgs& a, const Sched&
     const int next = task + warps_total;
     Task nxt{};
     if (next < tasks) nxt = load_task(next);
-    uint4 q[kGroupsPerLane];
-    float scale[kGroupsPerLane];
-#pragma unroll
-    for (int j = 0; j < kGroupsPerLane; ++j) {
-      const uint32_t raw[8] = {cur.raw[j][0].x, cur.raw[j][0].y, cur.raw[j][0].z, cur.raw[j][0].w,
-                               cur.raw[j][1].x, cur.raw[j][1].y, cur.raw[j][1].z, cur.raw[j][1].w};
-      uint32_t qw[4];
-      quantize_group<8>(raw, qw, scale[j]);
-      q[j] = make_uint4(qw[0], qw[1], qw[2], qw[3]);
-    }
+    const uint32_t raw[8] = {cur.raw[0].x, cur.raw[0].y, cur.raw[0].z, cur.raw[0].w,
+                             cur.raw[1].x, cur.raw[1].y, cur.raw[1].z, cur.raw[1].w};
+    uint32_t qw[4];
+    float scale;
+    quantize_group<8>(raw, qw, scale);
+    const uint4 q = make_uint4(qw[0], qw[1], qw[2], qw[3]);
+    const bool mine = cur.g < hb;
     for (int k = 0; k < slots; ++k) {
       const int r = __shfl_sync(0xffffffffu, cur.row, k);
       const float w = __shfl_sync(0xffffffffu, cur.w, k);
       if (r < 0) continue;
-#pragma unroll
-      for (int j = 0; j < kGroupsPerLane; ++j) {
-        const int g = cur.g0 + 4 * j;
-        if (g < hb) {
-          *reinterpret_cast<uint4*>(a.x_sorted + size_t(r) * a.H + g * 128 + (lane % 8) * 16) = q[j];
-          if (lane % 8 == 0) a.x_sorted_scale[size_t(g) * a.rows_cap + r] = scale[j];
-        }
+      if (mine) {
+        *reinterpret_cast<uint4*>(a.x_sorted + size_t(r) * a.H + cur.g * 128 + (lane % 8) * 16) = q;
+        if (lane % 8 == 0) a.x_sorted_scale[size_t(cur.g) * a.rows_cap + r] = scale;
       }
-      if (lane == 0 && cur.g0 == 0) {
+      if (lane == 0 && cur.g == 0) {
         a.row_weight[r] = w;
         a.row_src[r] = cur.t * slots + k;  // the token's slot in y_rows
       }
@@ -1495,11 +1476,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // The tile schedule (identical in every role).
   const TileIds ids = tile_ids(a, sm.sc, S::sh1, S::sh2);
+  const int tiles = ids.tiles();
   // The producer's stage bytes: weights, tokens and the tokens' scales of its K block (either
   // GEMM); none with kSkipLoads. (Here, before phase 0, as in the one-body kernel: computed in
   // producer_thread they moved ptxas's allocation of the whole kernel.)
   const bool no_loads = a.debug.skip & kSkipLoads;
   const uint32_t stage_tx = no_loads ? 0 : S::kWBytes + S::kXBytes + S::BN * 4;
+  TileSchedule sched;
+  int first_tile = tiles;
+  if (tid == kProducerThread) first_tile = start_schedule<S>(a, ids, sched);
 
   // ---- Phase 0 ----
   if (!kEp)
@@ -1515,8 +1500,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- Producer warpgroup ----
   if (warp < kProducerWarps) {
-    producer_warpgroup<S>(ProducerCtx<S>{a, tm, sm, done1, no_loads, stage_tx, pf}, ids, T, E_total, tid, warp,
-                          lane);
+    producer_warpgroup<S>(ProducerCtx<S>{a, tm, sm, done1, no_loads, stage_tx, pf}, ids, sched, first_tile, T,
+                          E_total, tid, warp, lane);
     return;
   }
 
