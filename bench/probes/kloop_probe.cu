@@ -64,6 +64,9 @@ enum Fold : int {
   kWide2n64 = 7,    // the same for GEMM2 (eight 64 x 64 x 64 chains a stage)
 };
 
+// The folds whose stage holds 256 weight rows (Geo's kWide).
+__host__ __device__ constexpr bool wide_fold(int f) { return f == kWide || f == kWide2 || f == kWide1n64 || f == kWide2n64; }
+
 // What fills a stage.
 enum Loads : int {
   kNoBars = 0,    // nothing: the consumers cycle over the ring without mbarriers
@@ -106,8 +109,7 @@ __global__ void __launch_bounds__(128 * (kNW + 1), 1)
     kloop(const uint8_t* __restrict__ src, size_t src_bytes, const float* __restrict__ wscale, int nstages,
           long long* cycles, float* sink, const __grid_constant__ CUtensorMap wmap,
           const __grid_constant__ CUtensorMap xmap, int wrows, int xrows) {
-  constexpr bool kWideGeo = kFold == kWide || kFold == kWide2 || kFold == kWide1n64 || kFold == kWide2n64;
-  using G = Geo<kNW, kWideGeo>;
+  using G = Geo<kNW, wide_fold(kFold)>;
   constexpr int kStages = G::kStages, kWBytes = G::kWBytes, kXBytes = G::kXBytes,
                 kStageBytes = G::kStageBytes;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -505,10 +507,7 @@ struct Variant2 {
 
 template <int F, int W, int B, int NW = 2, int R = 0, int CL = 1, int X = 0>
 Variant2 make(const char* name, bool hbm = false) {
-  return {name, kloop<F, W, B, NW, R, CL, X>,
-          W,    NW,
-          B,    hbm,
-          CL,   F == kWide || F == kWide2 || F == kWide1n64 || F == kWide2n64};
+  return {name, kloop<F, W, B, NW, R, CL, X>, W, NW, B, hbm, CL, wide_fold(F)};
 }
 
 int main(int argc, char** argv) {

@@ -650,7 +650,7 @@ static int g_route_parts = kRoutePartLogits | kRoutePartTopk;
 
 // route_topk's instantiations, 8 experts a lane up to 256 experts and 16 past them, with
 // their blocks resident on one SM (registers and shared memory): found at plan creation
-// (route_prepare), never inside a graph capture; until then 0 (read as 1).
+// (route_prepare), never inside a graph capture; 0 until then.
 namespace {
 struct TopkKernel {
   void (*fn)(RouteArgs, MoeShape);
@@ -695,7 +695,8 @@ void route_topk(const MoeShape& s, const RouteArgs& a, int host_tokens_hint, int
                 cudaStream_t stream) {
   const TopkKernel& kernel = topk_kernel(s.experts);
   // One wave of resident blocks at most: a warp's later tokens run in its pipeline.
-  const int per_sm = std::max(1, kernel.per_sm.load());
+  const int per_sm = kernel.per_sm.load();
+  MEGAMOE_CHECK(per_sm > 0, "route_topk: launched before route_prepare (plan creation)");
   const int topk_blocks =
       std::max(1, std::min((host_tokens_hint + kTopkWarps - 1) / kTopkWarps, num_sms * per_sm));
   cudaLaunchConfig_t cfg{};

@@ -67,7 +67,8 @@ struct RouteExternalArgs {
 // atomics, so the block needs no grid-wide ordering between zeroing and counting).
 void launch_route_external(const MoeShape& s, const RouteExternalArgs& a, cudaStream_t stream);
 
-// Raises the router kernels' shared-memory limits (once per device, before launches).
+// Raises the router kernels' shared-memory limits and finds route_topk's resident blocks an
+// SM (at plan creation, before any launch).
 void route_prepare();
 
 // programmatic: route_topk starts while route_logits runs (FusedMoeConfig::programmatic_launch);

@@ -453,28 +453,28 @@ class Soak:
         expert only the layer picked scores as the reference's last pick, and one only the
         reference picked as the layer's last), and where they agree weights within 1e-5."""
         c = None
+
+        def near(v, m):
+            return abs(v - m) <= 1e-5 * max(1.0, abs(m))
+
+        def ties_last(t, extra, picks):
+            """Each expert of `extra` that `picks` lacks is a real expert scoring as picks' last."""
+            m = min(float(c[t, j]) for j in picks)
+            return all(0 <= e < self.E and near(float(c[t, e]), m) for e in extra if e not in picks)
+
         for t in range(got_ids.shape[0]):
             gi, wi = got_ids[t].tolist(), want_ids[t].tolist()
-            tie = bad = False
-            for e in gi:
-                if e in wi:
-                    continue
+            tie = any(e not in wi for e in gi)
+            bad = False
+            if tie:
                 if c is None:
                     c = self.selection_scores(x, router, bias)
-                m_want = min(float(c[t, j]) for j in wi)
-                tie = True
-                if not 0 <= e < self.E or abs(float(c[t, e]) - m_want) > 1e-5 * max(1.0, abs(m_want)):
-                    bad = True
-            if tie and not bad:  # ... and each expert it picked that the layer did not scores as the layer's last
-                m_got = min(float(c[t, e]) for e in gi)
-                bad = any(e not in gi and abs(float(c[t, e]) - m_got) > 1e-5 * max(1.0, abs(m_got)) for e in wi)
+                # (the layer's ids first: an id out of range fails there, before it indexes c)
+                bad = not (ties_last(t, gi, wi) and ties_last(t, wi, gi))
             # The weights where the experts agree: after a tie swapped one, the normalized
             # weights of the others differ too (their sum holds the swapped expert's score).
-            if not tie:
-                for k, e in enumerate(gi):
-                    ww = float(want_w[t, wi.index(e)])
-                    if not abs(float(got_w[t, k]) - ww) <= 1e-5 * max(1.0, abs(ww)):
-                        bad = True
+            if not tie:  # (near() is False for a NaN weight)
+                bad = not all(near(float(got_w[t, k]), float(want_w[t, wi.index(e)])) for k, e in enumerate(gi))
             if bad:
                 self.fail(f"{what}: token {t}'s routing differs from the reference beyond ties: ids {gi} "
                           f"weights {got_w[t].tolist()} vs {wi} {want_w[t].tolist()}")
