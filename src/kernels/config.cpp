@@ -99,21 +99,6 @@ bool ep_overlap_for(const ConfigInputs& in) {
   return overlap;
 }
 
-// One device: the routed rows copied beside the tiles (FusedMoeConfig::copy_overlap) from the
-// shared expert's rows, which phase 0 writes; so only with a shared expert, and in forwards
-// that run wide tiles (the one instantiation that carries the copies: in the others' producer
-// warps their registers spilled). The switch turns it off, or on wherever wide tiles run.
-bool copy_overlap_for(const ConfigInputs& in, const FusedMoeConfig& c) {
-  const bool possible = !in.ep_ranks && in.shape.has_shared();
-  const std::optional<bool> forced = in.switches.copy_overlap;
-  if (forced.value_or(false) && !possible)
-    throw std::invalid_argument(fmt::format(
-        "MEGAMOE_COPY_OVERLAP=1: the routed rows are copied from the shared expert's rows, and {}",
-        in.ep_ranks ? "expert parallelism pulls its rows instead (MEGAMOE_EP_OVERLAP)"
-                    : "this shape has no shared expert"));
-  return possible && c.wide_tiles && forced.value_or(kCopyOverlap);
-}
-
 }  // namespace
 
 int resolve_grid(const ConfigInputs& in) {
@@ -168,7 +153,6 @@ FusedMoeConfig resolve_config(const ConfigInputs& in, int tokens) {
   c.decode_pairs = c.decode_pairs && c.block_n <= kDecodePairsMaxBlockN && pairs_ok;
   c.stages = stages_for(c.block_n, c.wide_tiles);
   c.ep_overlap = ep_overlap_for(in);
-  c.copy_overlap = copy_overlap_for(in, c);
   // (clusters keep blockIdx: the hardware places a pair; two CTAs on one SM would take one unit)
   c.sm_units = sm_units_wanted(in) && in.card.sm_unit_table && !c.pair_tiles && !c.decode_pairs &&
                all_tokens <= ov.sm_units_max_tokens.value_or(kSmUnitsMaxTokens) &&
@@ -183,7 +167,6 @@ ConfigInputs with_forward_switches(const ConfigInputs& plan, const Overrides& no
   o.block_n = now.block_n, o.half_tiles = now.half_tiles, o.wide_tiles = now.wide_tiles;
   o.pair_tiles = now.pair_tiles, o.pair_weights = now.pair_weights, o.decode_pairs = now.decode_pairs;
   o.programmatic_launch = now.programmatic_launch, o.read_gbps_per_sm = now.read_gbps_per_sm;
-  o.copy_overlap = now.copy_overlap;
   o.route_tile = now.route_tile;
   o.print_config = now.print_config;
   return in;
@@ -193,12 +176,12 @@ std::string describe(const FusedMoeConfig& c) {
   // (each mechanism under its one name: docs/kernel.md's glossary)
   return fmt::format(
       "block_m={} block_n={} block_k={} stages={} smem={}B num_sms={} read_gbps_per_sm={:.0f} "
-      "router_ksplit={}{}{}{}{}{}{}{}{}{}{}",
+      "router_ksplit={}{}{}{}{}{}{}{}{}{}",
       kBlockM, c.block_n, kBlockK, c.stages, smem_bytes(c.block_n, c.wide_tiles), c.num_sms,
       c.read_gbps_per_sm, c.router_ksplit, c.half_tiles ? " half_tiles" : "",
       c.wide_tiles ? " wide_tiles" : "", c.pair_tiles ? " pair_tiles" : "",
       c.pair_tiles && c.pair_weights ? " pair_weights" : "", c.decode_pairs ? " decode_pairs" : "",
-      c.ep_overlap ? " ep_overlap" : "", c.copy_overlap ? " copy_overlap" : "", c.programmatic_launch ? " programmatic_launch" : "",
+      c.ep_overlap ? " ep_overlap" : "", c.programmatic_launch ? " programmatic_launch" : "",
       c.sm_units ? " sm_units" : "",
       // (the tail pool where it is not kTailPool: kTailPoolWide, or MEGAMOE_TAIL_POOL)
       c.tail_pool != kTailPool ? fmt::format(" tail_pool={}", c.tail_pool) : std::string());

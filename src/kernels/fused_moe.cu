@@ -743,7 +743,6 @@ void forward_impl(const FusedMoePlan* p, const DeviceTensors& t, int host_tokens
   a.sm_units = cfg.sm_units;
   a.tail_pool = cfg.tail_pool;
   a.pair_weights = cfg.pair_weights;  // (pair tiles only: resolve_config)
-  a.copy_overlap = cfg.copy_overlap;
   a.num_tokens = t.num_tokens;
   a.tokens_cap = host_tokens_hint;
   a.x = t.x;

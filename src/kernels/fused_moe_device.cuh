@@ -53,7 +53,6 @@ struct KernelArgs {
   int half_tiles;    // FusedMoeConfig::half_tiles (per forward)
   int pair_weights;  // FusedMoeConfig::pair_weights (per forward; pair tiles only)
   int ep_overlap;    // expert parallelism: the row pull runs beside the tiles (kEpOverlap)
-  int copy_overlap;  // FusedMoeConfig::copy_overlap (per forward; one device): the routed rows' copies too
   const int* num_tokens;
   int tokens_cap;  // the forward's host hint: T = device_token_count(num_tokens, tokens_cap)
   const uint16_t* x;

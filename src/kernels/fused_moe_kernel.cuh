@@ -102,16 +102,16 @@ namespace {  // (this header belongs to fused_moe.cu, its one includer)
 
 // The CTA's roles by thread (kThreads: three warpgroups). Warpgroup 0 is the producer's
 // (kProducerWarps warps): its thread kProducerThread issues every TMA load, kSignalThread
-// publishes finished tiles, warps kRowWarpFirst.. bring the routed rows beside the tiles
-// (ep_overlap: the expert-parallel pull; copy_overlap: one device's copies), and warp kCombineWarp, idle after phase 0, loads the bulk combine's
+// publishes finished tiles, under expert parallelism warps kPullFirstWarp.. pull rows beside
+// the tiles (ep_overlap), and warp kCombineWarp, idle after phase 0, loads the bulk combine's
 // rows; the other two warpgroups consume (kConsumerThreads). At setup, before the roles,
 // kProducerThread initializes the mbarriers and kSignalThread prefetches the tensor maps.
 constexpr int kProducerWarps = 4;
 constexpr int kProducerThread = 0;
 constexpr int kSignalThread = 32;  // (warp 1's lane 0)
-constexpr int kRowWarpFirst = 2, kRowWarps = 2;
+constexpr int kPullFirstWarp = 2, kPullWarps = 2;
 constexpr int kCombineWarp = 3;
-static_assert(kRowWarpFirst + kRowWarps <= kProducerWarps && kCombineWarp < kProducerWarps &&
+static_assert(kPullFirstWarp + kPullWarps <= kProducerWarps && kCombineWarp < kProducerWarps &&
                   kProducerWarps * 32 + kConsumerThreads == kThreads,
               "the roles of a CTA");
 // Named barriers (bar.sync ids; 0 is __syncthreads'): the consumers' own, and the one that
@@ -585,9 +585,9 @@ __device__ __forceinline__ void fill_tile(WTag w_tag, GTag g_tag, const Producer
   const uint32_t weight_tx = stage_tx ? uint32_t(S::kWBytes) : 0u;
   // Stage i of the tile: K block i (of this CTA's half of a decode pair's GEMM1 tile), or
   // for a GEMM1 tile on one-block stages (kHalves) one K block of one half: decode tiles
-  // half 0's K blocks, then half 1's; tokens in M the halves of a K block in turn. (A GEMM2
-  // tile defers its tokens; with the routed rows brought beside the tiles, ep_overlap or
-  // copy_overlap, a routed GEMM1 tile also waits for its rows.)
+  // half 0's K blocks, then half 1's; tokens in M the halves of a K block in turn. (On
+  // one device only a GEMM2 tile defers its tokens, one stage a K block; with the
+  // expert-parallel pull overlapped a routed GEMM1 tile also waits for its rows.)
   constexpr bool kHalves = GTag::value == 1 && !S::kWide && !kDecodePair;
   const int stages = (kHalves ? 2 : 1) * tl.kblocks;
   // Stage i's half and K block.
@@ -613,7 +613,9 @@ __device__ __forceinline__ void fill_tile(WTag w_tag, GTag g_tag, const Producer
         int st = rp.stage - deferred + d;
         if (st < 0) st += kStages;
         if constexpr (kEp) sm90::mbar_arrive_expect_tx(&sm.full_bar[st], stage_tx - weight_tx);
-        issue_tokens<S>(w_tag, g_tag, tm, sm, no_loads, tl, kblock_of(i - deferred + d), st);
+        // (on one device only GEMM2 tiles defer: their stage is their K block)
+        issue_tokens<S>(w_tag, g_tag, tm, sm, no_loads, tl,
+                        kEp ? kblock_of(i - deferred + d) : i - deferred + d, st);
       }
       deferred = 0;
     }
@@ -626,8 +628,8 @@ __device__ __forceinline__ void fill_tile(WTag w_tag, GTag g_tag, const Producer
     // Expert parallelism: a stage arrives with its tokens (below, or when deferred ones
     // go out), so the arrival follows the acquire of their unit's count and the
     // consumers' generic reads of what the pull wrote beside the TMA data (row weights,
-    // sources) are ordered after it. (On one device phase 0 writes those before its grid
-    // barrier, copy_overlap or not: one arrival with every byte.)
+    // sources) are ordered after it. (One device defers only GEMM2 tiles, whose generic
+    // reads phase 0 wrote before its grid barrier: one arrival with every byte.)
     if constexpr (kEp)
       sm90::mbar_expect_tx(&sm.full_bar[stage], weight_tx);
     else
@@ -677,16 +679,14 @@ __device__ __forceinline__ void producer_thread(const ProducerCtx<S>& p, const T
     const int next = claim_next_tile<S>(a, sched, tiles);
     // GEMM2 needs every GEMM1 tile of its (expert, token block).
     // (decode pairs: each CTA publishes its half of a GEMM1 tile)
-    // With the routed rows brought beside the tiles (the expert-parallel pull, or one device's
-    // copies), the unit's done1 counts its rows too (ep_pull_overlapped,
-    // copy_rows_overlapped), so both GEMMs of a routed unit wait for those.
-    const bool rows_beside = (S::kEp ? a.ep_overlap : a.copy_overlap) && tl.e < a.E;
-    int need = tl.gemm == 1 ? 0 : (tl.e == a.E ? a.Is : a.I) / 128 * (S::kDecodePair ? 2 : 1);
-    if (rows_beside) need += tl.rows;
+    // Expert parallelism with the pull overlapped: the unit's done1 counts its pulled rows
+    // first (ep_pull_overlapped), so both GEMMs of a routed unit wait for those too.
+    int need = (tl.e == a.E ? a.Is : a.I) / 128 * (S::kDecodePair ? 2 : 1);
+    if constexpr (S::kEp) need = (tl.gemm == 1 ? 0 : need) + (a.ep_overlap && tl.e < a.E ? tl.rows : 0);
     // (timing only: what the dependency costs, the wait and the acquiring load both)
     if (a.debug.skip & kSkipDeps) need = 0;
     const uint32_t t0 = pf.now();
-    bool ready = need == 0 || sm90::ld_acquire_gpu(&done1[tl.unit]) >= need;
+    bool ready = need == 0 || (!S::kEp && tl.gemm == 1) || sm90::ld_acquire_gpu(&done1[tl.unit]) >= need;
     if (!a.debug.early_weights && !ready) {
       sm90::wait_geq_acquire_gpu(&done1[tl.unit], need);
       ready = true;
@@ -730,51 +730,9 @@ __device__ __forceinline__ void signal_thread(const KernelArgs& a, const CtaSmem
   }
 }
 
-// One device with copy_overlap: phase 0 wrote each token's codes and scales once, into the
-// shared expert's row (row_off[E] + t), and every row's source; warps 2 and 3 of the producer
-// warpgroup copy the routed rows from there while the producer and the consumers run the
-// tiles. As ep_pull_overlapped: the rows in ring order, interleaved over the grid's copy
-// warps (the GEMM1 tiles go in the same expert-major order, so the rows the first tiles need
-// come first), a warp a row, each counted into its unit's done1 counter, which a routed
-// tile's token loads wait for; the writes fenced for the TMA reads and released at gpu scope.
-// A lane's kCopyDepth 16-byte loads go out before its stores (the rows share x_sorted, so the
-// compiler would not move a load past a store).
-template <int BN>
-__device__ __forceinline__ void copy_rows_overlapped(const KernelArgs& a, const Sched& sc, int* done1,
-                                                     int copy_warp, int copy_warps) {
-  constexpr int kCopyDepth = 4;
-  const int lane = threadIdx.x % 32, E = a.E, slots = a.K + 1, n16 = a.H / 16, hb = a.H / 128;
-  const int from0 = sc.row_off[E];  // the shared expert's rows, after the routed ones
-  const size_t pitch = a.rows_cap;  // x_sorted_scale: [group][row]
-  for (int row = blockIdx.x * copy_warps + copy_warp; row < from0; row += gridDim.x * copy_warps) {
-    const int e = largest_le(sc.row_off, 0, E - 1, 1, row);
-    const int j = row - sc.row_off[e];
-    if (j >= sc.cnt[e]) continue;  // (the segment's padding)
-    const int from = from0 + __ldcg(a.row_src + row) / slots;
-    const uint4* src = reinterpret_cast<const uint4*>(a.x_sorted + size_t(from) * a.H);
-    uint4* dst = reinterpret_cast<uint4*>(a.x_sorted + size_t(row) * a.H);
-    for (int c0 = lane; c0 < n16; c0 += kCopyDepth * 32) {
-      uint4 v[kCopyDepth];
-#pragma unroll
-      for (int d = 0; d < kCopyDepth; ++d)
-        if (c0 + 32 * d < n16) v[d] = __ldcg(src + c0 + 32 * d);
-#pragma unroll
-      for (int d = 0; d < kCopyDepth; ++d)
-        if (c0 + 32 * d < n16) dst[c0 + 32 * d] = v[d];
-    }
-#pragma unroll 1
-    for (int g = lane; g < hb; g += 32) a.x_sorted_scale[g * pitch + row] = __ldcg(a.x_sorted_scale + g * pitch + from);
-    // (the warp barrier orders every lane's stores before lane 0's release, as in
-    // ep_pull_overlapped; each lane fences its own stores for the async proxy)
-    sm90::fence_proxy_async_global();
-    __syncwarp();
-    if (lane == 0) sm90::red_release_gpu_add(&done1[sc.unit_off[e] + j / BN], 1);
-  }
-}
-
 // Warpgroup 0 after phase 0: thread 0 the TMA producer, thread 32 the signal thread, with
-// the expert-parallel pull overlapped warps 2-3 the pull, with one device's copies overlapped
-// the copies; then warp kCombineWarp the bulk combine's loads. The other threads leave.
+// the expert-parallel pull overlapped warps 2-3 the pull; then warp kCombineWarp the bulk
+// combine's loads. The other threads leave.
 template <class S>
 __device__ __forceinline__ void producer_warpgroup(const ProducerCtx<S>& p, const TileIds& ids,
                                                    TileSchedule& sched, int first_tile, int T, int E_total,
@@ -784,11 +742,9 @@ __device__ __forceinline__ void producer_warpgroup(const ProducerCtx<S>& p, cons
   sm90::setmaxnreg_dec<kProducerRegs>();
   if (tid == kProducerThread)
     producer_thread<S>(p, ids, sched, first_tile);
-  else if (S::kEp && a.ep_overlap && warp >= kRowWarpFirst)
-    ep_pull_overlapped<S::BN>(a, sm.sc, p.done1, warp - kRowWarpFirst,
-                              kRowWarps);  // step 3, beside the tiles
-  else if (!S::kEp && S::kWide && a.copy_overlap && warp >= kRowWarpFirst)
-    copy_rows_overlapped<S::BN>(a, sm.sc, p.done1, warp - kRowWarpFirst, kRowWarps);
+  else if (S::kEp && a.ep_overlap && warp >= kPullFirstWarp)
+    ep_pull_overlapped<S::BN>(a, sm.sc, p.done1, warp - kPullFirstWarp,
+                              kPullWarps);  // step 3, beside the tiles
   else if (tid == kSignalThread)
     signal_thread<S>(a, sm);
   const CombinePlan cp(a, T, S::kStages * S::kStageBytes, S::kEp);
@@ -1388,9 +1344,7 @@ __device__ __forceinline__ int start_schedule(const KernelArgs& a, const TileIds
 // A warp task is 512 columns (four 128-column groups) of one token: each lane loads 16
 // columns (32 bytes), eight lanes make a group (amax in three shuffles), and each slot
 // row gets one 16-byte store a lane. The next task's loads (its x columns and its slot
-// rows) are issued before this task is quantized and stored. With copy_overlap only the
-// shared expert's row gets the codes and scales (copy_rows_overlapped copies the routed
-// rows from it); every row still gets its weight and source here.
+// rows) are issued before this task is quantized and stored.
 template <class S>
 __device__ __forceinline__ void phase0_scatter(const KernelArgs& a, const Sched& sc, int T, int warp,
                                                int lane) {
@@ -1400,7 +1354,6 @@ __device__ __forceinline__ void phase0_scatter(const KernelArgs& a, const Sched&
   const int chunks = (hb + kTaskGroups - 1) / kTaskGroups;
   const int tasks = T * chunks;
   const int slots = a.K + a.has_shared;
-  const int first_copy = a.copy_overlap ? a.K : 0;  // the slots whose rows get the codes
   const int lg = lane / 8;  // this lane's group within the task
   struct Task {
     int t, g;  // token; this lane's group (>= hb: none)
@@ -1436,7 +1389,7 @@ __device__ __forceinline__ void phase0_scatter(const KernelArgs& a, const Sched&
       const int r = __shfl_sync(0xffffffffu, cur.row, k);
       const float w = __shfl_sync(0xffffffffu, cur.w, k);
       if (r < 0) continue;
-      if (mine && k >= first_copy) {
+      if (mine) {
         *reinterpret_cast<uint4*>(a.x_sorted + size_t(r) * a.H + cur.g * 128 + (lane % 8) * 16) = q;
         if (lane % 8 == 0) a.x_sorted_scale[size_t(cur.g) * a.rows_cap + r] = scale;
       }

@@ -131,12 +131,6 @@ constexpr bool kWideTiles = true;
 // virtual ranks it helped large batches and hurt small ones). (docs/performance-history.md, "Expert
 // parallelism")
 constexpr bool kEpOverlap = false;
-// One device, the routed rows copied beside the tiles (FusedMoeConfig::copy_overlap): phase 0
-// quantizes each token once, into the shared expert's rows, and warps 2-3 of the producer
-// warpgroup copy the routed rows from there in the GEMM1 tiles' order, as the overlapped pull
-// does under expert parallelism; phase 0 was ~5 % of a prefill layer, its copies' bytes most
-// of it. With wide tiles (prefill) only. (docs/performance-history.md, "Phase 0 beside the tiles")
-constexpr bool kCopyOverlap = true;
 // Expert parallelism with wide tiles (kWideTiles) where one device takes them: faster at
 // prefill sizes a rank (virtual ranks), the bytes equal.
 constexpr bool kEpWideTiles = true;

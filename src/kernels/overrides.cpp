@@ -92,7 +92,6 @@ Overrides Overrides::parse(const std::function<const char*(const char*)>& get) {
       bad_value("MEGAMOE_READ_GBPS_PER_SM", "a number of GB/s per SM > 0", v);
     o.read_gbps_per_sm = g;
   }
-  o.copy_overlap = flag("MEGAMOE_COPY_OVERLAP");
 
   o.num_sms = count("MEGAMOE_NUM_SMS", 1, 1 << 20, "an SM count >= 1");
   o.sm_units = flag("MEGAMOE_SM_UNITS");
@@ -161,7 +160,6 @@ std::string Overrides::describe() const {
   add_flag("MEGAMOE_DECODE_PAIRS", decode_pairs);
   add_flag("MEGAMOE_PROGRAMMATIC_LAUNCH", programmatic_launch);
   add("MEGAMOE_READ_GBPS_PER_SM", read_gbps_per_sm);
-  add_flag("MEGAMOE_COPY_OVERLAP", copy_overlap);
   add("MEGAMOE_NUM_SMS", num_sms);
   add_flag("MEGAMOE_SM_UNITS", sm_units);
   add("MEGAMOE_SM_UNITS_MAX_TOKENS", sm_units_max_tokens);

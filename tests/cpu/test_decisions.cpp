@@ -131,8 +131,6 @@ TEST(Decisions, TableKeepsTheRules) {
           if (t == 16384 && !ranks) {
             EXPECT_EQ(cfg.block_n, 128) << at;
           }
-          // The routed rows' copies beside the tiles: one device, a shared expert, wide tiles.
-          EXPECT_EQ(cfg.copy_overlap, !ranks && p.shape.has_shared() && cfg.wide_tiles) << at;
         }
       }
     }
@@ -171,34 +169,6 @@ TEST(Decisions, PureOfItsInputs) {
   EXPECT_EQ(d.unit_stride, 1);
   in.switches.unit_stride = 2;
   EXPECT_THROW(resolve_debug(in), std::invalid_argument);
-}
-
-// The routed rows copied beside the tiles (copy_overlap): on by the rule with wide tiles, off
-// below them; MEGAMOE_COPY_OVERLAP=0 turns it off, =1 keeps it to the forwards with wide tiles
-// and is refused where it cannot run at all (no shared expert to copy from; expert parallelism,
-// whose rows are pulled).
-TEST(Decisions, CopyOverlapWhereItCan) {
-  ConfigInputs in;
-  in.shape = find_preset("glm-5").shape;
-  in.card = kCards[0].card;
-  EXPECT_TRUE(resolve_config(in, 16384).copy_overlap);
-  EXPECT_NE(describe(resolve_config(in, 16384)).find(" copy_overlap"), std::string::npos);
-  EXPECT_FALSE(resolve_config(in, 1).copy_overlap);
-  in.switches.copy_overlap = false;
-  EXPECT_FALSE(resolve_config(in, 16384).copy_overlap);
-  in.switches.copy_overlap = true;
-  EXPECT_TRUE(resolve_config(in, 16384).copy_overlap);
-  EXPECT_FALSE(resolve_config(in, 1).copy_overlap);  // (no wide tiles at one token)
-  in.switches.wide_tiles = false;
-  EXPECT_FALSE(resolve_config(in, 16384).copy_overlap);
-  in.switches.wide_tiles.reset();
-  ConfigInputs ep = in;
-  ep.ep_ranks = 8;
-  EXPECT_THROW(resolve_config(ep, 16384), std::invalid_argument);
-  in.shape.shared_experts = 0;
-  EXPECT_THROW(resolve_config(in, 16384), std::invalid_argument);
-  in.switches.copy_overlap.reset();
-  EXPECT_FALSE(resolve_config(in, 16384).copy_overlap);
 }
 
 }  // namespace

@@ -33,7 +33,7 @@ TEST(Overrides, NothingSetLeavesEveryChoiceToTheRule) {
   EXPECT_FALSE(o.block_n || o.half_tiles || o.wide_tiles || o.pair_tiles || o.pair_weights ||
                o.decode_pairs || o.programmatic_launch || o.read_gbps_per_sm || o.num_sms || o.sm_units ||
                o.sm_units_max_tokens || o.unit_stride || o.unit_turn || o.tail_pool || o.ep_wide_tiles ||
-               o.ep_overlap || o.copy_overlap || o.route_tile || o.round_robin || o.early_weights || o.nccl_lib ||
+               o.ep_overlap || o.route_tile || o.round_robin || o.early_weights || o.nccl_lib ||
                o.virtual_env || o.conda_prefix);
   EXPECT_EQ(o.debug_stop, 0);
   EXPECT_EQ(o.debug_skip, 0);
@@ -50,7 +50,6 @@ TEST(Overrides, EverySwitchParses) {
                                  {"MEGAMOE_DECODE_PAIRS", "0"},
                                  {"MEGAMOE_PROGRAMMATIC_LAUNCH", "1"},
                                  {"MEGAMOE_READ_GBPS_PER_SM", "36.5"},
-                                 {"MEGAMOE_COPY_OVERLAP", "0"},
                                  {"MEGAMOE_NUM_SMS", "66"},
                                  {"MEGAMOE_SM_UNITS", "0"},
                                  {"MEGAMOE_SM_UNITS_MAX_TOKENS", "16384"},
@@ -76,7 +75,6 @@ TEST(Overrides, EverySwitchParses) {
   EXPECT_EQ(o.decode_pairs, false);
   EXPECT_EQ(o.programmatic_launch, true);
   EXPECT_EQ(o.read_gbps_per_sm, 36.5);
-  EXPECT_EQ(o.copy_overlap, false);
   EXPECT_EQ(o.num_sms, 66);
   EXPECT_EQ(o.sm_units, false);
   EXPECT_EQ(o.sm_units_max_tokens, 16384);
@@ -96,7 +94,7 @@ TEST(Overrides, EverySwitchParses) {
   EXPECT_FALSE(o.conda_prefix);  // (empty: unset)
   // describe() names every set switch as it is spelled in the environment.
   const std::string d = o.describe();
-  for (const char* part : {"MEGAMOE_BLOCK_N=48", "MEGAMOE_WIDE_TILES=1", "MEGAMOE_COPY_OVERLAP=0", "MEGAMOE_PROGRAMMATIC_LAUNCH=1",
+  for (const char* part : {"MEGAMOE_BLOCK_N=48", "MEGAMOE_WIDE_TILES=1", "MEGAMOE_PROGRAMMATIC_LAUNCH=1",
                            "MEGAMOE_ROUTE_TILE=wide", "MEGAMOE_DEBUG_SKIP=13", "MEGAMOE_EARLY_WEIGHTS=0",
                            "MEGAMOE_NCCL_LIB=/opt/nccl/lib/libnccl.so.2"})
     EXPECT_NE(d.find(part), std::string::npos) << part << " not in " << d;

@@ -276,28 +276,6 @@ TEST_F(FusedMoe, WideTilesSmall) {
   check_against_reference(few, 300, 503);
 }
 
-TEST_F(FusedMoe, CopiesBesideTheTiles) {
-  // copy_overlap (the rule's choice with wide tiles): phase 0 writes each token's codes once,
-  // into the shared expert's row, and two producer warps copy the routed rows from there while
-  // the tiles run, each routed tile's token loads waiting for its rows. On and off, against
-  // the reference, where an expert's rows take one to five token blocks; H = 1280 leaves a
-  // lane's last copy round partial (80 16-byte pieces a row).
-  MoeShape odd_row = reduced_shape();
-  odd_row.hidden = 1280;
-  ov.block_n = 128, ov.wide_tiles = true;
-  for (const bool on : {true, false}) {
-    ov.copy_overlap = on;
-    set();
-    const TestCase tc = make_case(reduced_shape(), 710, 300, 4096);
-    for (const int T : {300, 4096}) {
-      const std::string cfg = tc.layer->config_for(T);
-      EXPECT_EQ(cfg.find(" copy_overlap") != std::string::npos, on) << T << ": " << cfg;
-    }
-    for (const int T : {300, 1500, 4096}) check_against_reference(reduced_shape(), T, 711 + T + on);
-    check_against_reference(odd_row, 2000, 712 + on);
-  }
-}
-
 TEST_F(FusedMoe, WideTilesWhereHalfTilesAreOff) {
   // The heuristic's choice (reduced shape: T / 8 rows an expert on average): wide tiles (four
   // stages) above 96 rows, where half tiles stop; below, from 60 rows (32 experts: heuristics.h

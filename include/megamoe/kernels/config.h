@@ -34,11 +34,6 @@ struct FusedMoeConfig {
   // Expert parallelism: the rank's row pull runs beside its tiles (a property of the plan,
   // reported here with the rest).
   bool ep_overlap = false;
-  // One device: phase 0 writes each token's quantized row once (the shared expert's row) and
-  // two producer warps copy the routed rows from there beside the tiles, each tile's token
-  // loads waiting for its rows, instead of phase 0 writing every row before the first tile.
-  // With wide tiles and a shared expert (resolve_config).
-  bool copy_overlap = false;
   // route_topk and the fused kernel launched as programmatic dependents of the kernel before
   // them: their CTAs start while it runs and wait for its end before reading its outputs.
   bool programmatic_launch = false;

@@ -24,7 +24,6 @@ struct Overrides {
   std::optional<bool> decode_pairs;         // MEGAMOE_DECODE_PAIRS=0|1 (block_n 8 and 16 only)
   std::optional<bool> programmatic_launch;  // MEGAMOE_PROGRAMMATIC_LAUNCH=0|1 (alias MEGAMOE_PDL)
   std::optional<double> read_gbps_per_sm;   // MEGAMOE_READ_GBPS_PER_SM: the card's figure, > 0
-  std::optional<bool> copy_overlap;         // MEGAMOE_COPY_OVERLAP=0|1 (one device, a shared expert)
 
   // ---- the plan (read when a layer is made); all keep the output bytes ----
   std::optional<int> num_sms;              // MEGAMOE_NUM_SMS: a smaller persistent grid, >= 1
