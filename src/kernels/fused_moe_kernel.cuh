@@ -252,7 +252,6 @@ struct CtaSmem {
   uint64_t* comb_full;
   uint64_t* comb_empty;
   uint32_t* comb_mask;
-  int* comb_unit;  // the unit a combine stage holds (-1: the combine's end)
   Sched sc;
   float* red;            // [8 warps][BN]
   float* tok_inv_scale;  // [BN]
@@ -274,7 +273,6 @@ struct CtaSmem {
     comb_full = reinterpret_cast<uint64_t*>(tail + SmemTail::kCombFull);
     comb_empty = reinterpret_cast<uint64_t*>(tail + SmemTail::kCombEmpty);
     comb_mask = reinterpret_cast<uint32_t*>(tail + SmemTail::kCombMask);
-    comb_unit = reinterpret_cast<int*>(tail + SmemTail::kCombUnit);
     int* tables = reinterpret_cast<int*>(tail + SmemTail::kTables);
     sc = Sched{tables, tables + (kMaxExpertsTotal + 1), tables + 2 * (kMaxExpertsTotal + 1)};
     red = reinterpret_cast<float*>(tail + SmemTail::kRed);
@@ -315,38 +313,16 @@ __device__ __forceinline__ void combine_load_rows(const KernelArgs& a, const Cta
     if (u >= cp.units || lane >= cp.slots) return false;
     return lane >= a.K || __ldcg(a.topk_ids + cp.token(u) * a.K + lane) >= 0;
   };
-  // The CTA's units: dealt rounds (u = blockIdx.x + i G), then the pool's, claimed
-  // kCombinePoolChunk at a time from a counter (as phase0_scatter's tasks: where the CTA has two
-  // rounds or more), the next claim a chunk ahead; each stage carries its unit to the consumers.
-  const int G = gridDim.x, rounds = cp.units / G;
-  const int dealt = rounds >= 2 ? max(1, rounds * (kCombinePoolDen - 1) / kCombinePoolDen) : 1 << 30;
-  const int pool0 = rounds >= 2 ? dealt * G : cp.units;
-  auto claim = [&] {
-    int c = 0;
-    if (lane == 0) c = atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterCombine], kCombinePoolChunk);
-    return pool0 + __shfl_sync(0xffffffffu, c, 0);
-  };
-  int ahead = pool0 < cp.units ? claim() : cp.units, left = 0;
-  auto next_unit = [&](int u, int i) {  // the unit after u, this CTA's i-th
-    if (i + 1 < dealt) return u + G;
-    if (left > 1) return --left, u + 1;
-    const int n = ahead;
-    left = kCombinePoolChunk;
-    if (ahead < cp.units) ahead = claim();
-    return n;
-  };
-  int u = blockIdx.x, i = 0;
-  bool valid_next = has_row(u);
-  for (; u < cp.units; ++i) {
+  bool valid_next = has_row(blockIdx.x);
+  int i = 0;
+  for (int u = blockIdx.x; u < cp.units; u += gridDim.x, ++i) {
     const uint32_t mask = __ballot_sync(0xffffffffu, valid_next);
-    const int un = next_unit(u, i);
-    valid_next = has_row(un);
+    valid_next = has_row(u + gridDim.x);
     if (lane == 0) {
       const int s = cp.stage(i), c0 = cp.col0(u);
       const uint32_t bytes = uint32_t(min(kCombineCols, a.H - c0)) * 2;
       sm90::mbar_wait(&sm.comb_empty[s], cp.parity(i) ^ 1);
       sm.comb_mask[s] = mask;  // published by the full barrier's completion
-      sm.comb_unit[s] = u;
       sm90::mbar_arrive_expect_tx(&sm.comb_full[s], __popc(mask) * bytes);
       uint8_t* dst = sm.ring + s * cp.stage_bytes;
       const uint16_t* src = a.y_rows + size_t(cp.token(u)) * cp.slots * a.H + c0;
@@ -354,13 +330,6 @@ __device__ __forceinline__ void combine_load_rows(const KernelArgs& a, const Cta
         if ((mask >> k) & 1)
           sm90::bulk_load(dst + k * (kCombineCols * 2), src + size_t(k) * a.H, bytes, &sm.comb_full[s]);
     }
-    u = un;
-  }
-  if (lane == 0) {  // the end: a stage without a unit
-    const int s = cp.stage(i);
-    sm90::mbar_wait(&sm.comb_empty[s], cp.parity(i) ^ 1);
-    sm.comb_unit[s] = -1;
-    sm90::mbar_arrive(&sm.comb_full[s]);
   }
 }
 
@@ -378,14 +347,11 @@ __device__ __forceinline__ void combine_bulk(const KernelArgs& a, const CtaSmem<
   // combine's first stage.)
   sm90::fence_proxy_async_shared();
   sm90::named_barrier(kCombineRingBarrier, kConsumerThreads + 32);
-  // The units as combine_load_rows takes them, each in its stage's record, until a stage
-  // without one.
-  for (int i = 0;; ++i) {
+  int i = 0;
+  for (int u = blockIdx.x; u < cp.units; u += gridDim.x, ++i) {
     const int s = cp.stage(i);
     sm90::mbar_wait(&sm.comb_full[s], cp.parity(i));
     if (i == 0) pf.add(kPfDone2, t_comb);  // the first unit waited for every GEMM2 tile too
-    const int u = sm.comb_unit[s];
-    if (u < 0) break;
     const uint32_t mask = sm.comb_mask[s];
     const int t = cp.token(u);
     const int col = cp.col0(u) + ctid * 8;
@@ -1378,11 +1344,7 @@ __device__ __forceinline__ int start_schedule(const KernelArgs& a, const TileIds
 // A warp task is 512 columns (four 128-column groups) of one token: each lane loads 16
 // columns (32 bytes), eight lanes make a group (amax in three shuffles), and each slot
 // row gets one 16-byte store a lane. The next task's loads (its x columns and its slot
-// rows) are issued before this task is quantized and stored. A warp's first tasks are
-// dealt round-robin (task w, w + warps, ...); the last rounds' tasks are a pool that warps
-// claim from a counter, kPhase0PoolChunk at a time, so the SMs that stream faster take more
-// of them and the CTAs reach the grid barrier together (dealt to the end, they arrived over a
-// quarter of phase 0).
+// rows) are issued before this task is quantized and stored.
 template <class S>
 __device__ __forceinline__ void phase0_scatter(const KernelArgs& a, const Sched& sc, int T, int warp,
                                                int lane) {
@@ -1409,31 +1371,11 @@ __device__ __forceinline__ void phase0_scatter(const KernelArgs& a, const Sched&
     k.row = slot_row<S::kEp>(a, sc, k.t, lane, k.w);
     return k;
   };
-  // Dealt rounds, then the pool's claims, where every warp has two rounds or more (at decode
-  // sizes the claims on one counter would cost more than the balance). The next claim goes
-  // out a chunk ahead, so its round trip overlaps a chunk's tasks.
-  const int rounds = tasks / warps_total;
-  const int dealt_rounds = rounds >= 2 ? max(1, rounds * (kPhase0PoolDen - 1) / kPhase0PoolDen) : 1 << 30;
-  const int pool0 = rounds >= 2 ? dealt_rounds * warps_total : tasks;
-  auto claim = [&] {
-    int c = 0;
-    if (lane == 0) c = atomicAdd(&a.counters[MoeWorkspaceLayout::kCounterPhase0], kPhase0PoolChunk);
-    return pool0 + __shfl_sync(0xffffffffu, c, 0);
-  };
-  int task = blockIdx.x * (kThreads / 32) + warp, round = 0, left = 0;
-  int ahead = pool0 < tasks ? claim() : tasks;  // the claimed chunk after the current one
+  int task = blockIdx.x * (kThreads / 32) + warp;
   Task cur{};
   if (task < tasks) cur = load_task(task);
-  while (task < tasks) {
-    int next;
-    if (++round < dealt_rounds) {
-      next = task + warps_total;
-    } else if (left > 1) {
-      next = task + 1, --left;
-    } else {
-      next = ahead, left = kPhase0PoolChunk;
-      if (ahead < tasks) ahead = claim();
-    }
+  for (; task < tasks; task += warps_total) {
+    const int next = task + warps_total;
     Task nxt{};
     if (next < tasks) nxt = load_task(next);
     const uint32_t raw[8] = {cur.raw[0].x, cur.raw[0].y, cur.raw[0].z, cur.raw[0].w,
@@ -1457,7 +1399,6 @@ __device__ __forceinline__ void phase0_scatter(const KernelArgs& a, const Sched&
       }
     }
     cur = nxt;
-    task = next;
   }
 }
 

@@ -45,16 +45,6 @@ constexpr int kTileSlots = 4;
 constexpr int kTailPool = 4;
 constexpr int kTailPoolWide = 16;
 constexpr int tail_pool_for(bool wide_tiles) { return wide_tiles ? kTailPoolWide : kTailPool; }
-// Phase 0's pool (phase0_scatter): the last 1 / kPhase0PoolDen of the rounds of warp tasks
-// (where a warp has two or more) are claimed kPhase0PoolChunk at a time instead of dealt, so the
-// CTAs reach the grid barrier together: dealt to the end, they arrived over a quarter of
-// phase 0 at 16384 tokens (the SMs' share of DRAM bandwidth differs).
-// (docs/performance-history.md, "Phase 0 and the combine in pools")
-constexpr int kPhase0PoolDen = 4;
-constexpr int kPhase0PoolChunk = 4;
-// The bulk combine's pool (combine_load_rows), the same rule for its units.
-constexpr int kCombinePoolDen = 4;
-constexpr int kCombinePoolChunk = 4;
 // Tile order inside an expert: output blocks major, its token blocks minor, in chunks of
 // kTokenChunk token blocks (decode_tile in fused_moe_device.cuh). One chunk's tokens stay in L2
 // while the chunk walks the output blocks; a weight block is read once a chunk (one chunk for
@@ -209,8 +199,7 @@ struct SmemTail {
   static constexpr int kCombFull = kStageTile + 16 * 8 * 4;          // uint64 [kCombineStages]
   static constexpr int kCombEmpty = kCombFull + kCombineStages * 8;  // uint64 [kCombineStages]
   static constexpr int kCombMask = kCombEmpty + kCombineStages * 8;  // int [kCombineStages]: slots loaded
-  static constexpr int kCombUnit = kCombMask + kCombineStages * 4;   // int [kCombineStages]: its unit (-1: none)
-  static constexpr int kTables = kCombUnit + kCombineStages * 4;     // int [3][kMaxExpertsTotal + 1]
+  static constexpr int kTables = kCombMask + kCombineStages * 4;     // int [3][kMaxExpertsTotal + 1]
   static constexpr int kRed = kTables + 3 * (kMaxExpertsTotal + 1) * 4;  // float [8 warps][block_n]
   // float [block_n]: a decode GEMM1 tile's reciprocal token scales
   static constexpr int inv_scales(int block_n) { return kRed + 8 * block_n * 4; }

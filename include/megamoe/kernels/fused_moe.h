@@ -42,15 +42,12 @@ namespace megamoe::kernels {
 // regions live in one device allocation; `counters` is zeroed per forward.
 struct MoeWorkspaceLayout {
   // counters (int32): [0] grid barrier, [1] GEMM2 tiles done, [2] pool tiles claimed,
-  // [3] phase 0's pool tasks claimed, [4] the combine's pool units claimed,
-  // [5, 5 + E_total) rows per expert (E_total = E + shared), then one GEMM1-done
+  // [3, 3 + E_total) rows per expert (E_total = E + shared), then one GEMM1-done
   // counter per (expert, token block) unit.
   static constexpr int kCounterBarrier = 0;
   static constexpr int kCounterDone2 = 1;
   static constexpr int kCounterPool = 2;
-  static constexpr int kCounterPhase0 = 3;
-  static constexpr int kCounterCombine = 4;
-  static constexpr int kCounterExperts = 5;
+  static constexpr int kCounterExperts = 3;
 
   int max_tokens = 0;       // per rank under expert parallelism
   int ep_ranks = 0;         // 0: all experts here; R >= 1: this rank owns E/R experts
